@@ -1,0 +1,12 @@
+"""epcomm: expert-parallel dispatch/combine for Mixture-of-Experts models (DeepEP's EPBuffer API, in Python)."""
+
+import torch
+
+from ._version import __version__
+from .buffer import EPBuffer
+from .events import EventHandle, EventOverlap
+from .handle import EPHandle
+
+topk_idx_t = torch.int64
+
+__all__ = ["EPBuffer", "EPHandle", "EventHandle", "EventOverlap", "__version__", "topk_idx_t"]

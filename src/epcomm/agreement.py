@@ -1,0 +1,90 @@
+"""The call header that rides with the count exchange, so that every rank raises together.
+
+Each rank sends every peer one int64 row: `[status, call_id, signature..., count]`. `status` is 0, or the code
+of the exception the rank's own checks raised; the signature names what all ranks must agree on (operation,
+hidden, top-k, dtype, experts, layout, alignment, FP8, ...). After the exchange every rank sees every header
+and raises the same exception class, naming the offending group rank (DESIGN.md "Errors and timeouts").
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+STATUS_OK, STATUS_TYPE, STATUS_VALUE = 0, 1, 2
+_EXC = {STATUS_TYPE: TypeError, STATUS_VALUE: ValueError}
+_STATUS = {TypeError: STATUS_TYPE, ValueError: STATUS_VALUE}
+
+OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
+SIGNATURE_FIELDS = (
+    "op", "hidden", "num_topk", "dtype", "num_experts", "do_expand", "expert_alignment", "fp8",
+    "num_sf_packs", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync",
+)
+HEADER_LEN = 2 + len(SIGNATURE_FIELDS)
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4, torch.float8_e4m3fn: 5}
+_DTYPE_NAMES = {v: str(k) for k, v in _DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: Optional[torch.dtype]) -> int:
+    return _DTYPE_CODES.get(dtype, 0)
+
+
+def status_of(err: Optional[BaseException]) -> int:
+    if err is None:
+        return STATUS_OK
+    return _STATUS.get(type(err), STATUS_VALUE)
+
+
+def header(status: int, call_id: int, signature: dict) -> list:
+    return [status, call_id] + [int(signature.get(k, 0)) for k in SIGNATURE_FIELDS]
+
+
+def pack(header_row: list, counts_R: Optional[Tensor], num_ranks: int, device: torch.device) -> Tensor:
+    """[R, HEADER_LEN + 1] int64: the header to every peer, plus the per-peer count (0 when None)."""
+    send = torch.empty(num_ranks, HEADER_LEN + 1, dtype=torch.int64, device=device)
+    send[:, :HEADER_LEN] = torch.tensor(header_row, dtype=torch.int64, device=device)
+    if counts_R is None:
+        send[:, HEADER_LEN] = 0
+    else:
+        send[:, HEADER_LEN] = counts_R
+    return send
+
+
+def check(
+    call: str, rank: int, recv_RC: list, local_error: Optional[BaseException], gather_messages: Callable[[str], list]
+) -> None:
+    """Raise on every rank if any rank failed its checks or the ranks disagree about the call.
+
+    Args:
+        recv_RC: the received headers as host lists, row s from group rank s.
+        local_error: this rank's own check failure, or None.
+        gather_messages: all-gathers one string per rank (only called when some rank failed).
+    """
+    failed = [s for s, row in enumerate(recv_RC) if row[0] != STATUS_OK]
+    if failed:
+        messages = gather_messages(str(local_error) if local_error is not None else "")
+        if local_error is not None:
+            raise local_error
+        first = failed[0]
+        exc = _EXC.get(recv_RC[first][0], ValueError)
+        raise exc(f"{call}: rank {rank}: group rank {first} rejected the call: {messages[first]}")
+    calls = [row[1] for row in recv_RC]
+    if len(set(calls)) > 1:
+        ops = [OPS.get(row[2], "?") for row in recv_RC]
+        desc = ", ".join(f"rank {s}: call #{c} ({o})" for s, (c, o) in enumerate(zip(calls, ops)))
+        raise ValueError(f"{call}: rank {rank}: ranks are at different calls on this buffer ({desc}); every rank "
+                         "must make the same dispatch/combine calls in the same order")
+    for i, name in enumerate(SIGNATURE_FIELDS):
+        values = [row[2 + i] for row in recv_RC]
+        if len(set(values)) > 1:
+            if name == "op":
+                shown = [OPS.get(v, "?") for v in values]
+            elif name == "dtype":
+                shown = [_DTYPE_NAMES.get(v, "?") for v in values]
+            else:
+                shown = values
+            desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
+            raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must pass the "
+                             f"same {name}")

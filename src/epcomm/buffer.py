@@ -1,0 +1,672 @@
+"""`EPBuffer`: DeepEP's expert-parallel buffer API on any process group (DeepEP V2.5 EPBuffer behaviour, §7-11).
+
+The buffer resolves and validates arguments, runs the stream/event protocol, and drives the data path of
+`pipeline.py` (layout -> transport -> epilogue). It lives on one device, fixed at construction from the group's
+backend: CPU with gloo, the current CUDA device with NCCL (DESIGN.md decision 2).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import warnings
+import zlib
+from contextlib import contextmanager
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import agreement, debug, pipeline, sizing
+from .events import EventHandle, EventOverlap
+from .handle import EPHandle
+from .transport import resolve_transport
+from .validate import Checker, check_capacity, check_event_options, check_topk_idx, check_topk_values, check_x
+from .validate import weights_dtype
+
+DEFAULT_DTYPE = torch.bfloat16
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class EPBuffer:
+    """Expert-parallel dispatch/combine buffer for one process group (collective: every rank constructs it).
+
+    Args:
+        group: the EP process group; None for the default (world) group. Messages use group ranks.
+        num_bytes: capacity in bytes, a positive multiple of 2 MiB; None to size it from the MoE shape below
+            with `get_buffer_size_hint`.
+        num_max_tokens_per_rank: default capacity `N` of later calls (tokens per rank); with `num_bytes=None`
+            it must be > 0.
+        hidden: hidden size used for sizing (with `num_bytes=None`, must be > 0).
+        num_topk: top-k used for sizing; 0 sizes for 32.
+        use_fp8_dispatch: size dispatch records for FP8 data + scales.
+        lb_allocation_plan_or_num_bytes: bytes of the load-balancing region, a multiple of 2 MiB (>= 0).
+        deterministic: accepted; epcomm is always deterministic (DESIGN.md decision 4).
+        allow_hybrid_mode: accepted; epcomm reports one logical domain `(1, world)`.
+        allow_multiple_reduction: expand-layout combine sums each rank's rows before sending them back
+            (default); False sends every row back and reduces once at the origin.
+        prefer_overlap_with_compute: input of the SM-count model (`get_theoretical_num_sms`).
+        sl_idx: RDMA service level; accepted, no effect (no RDMA layer).
+        num_allocated_qps: accepted for API compatibility (0 = automatic); `num_qps` of calls must not exceed it.
+        num_cpu_timeout_secs: bound on every host wait for peers; a peer that does not arrive raises
+            `TimeoutError` naming the missing group ranks. Default 300.
+        num_gpu_timeout_secs: bound on device-side waits of GPU transports. Default 100.
+        explicitly_destroy: warn at garbage collection when `destroy()` was not called.
+        transport: "auto" (fastest that applies) or a name ("collective"). epcomm keyword.
+        dtype: element type the buffer is sized for (default bf16, the reference's); a larger dtype needs
+            more bytes. epcomm keyword.
+
+    Raises:
+        ValueError: bad sizes, a transport that cannot run here.
+        TimeoutError: a peer did not construct its buffer within `num_cpu_timeout_secs`.
+    """
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        num_bytes: Optional[int] = None,
+        num_max_tokens_per_rank: int = 0,
+        hidden: int = 0,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        lb_allocation_plan_or_num_bytes: int = 0,
+        deterministic: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+        prefer_overlap_with_compute: bool = True,
+        sl_idx: Optional[int] = None,
+        num_allocated_qps: int = 0,
+        num_cpu_timeout_secs: float = 300,
+        num_gpu_timeout_secs: float = 100,
+        explicitly_destroy: bool = False,
+        *,
+        transport: str = "auto",
+        dtype: torch.dtype = DEFAULT_DTYPE,
+    ):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank_idx = self.rank = self.group.rank()
+        self.num_ranks = self.group.size()
+        self.device = _group_device(self.group)
+        self.deterministic = deterministic
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.sl_idx = sl_idx
+        self.num_cpu_timeout_secs = num_cpu_timeout_secs
+        self.num_gpu_timeout_secs = num_gpu_timeout_secs
+        self.explicitly_destroy = explicitly_destroy
+        self.dtype = dtype
+        c = Checker("EPBuffer", self.rank, self.device)
+        if num_bytes is None:
+            c.require(num_max_tokens_per_rank > 0 and hidden > 0,
+                      f"num_bytes=None sizes the buffer from the MoE shape: num_max_tokens_per_rank (got "
+                      f"{num_max_tokens_per_rank}) and hidden (got {hidden}) must be > 0")
+            num_bytes = self.get_buffer_size_hint(self.group, num_max_tokens_per_rank, hidden, num_topk,
+                                                  use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
+                                                  dtype=dtype)
+        c.require(isinstance(num_bytes, int) and num_bytes > 0 and num_bytes % sizing.ALLOCATION_ALIGNMENT == 0,
+                  f"num_bytes must be a positive multiple of 2 MiB ({sizing.ALLOCATION_ALIGNMENT}), got {num_bytes}")
+        if not isinstance(lb_allocation_plan_or_num_bytes, int):
+            c.fail(TypeError, "lb_allocation_plan_or_num_bytes: allocation plans are not supported yet; pass a byte "
+                              f"count (got {type(lb_allocation_plan_or_num_bytes).__name__})")
+        c.require(lb_allocation_plan_or_num_bytes >= 0
+                  and lb_allocation_plan_or_num_bytes % sizing.ALLOCATION_ALIGNMENT == 0,
+                  f"lb_allocation_plan_or_num_bytes must be a multiple of 2 MiB >= 0, got "
+                  f"{lb_allocation_plan_or_num_bytes}")
+        self.num_bytes = num_bytes
+        self.num_lb_bytes = lb_allocation_plan_or_num_bytes
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
+        transport_cls = resolve_transport(transport, self.device)
+        self.transport = transport_cls(self.group, self.device, num_cpu_timeout_secs, uid=0)
+        # Collective construction: agree on a buffer id and learn which ranks share a host.
+        self.uid, hosts = self._rendezvous()
+        self.transport.uid = self.uid
+        self.num_nvlink_ranks = sum(1 for h in hosts if h == hosts[self.rank])
+        self.num_rdma_ranks = self.num_ranks // self.num_nvlink_ranks if self.num_ranks % self.num_nvlink_ranks == 0 \
+            else self.num_ranks
+        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
+        self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
+        self._call_id = 0
+        self._destroyed = False
+        self._broken: Optional[str] = None
+        self._warned: set = set()
+        self._num_sms_cache: dict = {}
+        debug.log(f"EPBuffer rank {self.rank}/{self.num_ranks} on {self.device}: transport={self.transport.name}, "
+                  f"num_bytes={num_bytes}, num_max_tokens_per_rank={num_max_tokens_per_rank}, dtype={dtype}")
+
+    # -- construction helpers ------------------------------------------------------------------------
+    def _rendezvous(self) -> tuple:
+        """Agree on a buffer id (rank 0's random draw) and learn each rank's host, in one bounded exchange."""
+        host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+        mine = torch.tensor([random.getrandbits(62), host], dtype=torch.int64, device=self.device)
+        every = self.transport.exchange_counts(mine.expand(self.num_ranks, 2).contiguous(), wait=True, call_id=0)
+        every = every.tolist()
+        return every[0][0], [h for _, h in every]
+
+    # -- sizing and hints ----------------------------------------------------------------------------
+    @staticmethod
+    def get_buffer_size_hint(
+        group: Optional[dist.ProcessGroup],
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+        *,
+        dtype: torch.dtype = DEFAULT_DTYPE,
+    ) -> int:
+        """Bytes a buffer needs for this MoE shape (reference §4.3); a multiple of 2 MiB. Allocates nothing.
+
+        Args:
+            group: the EP group (only its size is used), or an int number of ranks.
+            num_max_tokens_per_rank: tokens per rank per call (> 0).
+            hidden: hidden size (> 0).
+            num_topk: top-k; 0 sizes for 32.
+            use_fp8_dispatch: FP8 data + scales in dispatch records.
+            allow_hybrid_mode: accepted (epcomm has one logical domain).
+            allow_multiple_reduction: as the constructor argument.
+            dtype: element type of the non-FP8 payload (epcomm keyword); bf16 gives the reference's value.
+
+        Raises:
+            ValueError: non-positive sizes.
+        """
+        num_ranks = group if isinstance(group, int) else (group or dist.group.WORLD).size()
+        if num_max_tokens_per_rank <= 0 or hidden <= 0:
+            raise ValueError(f"EPBuffer.get_buffer_size_hint: num_max_tokens_per_rank ({num_max_tokens_per_rank}) "
+                             f"and hidden ({hidden}) must be > 0")
+        return sizing.buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk=num_topk,
+                                       use_fp8_dispatch=use_fp8_dispatch,
+                                       allow_multiple_reduction=allow_multiple_reduction, elem_size=dtype.itemsize)
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
+                                rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 0,
+                                sm_write_gbs: float = 0) -> int:
+        """SM count the reference's model suggests for a balanced gate (reference §8.2); a hint.
+
+        On CPU it returns the model's value for an H200-class NVLink (no SMs are used).
+
+        Raises:
+            ValueError: `num_scaleout_topk != 0` (one logical domain).
+        """
+        if num_scaleout_topk != 0:
+            raise ValueError(f"EPBuffer.get_theoretical_num_sms: num_scaleout_topk must be 0, got {num_scaleout_topk}")
+        key = (num_experts, num_topk, nvlink_gbs, sm_read_gbs, sm_write_gbs)
+        if key not in self._num_sms_cache:
+            device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
+                if self.device.type == "cuda" else 132
+            gbs = nvlink_gbs or sizing.default_nvlink_gbs(self.device) or 0.9 * 18 * 26.5625
+            self._num_sms_cache[key] = sizing.theoretical_num_sms(
+                self.num_ranks, num_experts, num_topk, gbs, device_sms, sm_read_gbs=sm_read_gbs or 180.0,
+                sm_write_gbs=sm_write_gbs or 45.0, prefer_overlap_with_compute=self.prefer_overlap_with_compute)
+        return self._num_sms_cache[key]
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        return min(min(num_sms, 9), self.num_allocated_qps)
+
+    def get_physical_domain_size(self) -> tuple:
+        """`(num_rdma_ranks, num_nvlink_ranks)`: hosts and ranks per host of this group (reference §2)."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_logical_domain_size(self, allow_hybrid_mode: Optional[bool] = None) -> tuple:
+        """Always `(1, world)`: one logical domain, the canonical order (DESIGN.md decision 4)."""
+        return 1, self.num_ranks
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The buffer's high-priority communication stream; None on CPU."""
+        return self._comm_stream
+
+    @staticmethod
+    def capture() -> EventHandle:
+        """An event on the current stream (completed on CPU), e.g. for `previous_event`."""
+        return EventHandle(torch.device("cuda") if torch.cuda.is_available() and torch.cuda.is_initialized()
+                           else torch.device("cpu"))
+
+    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
+                context_idx: Optional[int] = None) -> None:
+        """Barrier over the group, bounded by `num_cpu_timeout_secs` (collective; reference §17.1)."""
+        self._check_alive("EPBuffer.barrier")
+        if self.device.type == "cuda" and (with_cpu_sync or wait_comm_stream):
+            torch.cuda.current_stream().wait_stream(self._comm_stream)
+        work = dist.all_reduce(torch.zeros(1, device=self.device), group=self.group, async_op=True)
+        self.transport.wait(work, "EPBuffer.barrier", self._next_call_id())
+        if self.device.type == "cuda" and wait_comm_stream:
+            self._comm_stream.wait_stream(torch.cuda.current_stream())
+
+    def print_memory_usage(self) -> None:
+        """Print the buffer's accounted sizes (GiB)."""
+        self._check_alive("EPBuffer.print_memory_usage")
+        gib = 1 << 30
+        print(f"EPBuffer rank {self.rank}: buffer {self.num_bytes / gib:.3f} GiB, LB region "
+              f"{self.num_lb_bytes / gib:.3f} GiB, transport {self.transport.name} on {self.device}")
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Release the buffer (collective: every rank must call it). A second call is a no-op."""
+        if self._destroyed:
+            return
+        if self._broken is None:
+            self.barrier()
+        self.transport.destroy()
+        self._destroyed = True
+
+    def __enter__(self) -> "EPBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.destroy()
+        else:  # an exception is propagating: peers may not reach a collective destroy
+            self._destroyed = True
+
+    def __del__(self):
+        if getattr(self, "explicitly_destroy", False) and not getattr(self, "_destroyed", True):
+            warnings.warn("EPBuffer was created with explicitly_destroy=True but destroy() was never called",
+                          ResourceWarning, stacklevel=1)
+
+    def _check_alive(self, call: str) -> None:
+        if self._destroyed:
+            raise ValueError(f"{call}: rank {self.rank}: the buffer was destroyed; create a new EPBuffer")
+        if self._broken is not None:
+            raise ValueError(f"{call}: rank {self.rank}: the buffer is unusable after an earlier failure "
+                             f"({self._broken}); destroy it and restart the process group")
+
+    def _next_call_id(self) -> int:
+        self._call_id += 1
+        return self._call_id
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, stacklevel=3)
+
+    def agree(self, call: str, recv_rows: list, local_error: Optional[BaseException]) -> None:
+        """Raise on every rank when any rank failed or the ranks disagree (see agreement.py)."""
+        def gather(msg: str) -> list:
+            out = [None] * self.num_ranks
+            dist.all_gather_object(out, msg, group=self.group)
+            return out
+        agreement.check(call, self.rank, recv_rows, local_error, gather)
+
+    def _exchange_header(self, call: str, call_id: int, signature: dict, err: Optional[BaseException]) -> None:
+        """Header-only exchange for calls without counts (combine, cached dispatch): CPU only (free there)."""
+        if self.device.type != "cpu":
+            if err is not None:
+                raise err
+            return
+        head = agreement.header(agreement.status_of(err), call_id, signature)
+        send_RC = agreement.pack(head, None, self.num_ranks, self.device)
+        recv = self.transport.exchange_counts(send_RC, wait=True, call_id=call_id)
+        self.agree(call, recv.tolist(), err)
+
+    # -- dispatch ------------------------------------------------------------------------------------
+    def dispatch(
+        self,
+        x: Union[Tensor, tuple],
+        topk_idx: Optional[Tensor] = None,
+        topk_weights: Optional[Tensor] = None,
+        cumulative_local_expert_recv_stats: Optional[Tensor] = None,
+        num_experts: Optional[int] = None,
+        num_max_tokens_per_rank: Optional[int] = None,
+        expert_alignment: Optional[int] = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: Optional[EventHandle] = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        handle: Optional[EPHandle] = None,
+        do_handle_copy: bool = False,
+        do_cpu_sync: Optional[bool] = None,
+        do_expand: bool = False,
+        do_zero_padding: bool = False,
+        emit_expert_ids: bool = False,
+        use_tma_aligned_col_major_sf: bool = False,
+        defer_epilogue: bool = False,
+    ):
+        """Send each token to the ranks owning its top-k experts (collective; reference §9).
+
+        Rows arrive in token-key order: non-expand rows ascending `g = src_rank * N + src_token`; expand rows
+        grouped by local expert, ascending `g` in each segment (DESIGN.md decision 4).
+
+        Args:
+            x: [T, H] bf16/fp16/fp32/fp64, or the FP8 tuple `(data [T, H] float8_e4m3fn, scales [T, P] fp32 or
+                int32 packed UE8M0, any strides)`.
+            topk_idx: [T, K] int64 or int32 -- global expert id per selection, -1 = none; ids in
+                `[-1, num_experts)`, no expert twice in a row, K <= 32. Must be None with `handle`.
+            topk_weights: [T, K] fp32 (fp64 when x is fp64) or None -- delivered beside the rows.
+            cumulative_local_expert_recv_stats: [L] int32 or None -- `+= n_i` (unaligned received pairs per
+                local expert); None with `handle`.
+            num_experts: E, a multiple of the group size; required unless `handle` is given.
+            num_max_tokens_per_rank: N, defaults to the buffer's (or the handle's); `T <= N`.
+            expert_alignment: each expert's segment is padded to a multiple of it; default 1.
+            num_sms: SM hint for GPU transports (0 = `get_theoretical_num_sms`); ignored on CPU (warns once).
+            num_qps: accepted; must not exceed `num_allocated_qps`.
+            previous_event: the comm stream waits for it instead of the current stream; needs
+                `allocate_on_comm_stream=True`.
+            async_with_compute_stream: return without making the current stream wait; wait on the event.
+            allocate_on_comm_stream: outputs belong to the comm stream's allocator pool.
+            handle: an `EPHandle` from an earlier dispatch of this buffer: replay its routing (cached dispatch).
+            do_handle_copy: legacy; must be False.
+            do_cpu_sync: True (default) gives exact output sizes (the host waits for counts); False gives the
+                worst-case sizes of reference §9.4/9.5 and no host synchronisation. Cached dispatch is sync-free
+                (it reuses the handle's sizes). Must be None or False with `handle`.
+            do_expand: expand layout (one row per token and local expert) instead of one row per token.
+            do_zero_padding: zero the alignment padding rows (expand only; epcomm always zeroes them).
+            emit_expert_ids: fill `handle.recv_expert_ids` (expand, non-cached only).
+            use_tma_aligned_col_major_sf: FP8 output scales column-major with pack stride `align(rows, 4)`.
+            defer_epilogue: return only the event; its first wait places the rows and returns the results.
+                Needs `async_with_compute_stream=True`.
+
+        Returns:
+            `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`, or an `EventOverlap` whose first wait
+            returns the first four when `defer_epilogue=True`:
+            recv_x: [M, H] (non-expand) or [S, H] (expand), x's dtype; a tuple (data, scales) for FP8.
+            recv_topk_idx: [M, K] topk_idx's dtype -- local expert id per column, -1 where not local; None in
+                expand layout.
+            recv_topk_weights: [M, K] (0 in non-local columns) or [S] (expand); None without `topk_weights`.
+            handle: a new `EPHandle`, or the given one for cached dispatch (same object).
+            event: `EventOverlap` (event None for synchronous calls).
+
+        Raises:
+            TypeError: an argument of the wrong type or dtype (on every rank when counts are exchanged).
+            ValueError: wrong shape, value, device, capacity, or inconsistent options; ranks that disagree on
+                the call (every rank; see DESIGN.md "Errors and timeouts").
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+        """
+        name = "EPBuffer.dispatch"
+        self._check_alive(name)
+        call_id = self._next_call_id()
+        c = Checker(name, self.rank, self.device)
+        err, call = None, None
+        try:
+            check_event_options(c, previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
+                                async_with_compute_stream=async_with_compute_stream, defer_epilogue=defer_epilogue)
+            call = self._resolve_dispatch(
+                c, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
+                num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, handle, do_handle_copy, do_cpu_sync,
+                do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf)
+        except (TypeError, ValueError) as e:
+            err = e
+        cached = handle is not None
+        try:
+            with torch.profiler.record_function("epcomm::dispatch" + ("_cached" if cached else "")), \
+                    self._on_comm_stream(previous_event):
+                if cached:
+                    self._exchange_header(name, call_id, call.signature(2) if call else {}, err)
+                    launched = pipeline.cached_launch(self, call, call_id)
+                    finish = pipeline.cached_finish
+                else:
+                    launched = pipeline.dispatch_launch(self, call, call_id, err)
+                    finish = pipeline.dispatch_finish
+        except TimeoutError as e:
+            self._broken = str(e).split(":")[0] + " timed out"
+            raise
+        debug.log_dispatch(self, call, launched)
+        inputs = [call.x.data, call.x.sf, call.topk_idx, call.topk_weights]
+
+        def epilogue():
+            with torch.profiler.record_function("epcomm::dispatch_epilogue"):
+                return finish(self, call, launched)
+        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue)
+        if defer_epilogue:
+            return result
+        (recv_x, recv_topk_idx, recv_w, out_handle), event = result
+        return recv_x, recv_topk_idx, recv_w, out_handle, event
+
+    def _resolve_dispatch(self, c, x, topk_idx, topk_weights, stats, num_experts, n, expert_alignment, num_sms,
+                          num_qps, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids,
+                          col_major_sf) -> pipeline.DispatchCall:
+        """Reference §9.1-9.2 in order, as amended by DESIGN.md."""
+        c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
+        xs = check_x(c, x, allow_fp8=True)
+        if handle is not None:
+            if not isinstance(handle, EPHandle):
+                c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
+            c.require(handle._buffer_uid == self.uid, "handle comes from another EPBuffer; use the handle returned "
+                                                      "by this buffer's dispatch")
+            c.require(topk_idx is None, "topk_idx must be None when handle is given (the handle holds the routing)")
+            c.require(not do_cpu_sync, f"do_cpu_sync must be None or False with handle (cached dispatch reuses the "
+                                       f"handle's sizes), got {do_cpu_sync}")
+            c.require(stats is None, "cumulative_local_expert_recv_stats must be None with handle (counted once, "
+                                     "by the non-cached dispatch)")
+            c.require(not emit_expert_ids, "emit_expert_ids needs a non-cached dispatch (the ids are in the handle)")
+            for arg, value, want in (("num_experts", num_experts, handle.num_experts),
+                                     ("num_max_tokens_per_rank", n, handle.num_max_tokens_per_rank),
+                                     ("expert_alignment", expert_alignment, handle.expert_alignment),
+                                     ("do_expand", do_expand, handle.do_expand)):
+                c.require(value is None or value == want, f"{arg}={value} does not match the handle's {arg}={want}; "
+                                                          "pass the values of the dispatch that made the handle")
+            try:
+                topk_idx = handle.topk_idx
+            except ValueError as e:
+                c.fail(ValueError, str(e))
+            num_experts, n, expert_alignment = handle.num_experts, handle.num_max_tokens_per_rank, \
+                handle.expert_alignment
+            do_cpu_sync = False
+            c.require(xs.num_tokens == topk_idx.shape[0], f"x has {xs.num_tokens} tokens but the handle's dispatch "
+                                                          f"had {topk_idx.shape[0]}")
+        else:
+            if num_experts is None:
+                c.fail(ValueError, "num_experts is required for a non-cached dispatch")
+            c.positive_int("num_experts", num_experts)
+            c.require(num_experts % self.num_ranks == 0, f"num_experts={num_experts} must be a multiple of the group "
+                                                         f"size {self.num_ranks}")
+            n = self.num_max_tokens_per_rank if n is None else n
+            c.require(isinstance(n, int) and n > 0, f"num_max_tokens_per_rank must be > 0 (pass it to dispatch or "
+                                                    f"EPBuffer), got {n}")
+            expert_alignment = 1 if expert_alignment is None else expert_alignment
+            c.positive_int("expert_alignment", expert_alignment)
+            do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+            topk_idx = check_topk_idx(c, topk_idx, xs.num_tokens)
+            if do_cpu_sync or self.device.type == "cpu":
+                check_topk_values(c, topk_idx, num_experts)
+        c.require(not do_zero_padding or do_expand, "do_zero_padding=True requires do_expand=True")
+        c.require(not emit_expert_ids or do_expand, "emit_expert_ids=True requires do_expand=True")
+        num_topk = topk_idx.shape[1]
+        if topk_weights is not None:
+            c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(weights_dtype(xs),), shape=(xs.num_tokens, num_topk))
+        if stats is not None:
+            c.tensor("cumulative_local_expert_recv_stats", stats, ndim=1, dtypes=(torch.int32,),
+                     shape=(num_experts // self.num_ranks,))
+        elem = 2 if xs.is_fp8 else xs.data.dtype.itemsize
+        check_capacity(c, self, num_tokens=xs.num_tokens, hidden=xs.hidden, num_topk=num_topk, is_fp8=xs.is_fp8,
+                       elem_size=elem, n=n)
+        num_sms = self._resolve_sms(c, num_sms, num_qps, num_experts, num_topk)
+        return pipeline.DispatchCall(
+            x=xs, topk_idx=topk_idx, topk_weights=topk_weights, stats=stats, num_experts=num_experts, n=n,
+            expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
+            do_zero_padding=do_zero_padding, emit_expert_ids=emit_expert_ids, col_major_sf=col_major_sf,
+            num_sms=num_sms, handle=handle)
+
+    def _resolve_sms(self, c, num_sms: int, num_qps: int, num_experts: int, num_topk: int) -> int:
+        c.require(num_qps <= self.num_allocated_qps,
+                  f"num_qps={num_qps} exceeds num_allocated_qps={self.num_allocated_qps}")
+        if self.device.type == "cpu":
+            if num_sms:
+                self._warn_once("num_sms", "epcomm: num_sms has no effect on CPU; it is ignored")
+            return num_sms or self.get_theoretical_num_sms(num_experts, num_topk)
+        device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if num_sms == 0:
+            return self.get_theoretical_num_sms(num_experts, num_topk)
+        c.require(0 < num_sms <= device_sms, f"num_sms={num_sms} must be in [1, {device_sms}] on {self.device}")
+        return num_sms + num_sms % 2
+
+    # -- combine -------------------------------------------------------------------------------------
+    def combine(
+        self,
+        x: Tensor,
+        handle: EPHandle,
+        topk_weights: Optional[Tensor] = None,
+        bias: Union[None, Tensor, tuple] = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: Optional[EventHandle] = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        defer_epilogue: bool = False,
+    ):
+        """Bring expert outputs back to their tokens and sum them, unweighted (collective; reference §11).
+
+        The sum is the canonical order (DESIGN.md decision 4): `acc = 0 (+ bias_0) (+ bias_1)`, then the item
+        of each top-k position in ascending order; items are one row per rank (non-expand: the rank's row,
+        expand with multiple reduction: the rank's partial sum) at the rank's largest position, or every
+        (token, expert) row at its own position (expand without multiple reduction). fp32 accumulation (fp64
+        for fp64), one rounding to x's dtype per level. Router weights are not applied.
+
+        Args:
+            x: [M, H] (non-expand; M = `handle.recv_src_metadata.shape[0]`) or [S, H] (expand; S =
+                `handle.num_expanded_tokens`) bf16/fp16/fp32/fp64 -- expert outputs in the handle's layout;
+                rows past the valid extent are ignored.
+            handle: the `EPHandle` of the dispatch whose rows these are.
+            topk_weights: [M, K] (non-expand) or [S] (expand) fp32 (fp64 for fp64 x) or None -- carried back
+                to the owner of each selection; not allowed in expand layout without multiple reduction.
+            bias: None, a tensor, or a pair `(bias_0, bias_1)`; each [T, H] in x's dtype -- added first.
+            num_sms, num_qps: as dispatch (num_sms 0 = the handle's).
+            previous_event, async_with_compute_stream, allocate_on_comm_stream, defer_epilogue: as dispatch.
+
+        Returns:
+            `(combined_x [T, H] x's dtype, combined_topk_weights [T, K] or None, event)`, or an `EventOverlap`
+            whose first wait returns the first two when `defer_epilogue=True`.
+
+        Raises:
+            TypeError: wrong types or dtypes.
+            ValueError: shapes that do not match the handle, a handle from another buffer, a modified
+                `topk_idx`, bad bias, inconsistent options; ranks that disagree (on CPU, every rank).
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+        """
+        name = "EPBuffer.combine"
+        self._check_alive(name)
+        call_id = self._next_call_id()
+        c = Checker(name, self.rank, self.device)
+        err, call = None, None
+        try:
+            check_event_options(c, previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
+                                async_with_compute_stream=async_with_compute_stream, defer_epilogue=defer_epilogue)
+            call = self._resolve_combine(c, x, handle, topk_weights, bias, num_sms, num_qps)
+        except (TypeError, ValueError) as e:
+            err = e
+        try:
+            with torch.profiler.record_function("epcomm::combine"), self._on_comm_stream(previous_event):
+                self._exchange_header(name, call_id, call.signature() if call else {}, err)
+                launched = pipeline.combine_launch(self, call, call_id)
+        except TimeoutError as e:
+            self._broken = str(e).split(":")[0] + " timed out"
+            raise
+        inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]
+
+        def epilogue():
+            with torch.profiler.record_function("epcomm::combine_reduce"):
+                return pipeline.combine_finish(self, call, launched)
+        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue)
+        if defer_epilogue:
+            return result
+        (combined_x, combined_w), event = result
+        return combined_x, combined_w, event
+
+    def _resolve_combine(self, c, x, handle, topk_weights, bias, num_sms, num_qps) -> pipeline.CombineCall:
+        """Reference §11.1 as amended by DESIGN.md."""
+        if not isinstance(handle, EPHandle):
+            c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
+        c.require(handle._buffer_uid == self.uid, "handle comes from another EPBuffer; combine with the buffer "
+                                                  "that dispatched")
+        try:
+            topk_idx = handle.topk_idx
+        except ValueError as e:
+            c.fail(ValueError, str(e))
+        x = check_x(c, x, allow_fp8=False).data
+        rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
+        layout_name = "expand" if handle.do_expand else "non-expand"
+        c.require(x.shape[0] == rows, f"x has {x.shape[0]} rows but the handle's {layout_name} layout has {rows} "
+                                      f"({'handle.num_expanded_tokens' if handle.do_expand else 'received rows'})")
+        per_pair = handle.do_expand and not self.allow_multiple_reduction
+        if topk_weights is not None:
+            c.require(not per_pair, "topk_weights must be None for an expand-layout combine when the buffer has "
+                                    "allow_multiple_reduction=False (reference §11.1)")
+            shape = (rows,) if handle.do_expand else (rows, handle.num_topk)
+            c.tensor("topk_weights", topk_weights, ndim=len(shape), dtypes=(weights_dtype(_Plain(x)),), shape=shape)
+        if bias is None:
+            biases = ()
+        elif isinstance(bias, Tensor):
+            biases = (bias,)
+        elif isinstance(bias, (tuple, list)):
+            c.require(len(bias) == 2, f"bias as a tuple must be (bias_0, bias_1), got {len(bias)} elements")
+            biases = tuple(bias)
+        else:
+            c.fail(TypeError, f"bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
+        for i, b in enumerate(biases):
+            c.tensor(f"bias[{i}]" if len(biases) == 2 else "bias", b, ndim=2, dtypes=(x.dtype,),
+                     shape=(topk_idx.shape[0], x.shape[1]))
+        check_capacity(c, self, num_tokens=topk_idx.shape[0], hidden=x.shape[1], num_topk=handle.num_topk,
+                       is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank)
+        self._resolve_sms(c, num_sms, num_qps, handle.num_experts, handle.num_topk)
+        biases = biases + (None,) * (2 - len(biases))
+        return pipeline.CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias_0=biases[0],
+                                    bias_1=biases[1], per_pair=per_pair)
+
+    # -- streams -------------------------------------------------------------------------------------
+    @contextmanager
+    def _on_comm_stream(self, previous_event: Optional[EventHandle]):
+        """Run the enclosed launch on the comm stream after `previous_event` (or the current stream)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if previous_event is not None and getattr(previous_event, "event", None) is not None:
+            self._comm_stream.wait_event(previous_event.event)
+        else:
+            self._comm_stream.wait_stream(compute)
+        with torch.cuda.stream(self._comm_stream):
+            yield
+
+    def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool):
+        """Run or defer the epilogue and build the event per reference §3.4-3.5."""
+        if self.device.type != "cuda":
+            if defer:
+                return EventOverlap(EventHandle(), hook_after_wait=epilogue)
+            return epilogue(), EventOverlap(EventHandle() if async_op else None)
+        compute = torch.cuda.current_stream(self.device)
+        for t in inputs:
+            if t is not None:
+                t.record_stream(self._comm_stream)
+        if defer:
+            event = EventHandle(stream=self._comm_stream)
+
+            def hook():
+                return _record_outputs(epilogue(), compute)
+            return EventOverlap(event, hook_after_wait=hook)
+        with torch.cuda.stream(self._comm_stream):
+            outputs = _record_outputs(epilogue(), compute)
+        event = EventHandle(stream=self._comm_stream)
+        if not async_op:
+            compute.wait_stream(self._comm_stream)
+            return outputs, EventOverlap(None)
+        return outputs, EventOverlap(event)
+
+
+class _Plain:
+    """Adapter so `weights_dtype` can take a plain tensor."""
+
+    def __init__(self, t: Tensor):
+        self.data = t
+
+
+def _record_outputs(outputs, stream: "torch.cuda.Stream"):
+    """Outputs made on the comm stream are used on `stream`: tell the caching allocator."""
+    def visit(o):
+        if isinstance(o, Tensor):
+            o.record_stream(stream)
+        elif isinstance(o, (tuple, list)):
+            for i in o:
+                visit(i)
+    visit(outputs)
+    return outputs

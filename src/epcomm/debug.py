@@ -1,0 +1,35 @@
+"""`EPCOMM_DEBUG=1` logging: sizes, choices and counts, one line per event, to the `epcomm` logger (stderr)."""
+
+from __future__ import annotations
+
+import logging
+
+from . import envs
+
+logger = logging.getLogger("epcomm")
+
+
+def _ensure_handler() -> None:
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[epcomm] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+
+
+def log(msg: str) -> None:
+    if envs.debug_enabled():
+        _ensure_handler()
+        logger.debug(msg)
+
+
+def log_dispatch(buf, call, launched: dict) -> None:
+    """Per-call counts: tokens sent to and received from each rank (host values only; no extra sync)."""
+    if not envs.debug_enabled():
+        return
+    sent = launched.get("send_splits")
+    recv = launched.get("recv_splits")
+    layout = "expand" if call.do_expand else "non-expand"
+    kind = "cached" if call.handle is not None else ("cpu-sync" if call.do_cpu_sync else "sync-free")
+    log(f"dispatch rank {buf.rank}: {kind} {layout}, T={call.x.num_tokens}, H={call.x.hidden}, "
+        f"K={call.topk_idx.shape[1]}, dtype={call.x.data.dtype}, sent per rank={sent}, received per rank={recv}")

@@ -1,0 +1,108 @@
+"""`EventHandle` and `EventOverlap`: the stream/event protocol (DeepEP V2.5 EPBuffer behaviour, §3.2-3.5).
+
+On CUDA an `EventHandle` is a recorded `torch.cuda.Event`. On CPU every operation is already complete when it
+returns, so an `EventHandle` is a completed marker and waiting on it is a no-op (DESIGN.md "Events on CPU");
+the rest of the contract (first wait returns the deferred results, second wait returns None) is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class EventHandle:
+    """A point on a stream that another stream can wait for.
+
+    Args:
+        device: the device whose current stream is captured; CPU gives a completed marker.
+        stream: record on this CUDA stream instead of the current one.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None, stream: Optional["torch.cuda.Stream"] = None):
+        self.event: Optional[torch.cuda.Event] = None
+        device = torch.device(device) if device is not None else None
+        if stream is not None or (device is not None and device.type == "cuda"):
+            self.event = torch.cuda.Event()
+            self.event.record(stream if stream is not None else torch.cuda.current_stream(device))
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for this point (no-op on CPU)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def query(self) -> bool:
+        """True when the work before this point has finished."""
+        return self.event is None or self.event.query()
+
+
+class EventOverlap:
+    """What dispatch/combine return as their event: wait on it before using asynchronous results.
+
+    Fields:
+        event: `EventHandle` or None (None for synchronous calls; waiting on it then raises).
+        extra_tensors: tensors kept alive until the event is dropped (legacy; None).
+        hook_after_wait: called once by the first wait; its value is returned by that wait (deferred epilogue).
+    """
+
+    def __init__(
+        self,
+        event: Optional[EventHandle] = None,
+        extra_tensors: Optional[tuple] = None,
+        hook_after_wait: Optional[Callable[[], Any]] = None,
+    ):
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self.hook_after_wait = hook_after_wait
+        self._release_on_exit = False
+
+    def register_hook_after_wait(self, hook: Callable[[], Any]) -> None:
+        """Register the function the next wait calls; at most one at a time.
+
+        Raises:
+            ValueError: a hook is already registered.
+        """
+        if self.hook_after_wait is not None:
+            raise ValueError("EventOverlap.register_hook_after_wait: a hook is already registered; wait first")
+        self.hook_after_wait = hook
+
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
+        """Make the current stream wait for the event, then run the hook once and return its value.
+
+        Args:
+            release_handle: drop the event afterwards.
+
+        Returns:
+            The hook's value on the first wait of a deferred call (the results tuple), else None.
+
+        Raises:
+            ValueError: the event is None (the call was synchronous; there is nothing to wait for).
+        """
+        if self.event is None:
+            raise ValueError(
+                "EventOverlap.current_stream_wait: event is None (the call was synchronous); "
+                "pass async_with_compute_stream=True to get an event to wait on"
+            )
+        self.event.current_stream_wait()
+        hook, self.hook_after_wait = self.hook_after_wait, None
+        result = hook() if hook is not None else None
+        if release_handle:
+            self.event = None
+        return result
+
+    def wait(self) -> Any:
+        """Same as `current_stream_wait()`."""
+        return self.current_stream_wait()
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        self._release_on_exit = release_handle
+        return self
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.event is not None:
+            self.current_stream_wait(release_handle=self._release_on_exit)
+        self._release_on_exit = False

@@ -1,0 +1,108 @@
+"""`EPHandle`: what a dispatch leaves behind for cached dispatch and combine (DeepEP V2.5 EPBuffer behaviour, §10)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+def _version_of(t: Tensor) -> Optional[int]:
+    """The tensor's version counter, or None for inference-mode tensors (which have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class EPHandle:
+    """Routing of one dispatch, replayed by cached dispatch and used by combine. Built only by `dispatch`.
+
+    Fields (M = allocated received rows, S = allocated expanded rows, R ranks, L local experts):
+        do_expand: bool -- layout of the producing dispatch.
+        num_experts, expert_alignment, num_max_tokens_per_rank: int -- routing context; a cached dispatch that
+            passes them must pass the same values.
+        num_sms: int -- SM count of the dispatch; combine's default.
+        topk_idx: [T, K] -- the caller's tensor, by reference; reading it raises `ValueError` if the tensor was
+            modified in place since the dispatch (skipped for inference-mode tensors).
+        num_recv_tokens: int -- received tokens (exact with CPU sync, else `R * N`).
+        num_expanded_tokens: int -- expanded rows `S` (exact with CPU sync, worst case otherwise; 0 non-expand).
+        num_recv_tokens_per_expert_list: list[int] -- aligned per-expert counts; empty without CPU sync.
+        psum_num_recv_tokens_per_scaleup_rank: [R] int32 -- inclusive prefix sum of tokens received from each
+            rank; the last element is the number of valid received rows.
+        psum_num_recv_tokens_per_expert: [L] int32 -- non-expand: inclusive prefix sum of aligned counts;
+            expand: aligned start of expert i plus its real count.
+        num_unaligned_recv_tokens_per_expert: [L] int32 -- real (unaligned) counts `n_i`.
+        recv_src_metadata: [M, K + 2] int32 -- col 0 the token key `g = src_rank * N + src_token`; col 1
+            `src_rank * K + j*` (j* the largest top-k position of the token on this rank); cols 2.. the
+            expanded row of (row, position j) or -1 (expand only; -1 in non-expand). Rows past the valid
+            extent are -1.
+        dst_buffer_slot_idx: [T, K] int32 -- sender side: `dest_rank * N + slot` at the largest top-k position
+            per destination rank, else -1.
+        recv_expert_ids: [S] int32 or None -- local expert id of each expanded row, -1 for padding
+            (`emit_expert_ids=True`).
+        token_metadata_at_forward, channel_linked_list, cached_recv_src_metadata_before_sort: None (the
+            reference's hybrid-mode internals; epcomm has one logical domain).
+    """
+
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list
+    psum_num_recv_tokens_per_scaleup_rank: Tensor
+    psum_num_recv_tokens_per_expert: Tensor
+    num_unaligned_recv_tokens_per_expert: Tensor
+    recv_src_metadata: Tensor
+    dst_buffer_slot_idx: Tensor
+    recv_expert_ids: Optional[Tensor] = None
+    token_metadata_at_forward: Optional[Tensor] = None
+    channel_linked_list: Optional[Tensor] = None
+    cached_recv_src_metadata_before_sort: Optional[Tensor] = None
+    # epcomm internals: the routing plan replayed by cached dispatch and combine (see buffer.py).
+    _topk_idx: Tensor = field(repr=False)
+    _topk_idx_version: Optional[int] = field(repr=False)
+    _plan: Any = field(repr=False)
+    _buffer_uid: int = field(repr=False)
+
+    @property
+    def topk_idx(self) -> Tensor:
+        """[T, K] -- the dispatch's `topk_idx` (same object).
+
+        Raises:
+            ValueError: the tensor was modified in place after the dispatch.
+        """
+        if self._topk_idx_version is not None and _version_of(self._topk_idx) != self._topk_idx_version:
+            raise ValueError(
+                "EPHandle.topk_idx: the topk_idx tensor passed to dispatch was modified in place after the "
+                f"dispatch (version {self._topk_idx_version} -> {_version_of(self._topk_idx)}); the handle's "
+                "routing no longer matches it. Run a new (non-cached) dispatch, or clone topk_idx before editing"
+            )
+        return self._topk_idx
+
+    @property
+    def num_topk(self) -> int:
+        return self._topk_idx.shape[1]
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.psum_num_recv_tokens_per_expert.shape[0]
+
+    @staticmethod
+    def capture_version(topk_idx: Tensor) -> Optional[int]:
+        return None if topk_idx.is_inference() else _version_of(topk_idx)
+
+    def __repr__(self) -> str:
+        return (
+            f"EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "
+            f"expert_alignment={self.expert_alignment}, num_max_tokens_per_rank={self.num_max_tokens_per_rank}, "
+            f"num_recv_tokens={self.num_recv_tokens}, num_expanded_tokens={self.num_expanded_tokens}, "
+            f"topk_idx={tuple(self._topk_idx.shape)})"
+        )
+

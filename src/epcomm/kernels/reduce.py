@@ -1,0 +1,74 @@
+"""The canonical combine reduction (DESIGN.md decision 4; DeepEP V2.5 EPBuffer behaviour, §11.2).
+
+For every output token `t`: `acc = 0`, then `acc += bias_0[t]`, `acc += bias_1[t]` (when given), then
+`acc += rows[item_row[t, p]]` for each position `p` in ascending order whose `item_row` is not -1; the sum is
+kept in fp32 (fp64 when the rows are fp64) and rounded once to the output dtype. The same op forms the per-rank
+partials of an expand-layout combine (`item_row` = the expanded row of each top-k position).
+
+Worked example (fp32 rows, no bias):
+    rows     = [[1.], [2.], [4.]]
+    item_row = [[2, -1, 0], [-1, -1, -1]]
+    out      = [[5.], [0.]]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 rows, fp32 for every other float type."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def canonical_reduce_torch(
+    rows_XH: Tensor,
+    item_row_TP: Tensor,
+    bias_0: Optional[Tensor] = None,
+    bias_1: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """Sum `rows_XH[item_row_TP[t, p]]` over positions `p` in ascending order, after the biases.
+
+    Args:
+        rows_XH: [X, H] float -- the rows to sum.
+        item_row_TP: [T, P] int64 -- row of `rows_XH` at position p of token t, -1 for none.
+        bias_0, bias_1: [T, H] float or None -- added first, in this order.
+        out_dtype: dtype of the result; default `rows_XH.dtype`.
+
+    Returns:
+        [T, H] out_dtype -- the sums, rounded once.
+    """
+    out_dtype = out_dtype or rows_XH.dtype
+    acc_dtype = accumulate_dtype(rows_XH.dtype)
+    num_tokens = item_row_TP.shape[0]
+    acc_TH = torch.zeros(num_tokens, rows_XH.shape[1], dtype=acc_dtype, device=rows_XH.device)
+    for bias in (bias_0, bias_1):
+        if bias is not None:
+            acc_TH += bias.to(acc_dtype)
+    if rows_XH.shape[0] == 0:
+        return acc_TH.to(out_dtype)
+    for p in range(item_row_TP.shape[1]):
+        item_T = item_row_TP[:, p]
+        if rows_XH.is_cuda:
+            # No host sync (graph-capturable): gather every token, keep the sum where an item exists.
+            row_TH = rows_XH[item_T.clamp(min=0)].to(acc_dtype)
+            acc_TH = torch.where((item_T >= 0).unsqueeze(1), acc_TH + row_TH, acc_TH)
+        else:
+            tokens = (item_T >= 0).nonzero().squeeze(1)
+            acc_TH[tokens] += rows_XH[item_T[tokens]].to(acc_dtype)
+    return acc_TH.to(out_dtype)
+
+
+def canonical_reduce(
+    rows_XH: Tensor,
+    item_row_TP: Tensor,
+    bias_0: Optional[Tensor] = None,
+    bias_1: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """Launcher for the canonical reduction; the torch twin on every device until a faster kernel exists."""
+    return canonical_reduce_torch(rows_XH, item_row_TP, bias_0, bias_1, out_dtype)

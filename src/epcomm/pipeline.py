@@ -1,0 +1,352 @@
+"""The dispatch and combine data paths, top to bottom, over any transport.
+
+dispatch: layout -> exchange counts (+ call header) -> (CPU sync) -> pack records -> move rows
+          -> epilogue (compact, unpack, place) -> outputs + handle
+combine:  per-rank partials / rows back -> move rows -> canonical reduce (+ bias) at the origin
+
+Each path is split into `*_launch` (everything up to the row exchange, on the comm stream) and `*_finish` (the
+epilogue, which a deferred call runs at wait time on the current stream). DeepEP V2.5 EPBuffer behaviour,
+§9 and §11; orders and layouts as DESIGN.md decision 4.
+
+Shape legend (docs/shapes.md): T tokens, H hidden, K top-k, R ranks, L local experts, N capacity per rank,
+M received rows, S expanded rows, X rows of a transfer buffer, B record bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import agreement, epilogue, layout
+from .kernels import canonical_reduce
+from .records import Field, RecordSpec, scatter_index
+from .validate import XSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What a dispatch decided, replayed by cached dispatch and combine (kept in `EPHandle._plan`).
+
+    Fields:
+        exact: CPU-synced (exact splits, exact output sizes) or sync-free (worst-case `N` rows per peer).
+        send_splits, recv_splits: host lists of rows to / from each rank (exact mode), else None.
+        send_row_TR: [T, R] int64 -- row of the send (and combine-return) buffer for (token, rank), -1.
+        send_src_X: [X] int64 -- token packed into each send row, -1 for holes.
+        out_src_M: [M] int64 -- receive-buffer row of each output row, -1 past the valid extent.
+        buf_out_X: [X'] int64 -- output row of each receive-buffer row, -1 for holes.
+        src_rank_M: [M] int64 -- source rank of each output row, -1 past the valid extent.
+        valid_M: [M] bool -- rows inside the valid extent.
+        recv: the receiver-side `RecvLayout`.
+        send: the sender-side `SendLayout`.
+        pair_S: [S] int64 -- flat (row, position) placed at each expanded row, -1 (expand only).
+    """
+
+    exact: bool
+    send_splits: Optional[list]
+    recv_splits: Optional[list]
+    send_row_TR: Tensor
+    send_src_X: Tensor
+    out_src_M: Tensor
+    buf_out_X: Tensor
+    src_rank_M: Tensor
+    valid_M: Tensor
+    recv: layout.RecvLayout
+    send: layout.SendLayout
+    pair_S: Optional[Tensor]
+
+
+@dataclass
+class DispatchCall:
+    """Resolved arguments of one dispatch (see `EPBuffer.dispatch` for their meaning)."""
+
+    x: XSpec
+    topk_idx: Tensor
+    topk_weights: Optional[Tensor]
+    stats: Optional[Tensor]
+    num_experts: int
+    n: int
+    expert_alignment: int
+    do_cpu_sync: bool
+    do_expand: bool
+    do_zero_padding: bool
+    emit_expert_ids: bool
+    col_major_sf: bool
+    num_sms: int
+    handle: Optional[object] = None
+
+    def signature(self, op: int) -> dict:
+        return dict(
+            op=op, hidden=self.x.hidden, num_topk=self.topk_idx.shape[1], dtype=agreement.dtype_code(self.x.data.dtype),
+            num_experts=self.num_experts, do_expand=self.do_expand, expert_alignment=self.expert_alignment,
+            fp8=self.x.is_fp8, num_sf_packs=self.x.sf.shape[1] if self.x.is_fp8 else 0,
+            num_max_tokens_per_rank=self.n, has_topk_weights=self.topk_weights is not None,
+            do_cpu_sync=self.do_cpu_sync,
+        )
+
+
+def _exclusive_cumsum(v: Tensor) -> Tensor:
+    return v.cumsum(0) - v
+
+
+def dispatch_record_spec(x: XSpec, num_topk: int, weights_dtype: Optional[torch.dtype], with_routing: bool):
+    """Record of a dispatch row: data, scales, (routing: topk row, key), weights."""
+    fields = [Field("x", x.data.dtype, (x.hidden,))]
+    if x.is_fp8:
+        fields.append(Field("sf", x.sf.dtype, (x.sf.shape[1],)))
+    if with_routing:
+        fields += [Field("topk", torch.int64, (num_topk,)), Field("g", torch.int64, ())]
+    if weights_dtype is not None:
+        fields.append(Field("w", weights_dtype, (num_topk,)))
+    return RecordSpec(fields)
+
+
+def _record_tensors(x: XSpec, weights: Optional[Tensor]) -> dict:
+    return {"x": x.data, "sf": x.sf, "w": weights}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# dispatch
+# ------------------------------------------------------------------------------------------------------------
+def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional[BaseException]) -> dict:
+    """Count exchange (all ranks raise together on bad input), then pack and move the records."""
+    tr, num_ranks, device = buf.transport, buf.num_ranks, buf.device
+    send = None if local_error else layout.send_layout(call.topk_idx, num_ranks, call.num_experts // num_ranks)
+    signature = {} if local_error else call.signature(1)
+    head = agreement.header(agreement.status_of(local_error), call_id, signature)
+    send_RC = agreement.pack(head, None if send is None else send.num_tokens_per_rank_R, num_ranks, device)
+    check_on_host = call is None or call.do_cpu_sync or device.type == "cpu"
+    recv_RC = tr.exchange_counts(send_RC, wait=check_on_host, call_id=call_id)
+    if check_on_host:
+        buf.agree("EPBuffer.dispatch", recv_RC.tolist(), local_error)
+    if local_error is not None:  # sync-free on GPU: peers are left to their timeout (DESIGN.md)
+        raise local_error
+    recv_counts_R = recv_RC[:, agreement.HEADER_LEN]
+    send_counts_R = send.num_tokens_per_rank_R
+    n = call.n
+    if call.do_cpu_sync:
+        send_splits, recv_splits = send_counts_R.tolist(), recv_counts_R.tolist()
+        send_off_R = _exclusive_cumsum(send_counts_R)
+        num_send, num_recv = sum(send_splits), sum(recv_splits)
+    else:
+        send_splits = recv_splits = None
+        send_off_R = torch.arange(num_ranks, device=device) * n
+        num_send = num_recv = num_ranks * n
+    send_row_TR = torch.where(send.token_slot_TR >= 0, send_off_R + send.token_slot_TR, -1)
+    send_src_X = scatter_index(send_row_TR.reshape(-1), num_send)
+    send_src_X = torch.where(send_src_X >= 0, torch.div(send_src_X, num_ranks, rounding_mode="floor"), -1)
+    wdt = None if call.topk_weights is None else call.topk_weights.dtype
+    spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=True)
+    tokens = torch.arange(call.x.num_tokens, device=device)
+    tensors = _record_tensors(call.x, call.topk_weights)
+    tensors.update(topk=call.topk_idx.long(), g=buf.rank * n + tokens)
+    send_XB = spec.gather(spec.records(tensors, call.x.num_tokens, device), send_src_X)
+    recv_XB = tr.dispatch_rows(send_XB, send_splits, recv_splits, call_id=call_id)
+    return dict(spec=spec, recv_XB=recv_XB, recv_counts_R=recv_counts_R, send=send, send_row_TR=send_row_TR,
+                send_src_X=send_src_X, send_splits=send_splits, recv_splits=recv_splits, num_recv=num_recv)
+
+
+def _compaction(recv_counts_R: Tensor, exact: bool, num_ranks: int, n: int, num_recv: int) -> tuple:
+    """Map the receive buffer to output rows: (out_src_M, buf_out_X, src_rank_M, valid_M)."""
+    device = recv_counts_R.device
+    out_off_R = _exclusive_cumsum(recv_counts_R)
+    if exact:
+        rows = torch.arange(num_recv, device=device)
+        src_rank = torch.repeat_interleave(torch.arange(num_ranks, device=device), recv_counts_R, output_size=num_recv)
+        return rows, rows, src_rank, torch.ones(num_recv, dtype=torch.bool, device=device)
+    b = torch.arange(num_ranks * n, device=device)
+    s, k = torch.div(b, n, rounding_mode="floor"), b % n
+    buf_out_X = torch.where(k < recv_counts_R[s], out_off_R[s] + k, -1)
+    out_src_M = scatter_index(buf_out_X, num_ranks * n)
+    valid_M = out_src_M >= 0
+    src_rank_M = torch.where(valid_M, torch.div(out_src_M, n, rounding_mode="floor"), -1)
+    return out_src_M, buf_out_X, src_rank_M, valid_M
+
+
+def dispatch_finish(buf, call: DispatchCall, launched: dict):
+    """Epilogue of a non-cached dispatch: outputs and a new handle."""
+    num_ranks, n, num_topk = buf.num_ranks, call.n, call.topk_idx.shape[1]
+    num_local = call.num_experts // num_ranks
+    exact = call.do_cpu_sync
+    out_src_M, buf_out_X, src_rank_M, valid_M = _compaction(
+        launched["recv_counts_R"], exact, num_ranks, n, launched["num_recv"])
+    spec, rows_MB = launched["spec"], epilogue.gather_rows(launched["recv_XB"], out_src_M)
+    topk_MK = torch.where(valid_M.unsqueeze(1), spec.unpack(rows_MB, "topk"), -1)
+    g_M = spec.unpack(rows_MB, "g")
+    worst_s = None if exact else layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment)
+    recv = layout.recv_layout(topk_MK, valid_M, buf.rank, num_local, call.expert_alignment, call.do_expand, worst_s)
+    pair_S = epilogue.expanded_sources(recv.row_ptr_MK, recv.num_expanded_rows) if call.do_expand else None
+    plan = Plan(exact=exact, send_splits=launched["send_splits"], recv_splits=launched["recv_splits"],
+                send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"], out_src_M=out_src_M,
+                buf_out_X=buf_out_X, src_rank_M=src_rank_M, valid_M=valid_M, recv=recv, send=launched["send"],
+                pair_S=pair_S)
+    recv_x, recv_w = _place(call, spec, rows_MB, plan)
+    recv_topk_idx = None if call.do_expand else recv.local_idx_MK.to(call.topk_idx.dtype)
+    if call.stats is not None:
+        call.stats += recv.num_unaligned_L.to(call.stats.dtype)
+    handle = _make_handle(buf, call, plan, g_M, recv_counts_R=launched["recv_counts_R"])
+    return recv_x, recv_topk_idx, recv_w, handle
+
+
+def _place(call: DispatchCall, spec: RecordSpec, rows_MB: Tensor, plan: Plan) -> tuple:
+    """Unpack data, scales and weights from the output-ordered records and lay them out."""
+    x_MH = spec.unpack(rows_MB, "x")
+    sf_MP = spec.unpack(rows_MB, "sf") if spec.has("sf") else None
+    w_MK = spec.unpack(rows_MB, "w") if spec.has("w") else None
+    local_MK, valid_M = plan.recv.local_idx_MK, plan.valid_M
+    if w_MK is not None:  # DESIGN.md: non-local columns hold 0
+        w_MK = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
+    if call.do_expand:
+        num_topk = local_MK.shape[1]
+        x_MH = epilogue.expand_rows(x_MH, plan.pair_S, num_topk)
+        sf_MP = None if sf_MP is None else epilogue.expand_rows(sf_MP, plan.pair_S, num_topk)
+        w_MK = None if w_MK is None else epilogue.expand_weights(w_MK, plan.pair_S)
+    elif w_MK is not None:
+        w_MK = w_MK.masked_fill_(~valid_M.unsqueeze(1), 0)
+    recv_x = x_MH if sf_MP is None else (x_MH, epilogue.place_sf(sf_MP, call.col_major_sf))
+    return recv_x, w_MK
+
+
+def _make_handle(buf, call: DispatchCall, plan: Plan, g_M: Tensor, recv_counts_R: Tensor):
+    from .handle import EPHandle
+
+    recv, alignment = plan.recv, call.expert_alignment
+    aligned_L = torch.div(recv.num_unaligned_L + alignment - 1, alignment, rounding_mode="floor") * alignment
+    if call.do_expand:
+        psum_expert = recv.aligned_start_L + recv.num_unaligned_L
+    else:
+        psum_expert = aligned_L.cumsum(0)
+    num_recv_tokens = plan.out_src_M.shape[0]
+    expert_ids = None
+    if call.emit_expert_ids:
+        flat_local = recv.local_idx_MK.reshape(-1)
+        expert_ids = torch.where(plan.pair_S >= 0, flat_local[plan.pair_S.clamp(min=0)] if flat_local.numel()
+                                 else plan.pair_S, -1).to(torch.int32)
+    num_local = call.num_experts // buf.num_ranks
+    return EPHandle(
+        do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=alignment,
+        num_max_tokens_per_rank=call.n, num_sms=call.num_sms, num_recv_tokens=num_recv_tokens,
+        num_expanded_tokens=recv.num_expanded_rows,
+        num_recv_tokens_per_expert_list=aligned_L.tolist() if plan.exact else [],
+        psum_num_recv_tokens_per_scaleup_rank=recv_counts_R.cumsum(0).to(torch.int32),
+        psum_num_recv_tokens_per_expert=psum_expert.to(torch.int32),
+        num_unaligned_recv_tokens_per_expert=recv.num_unaligned_L.to(torch.int32),
+        recv_src_metadata=epilogue.src_metadata(g_M, plan.src_rank_M, recv.local_idx_MK, recv.row_ptr_MK,
+                                                plan.valid_M),
+        dst_buffer_slot_idx=layout.dst_buffer_slot_idx(plan.send, call.topk_idx, num_local, call.n),
+        recv_expert_ids=expert_ids,
+        _topk_idx=call.topk_idx, _topk_idx_version=EPHandle.capture_version(call.topk_idx), _plan=plan,
+        _buffer_uid=buf.uid,
+    )
+
+
+def cached_launch(buf, call: DispatchCall, call_id: int) -> dict:
+    """Replay a handle's routing: pack data (+ weights) with the stored send order and move it."""
+    plan: Plan = call.handle._plan
+    wdt = None if call.topk_weights is None else call.topk_weights.dtype
+    spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=False)
+    records = spec.records(_record_tensors(call.x, call.topk_weights), call.x.num_tokens, buf.device)
+    send_XB = spec.gather(records, plan.send_src_X)
+    recv_XB = buf.transport.dispatch_rows(send_XB, plan.send_splits, plan.recv_splits, call_id=call_id)
+    return dict(spec=spec, recv_XB=recv_XB)
+
+
+def cached_finish(buf, call: DispatchCall, launched: dict):
+    plan: Plan = call.handle._plan
+    rows_MB = epilogue.gather_rows(launched["recv_XB"], plan.out_src_M)
+    recv_x, recv_w = _place(call, launched["spec"], rows_MB, plan)
+    recv_topk_idx = None if call.do_expand else plan.recv.local_idx_MK.to(call.topk_idx.dtype)
+    return recv_x, recv_topk_idx, recv_w, call.handle
+
+
+# ------------------------------------------------------------------------------------------------------------
+# combine
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class CombineCall:
+    x: Tensor
+    handle: object
+    topk_weights: Optional[Tensor]
+    bias_0: Optional[Tensor]
+    bias_1: Optional[Tensor]
+    per_pair: bool  # expand without multiple reduction: every (token, expert) row goes back on its own
+
+    def signature(self) -> dict:
+        h = self.handle
+        return dict(op=3, hidden=self.x.shape[1], num_topk=h.num_topk, dtype=agreement.dtype_code(self.x.dtype),
+                    num_experts=h.num_experts, do_expand=h.do_expand, expert_alignment=h.expert_alignment,
+                    num_max_tokens_per_rank=h.num_max_tokens_per_rank,
+                    has_topk_weights=self.topk_weights is not None, do_cpu_sync=h._plan.exact)
+
+
+def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
+    """Expert side: build the rows going back (partials or pairs) and move them to their origins."""
+    h, plan = call.handle, call.handle._plan
+    num_topk, n, num_ranks = h.num_topk, h.num_max_tokens_per_rank, buf.num_ranks
+    local_MK = plan.recv.local_idx_MK
+    fields = [Field("x", call.x.dtype, (call.x.shape[1],))]
+    if call.topk_weights is not None:
+        fields.append(Field("w", call.topk_weights.dtype, (num_topk,)))
+    spec = RecordSpec(fields)
+    if call.per_pair:
+        cap = None if plan.exact else n * min(num_topk, plan.recv.aligned_start_L.shape[0])
+        send_src_X, counts_R = epilogue.pair_rows_by_source(plan.recv.row_ptr_MK, plan.src_rank_M, num_ranks, cap)
+        send_XB = spec.gather(spec.records({"x": call.x}, call.x.shape[0], buf.device), send_src_X)
+        send_splits = counts_R.tolist() if plan.exact else None
+        recv_splits = _pair_counts_at_origin(h, num_ranks).tolist() if plan.exact else None
+    else:
+        if h.do_expand:
+            y_MH = epilogue.expert_partials(call.x, plan.recv.row_ptr_MK)
+            w_MK = None
+            if call.topk_weights is not None:
+                w_MK = epilogue.gather_rows(call.topk_weights, plan.recv.row_ptr_MK.reshape(-1)).view_as(local_MK)
+        else:
+            y_MH = call.x
+            w_MK = call.topk_weights
+        if w_MK is not None:
+            w_MK = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
+        records = spec.records({"x": y_MH, "w": w_MK}, y_MH.shape[0], buf.device)
+        send_XB = spec.gather(records, plan.buf_out_X)
+        send_splits, recv_splits = plan.recv_splits, plan.send_splits
+    recv_XB = buf.transport.combine_rows(send_XB, send_splits, recv_splits, call_id=call_id)
+    return dict(spec=spec, recv_XB=recv_XB)
+
+
+def _pair_counts_at_origin(h, num_ranks: int) -> Tensor:
+    return layout.pair_slots(h._topk_idx, num_ranks, h.num_experts // num_ranks)[0]
+
+
+def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
+    """Origin side: the canonical reduction (bias first, then ascending position) and the weights back."""
+    h, plan = call.handle, call.handle._plan
+    spec, rows_XB = launched["spec"], launched["recv_XB"]
+    y_XH = spec.unpack(rows_XB, "x")
+    topk_TK = h._topk_idx.long()
+    num_tokens, num_topk = topk_TK.shape
+    num_ranks, num_local = buf.num_ranks, h.num_experts // buf.num_ranks
+    dest_TK = layout.dest_rank_of(topk_TK, num_local)
+    if call.per_pair:
+        counts_R, slot_TK = layout.pair_slots(topk_TK, num_ranks, num_local)
+        if plan.exact:
+            off_R = _exclusive_cumsum(counts_R)
+        else:
+            off_R = torch.arange(num_ranks, device=buf.device) * (h.num_max_tokens_per_rank * min(num_topk, num_local))
+        item_TK = torch.where(slot_TK >= 0, off_R[dest_TK.clamp(min=0)] + slot_TK, -1)
+    else:
+        # One row per (token, destination rank), at the largest top-k position on that rank (reference §11.2).
+        last_TR, row_TR = plan.send.last_pos_TR, plan.send_row_TR
+        item_TK = torch.full((num_tokens, num_topk + 1), -1, dtype=torch.int64, device=buf.device)
+        item_TK.scatter_(1, torch.where(last_TR >= 0, last_TR, num_topk), row_TR)
+        item_TK = item_TK[:, :num_topk]
+    combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype)
+    combined_w = None
+    if call.topk_weights is not None:
+        w_XK = spec.unpack(rows_XB, "w")
+        row_TK = plan.send_row_TR.gather(1, dest_TK.clamp(min=0))
+        combined_w = torch.zeros(num_tokens, num_topk, dtype=w_XK.dtype, device=buf.device)
+        if w_XK.shape[0]:
+            picked = w_XK[row_TK.clamp(min=0), torch.arange(num_topk, device=buf.device)]
+            combined_w = torch.where(dest_TK >= 0, picked, combined_w)
+    return combined_x, combined_w

@@ -1,0 +1,228 @@
+"""The slow, obviously correct dispatch/combine: the oracle for tests, the benchmark gate and the examples.
+
+Written for reading, not speed: plain `torch.distributed.all_to_all_single` per tensor, Python loops over ranks,
+experts and top-k positions (never over tokens). Semantics: DeepEP V2.5 EPBuffer behaviour §9.3-9.6 and §11.2
+as amended by DESIGN.md (token-key order, 0 in non-local weight columns, one logical domain, canonical order).
+Only CPU-synced semantics (exact sizes); callers compare the valid rows of sync-free results against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def _all_to_all(t: Tensor, send_splits: list, recv_splits: list, group) -> Tensor:
+    """Variable all-to-all of rows of any dtype (moved as bytes, so gloo handles bf16 and FP8 too)."""
+    row_shape = tuple(t.shape[1:])
+    as_bytes = t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+    out = torch.empty(sum(recv_splits), as_bytes.shape[1], dtype=torch.uint8, device=t.device)
+    dist.all_to_all_single(out, as_bytes, recv_splits, send_splits, group=group)
+    return out.view(t.dtype).reshape(-1, *row_shape)
+
+
+@dataclass
+class RefHandle:
+    """What the reference dispatch returns as its handle (the fields tests compare).
+
+    Fields:
+        topk_idx: [T, K] the routing; do_expand, num_experts, num_max_tokens_per_rank, expert_alignment.
+        tokens_to_rank: list of R int64 tensors -- tokens sent to each rank, ascending.
+        recv_counts: list[int] -- tokens received from each rank.
+        recv_g: [M] int64 -- token key of each received row (ascending).
+        recv_local_idx: [M, K] int64 -- local expert id per column, -1 where not local.
+        row_ptr: [M, K] int64 -- expand: expanded row of (row, position), -1; None for non-expand.
+        num_recv_per_expert: list[int] -- unaligned received pairs per local expert.
+    """
+
+    topk_idx: Tensor
+    do_expand: bool
+    num_experts: int
+    num_max_tokens_per_rank: int
+    expert_alignment: int
+    tokens_to_rank: list
+    recv_counts: list
+    recv_g: Tensor
+    recv_local_idx: Tensor
+    row_ptr: Optional[Tensor]
+    num_recv_per_expert: list
+
+
+def dispatch(
+    x: Union[Tensor, tuple],
+    topk_idx: Tensor,
+    topk_weights: Optional[Tensor],
+    num_experts: int,
+    group: Optional[dist.ProcessGroup] = None,
+    num_max_tokens_per_rank: Optional[int] = None,
+    expert_alignment: int = 1,
+    do_expand: bool = False,
+):
+    """Reference dispatch (collective). Returns `(recv_x, recv_topk_idx, recv_topk_weights, handle)`.
+
+    Args: as `EPBuffer.dispatch`; `num_max_tokens_per_rank` defaults to the largest token count of any rank.
+    Returns: as `EPBuffer.dispatch` with CPU sync (exact sizes); handle is a `RefHandle`.
+    """
+    group = group or dist.group.WORLD
+    rank, num_ranks = group.rank(), group.size()
+    num_local = num_experts // num_ranks
+    data, sf = (x if isinstance(x, tuple) else (x, None))
+    num_tokens, num_topk = topk_idx.shape
+    idx = topk_idx.long()
+    if num_max_tokens_per_rank is None:
+        every = [torch.zeros(1, dtype=torch.int64, device=data.device) for _ in range(num_ranks)]
+        dist.all_gather(every, torch.tensor([num_tokens], device=data.device), group=group)
+        num_max_tokens_per_rank = max(int(e) for e in every)
+
+    # Which tokens go to which rank: every token with at least one expert there, once, ascending.
+    tokens_to_rank = []
+    for dst in range(num_ranks):
+        has_expert_on_dst = ((idx >= dst * num_local) & (idx < (dst + 1) * num_local)).any(dim=1)
+        tokens_to_rank.append(has_expert_on_dst.nonzero().flatten())
+    send_counts = [len(t) for t in tokens_to_rank]
+    recv_counts_t = torch.empty(num_ranks, dtype=torch.int64, device=data.device)
+    dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, device=data.device), group=group)
+    recv_counts = recv_counts_t.tolist()
+
+    order = torch.cat(tokens_to_rank) if num_ranks else torch.empty(0, dtype=torch.int64)
+    g = rank * num_max_tokens_per_rank + torch.arange(num_tokens, device=data.device)
+    recv = {}
+    payload = {"x": data, "sf": sf, "idx": idx, "w": topk_weights, "g": g}
+    for key, t in payload.items():
+        if t is not None:
+            recv[key] = _all_to_all(t[order], send_counts, recv_counts, group)
+    # Rows arrive grouped by source rank, ascending token: that is ascending g. Sort anyway, to say so.
+    by_g = torch.argsort(recv["g"], stable=True)
+    recv = {k: v[by_g] for k, v in recv.items()}
+
+    is_local = (recv["idx"] >= rank * num_local) & (recv["idx"] < (rank + 1) * num_local)
+    local_idx = torch.where(is_local, recv["idx"] - rank * num_local, torch.full_like(recv["idx"], -1))
+    recv_w = None if "w" not in recv else torch.where(is_local, recv["w"], torch.zeros_like(recv["w"]))
+    num_per_expert = [int((local_idx == e).sum()) for e in range(num_local)]
+    row_ptr = None
+    if not do_expand:
+        recv_x = recv["x"] if sf is None else (recv["x"], recv["sf"])
+        out_idx = local_idx.to(topk_idx.dtype)
+    else:
+        # One row per (token, local expert), grouped by expert, ascending g, each segment padded with zeros.
+        row_ptr = torch.full_like(local_idx, -1)
+        xs, sfs, ws, start = [], [], [], 0
+        for e in range(num_local):
+            rows, cols = (local_idx == e).nonzero(as_tuple=True)
+            n, padded = len(rows), _align(len(rows), expert_alignment)
+            row_ptr[rows, cols] = start + torch.arange(n, device=data.device)
+            pad = padded - n
+            xs += [recv["x"][rows], recv["x"].new_zeros(pad, recv["x"].shape[1])]
+            if sf is not None:
+                sfs += [recv["sf"][rows], recv["sf"].new_zeros(pad, recv["sf"].shape[1])]
+            if recv_w is not None:
+                ws += [recv_w[rows, cols], recv_w.new_zeros(pad)]
+            start += padded
+        cat = lambda parts, like: torch.cat(parts) if parts else like[:0]  # noqa: E731
+        recv_x = cat(xs, recv["x"]) if sf is None else (cat(xs, recv["x"]), cat(sfs, recv["sf"]))
+        recv_w = None if recv_w is None else cat(ws, recv_w.flatten())
+        out_idx = None
+    handle = RefHandle(topk_idx=topk_idx, do_expand=do_expand, num_experts=num_experts,
+                       num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment,
+                       tokens_to_rank=tokens_to_rank, recv_counts=recv_counts, recv_g=recv["g"],
+                       recv_local_idx=local_idx, row_ptr=row_ptr, num_recv_per_expert=num_per_expert)
+    return recv_x, out_idx, recv_w, handle
+
+
+def combine(
+    x: Tensor,
+    handle: RefHandle,
+    topk_weights: Optional[Tensor] = None,
+    bias: Union[None, Tensor, tuple] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    allow_multiple_reduction: bool = True,
+):
+    """Reference combine (collective): unweighted sum in the canonical order. Returns `(combined_x, combined_w)`.
+
+    Canonical order: acc = 0; acc += bias_0; acc += bias_1; then each item in ascending top-k position; one
+    rounding to x's dtype at the end (and at the per-rank partial level in expand layout with multiple
+    reduction). Items: non-expand, one row per destination rank at its largest position; expand + multiple
+    reduction, one partial per rank at its largest position; expand without, every (token, expert) row at its
+    own position.
+    """
+    group = group or dist.group.WORLD
+    rank, num_ranks = group.rank(), group.size()
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    idx = handle.topk_idx.long()
+    num_tokens, num_topk = idx.shape
+    num_local = handle.num_experts // num_ranks
+    local_idx = handle.recv_local_idx
+    per_pair = handle.do_expand and not allow_multiple_reduction
+
+    # Expert side: what goes back for each received row (m ascending is grouped by source rank).
+    back_x = back_w = None
+    if not handle.do_expand:
+        back_x, back_w = x[: local_idx.shape[0]], topk_weights
+    elif not per_pair:
+        back_x = torch.zeros(local_idx.shape[0], x.shape[1], dtype=acc_dtype, device=x.device)
+        for j in range(num_topk):
+            has = handle.row_ptr[:, j] >= 0
+            back_x[has] += x[handle.row_ptr[has, j]].to(acc_dtype)
+        back_x = back_x.to(x.dtype)
+        back_w = None
+        if topk_weights is not None:
+            back_w = torch.zeros(local_idx.shape, dtype=topk_weights.dtype, device=x.device)
+            has = handle.row_ptr >= 0
+            back_w[has] = topk_weights[handle.row_ptr[has]]
+    if back_w is not None and not per_pair:
+        back_w = torch.where(local_idx >= 0, back_w, torch.zeros_like(back_w))
+
+    if per_pair:
+        # Every (row, position) pair with a local expert, in (row, position) order.
+        rows, cols = (handle.row_ptr >= 0).nonzero(as_tuple=True)
+        src_rank = torch.div(handle.recv_g, handle.num_max_tokens_per_rank, rounding_mode="floor")
+        send_counts = [int((src_rank[rows] == s).sum()) for s in range(num_ranks)]
+        back = x[handle.row_ptr[rows, cols]]
+        dest = torch.where(idx >= 0, torch.div(idx, num_local, rounding_mode="floor"), -1)
+        recv_counts = [int((dest == d).sum()) for d in range(num_ranks)]
+        returned = _all_to_all(back, send_counts, recv_counts, group)
+        offset = 0
+        items = {}  # position -> list of (tokens, rows)
+        for d in range(num_ranks):
+            tokens, positions = (dest == d).nonzero(as_tuple=True)
+            for p in range(num_topk):
+                sel = positions == p
+                items.setdefault(p, []).append((tokens[sel], returned[offset:][: len(tokens)][sel]))
+            offset += len(tokens)
+        combined_w = None
+    else:
+        returned_x = _all_to_all(back_x, handle.recv_counts, [len(t) for t in handle.tokens_to_rank], group)
+        returned_w = None if back_w is None else _all_to_all(back_w, handle.recv_counts,
+                                                              [len(t) for t in handle.tokens_to_rank], group)
+        items, offset = {}, 0
+        combined_w = None if returned_w is None else torch.zeros(num_tokens, num_topk, dtype=returned_w.dtype,
+                                                                  device=x.device)
+        for d, tokens in enumerate(handle.tokens_to_rank):
+            on_d = (idx[tokens] >= d * num_local) & (idx[tokens] < (d + 1) * num_local)
+            positions = torch.arange(num_topk, device=x.device).expand_as(on_d)
+            last_pos = torch.where(on_d, positions, -1).amax(dim=1) if len(tokens) else positions[:, 0]
+            rows_from_d = returned_x[offset: offset + len(tokens)]
+            for p in range(num_topk):
+                sel = last_pos == p
+                items.setdefault(p, []).append((tokens[sel], rows_from_d[sel]))
+            if combined_w is not None:
+                w_from_d = returned_w[offset: offset + len(tokens)]
+                combined_w[tokens] = torch.where(on_d, w_from_d, combined_w[tokens])
+            offset += len(tokens)
+
+    acc = torch.zeros(num_tokens, x.shape[1], dtype=acc_dtype, device=x.device)
+    biases = () if bias is None else ((bias,) if isinstance(bias, Tensor) else tuple(bias))
+    for b in biases:
+        acc += b.to(acc_dtype)
+    for p in range(num_topk):
+        for tokens, rows in items.get(p, []):
+            acc[tokens] += rows.to(acc_dtype)
+    return acc.to(x.dtype), combined_w

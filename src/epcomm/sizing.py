@@ -1,0 +1,128 @@
+"""Buffer sizing and the SM-count model (DeepEP V2.5 EPBuffer behaviour, §4.2-4.3 and §8.2).
+
+`get_buffer_size_hint` follows the reference's record layout so that callers that compare sizes to decide
+whether to reuse a buffer keep working. epcomm always reports the logical domain `(1, world)` (DESIGN.md
+decision 4), so only the direct-mode branch of the formula applies.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+ALLOCATION_ALIGNMENT = 2 * 1024 * 1024  # every registered region is a multiple of 2 MiB (reference §1)
+MAX_TOPK = 32
+MAX_CHANNELS = 1280
+
+
+def align(x: int, a: int) -> int:
+    """Round `x` up to a multiple of `a` (a >= 1)."""
+    return (x + a - 1) // a * a
+
+
+def ceil_div(x: int, a: int) -> int:
+    return (x + a - 1) // a
+
+
+def record_bytes(hidden_bytes: int, sf_bytes: int, num_topk: int, with_metadata: bool) -> int:
+    """Bytes of one token record: `[hidden | SF | metadata]`, each part padded to 32 B, record to 64 B (§4.2)."""
+    meta = num_topk * 8 + (1 + num_topk) * 4 if with_metadata else num_topk * 8
+    return align(align(hidden_bytes, 32) + align(sf_bytes, 32) + align(meta, 32), 64)
+
+
+def num_nvlink_ranks(num_ranks: int) -> int:
+    """Ranks that share a host (the reference's NVLink domain), from `LOCAL_WORLD_SIZE` when torchrun sets it."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_ranks) or num_ranks)
+    return num_ranks if local >= num_ranks or num_ranks % local else local
+
+
+def required_bytes(
+    num_ranks: int,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int = 0,
+    use_fp8_dispatch: bool = False,
+    allow_multiple_reduction: bool = True,
+    elem_size: int = 2,
+) -> int:
+    """Bytes a dispatch/combine of this shape needs (reference §4.3, direct mode), before 2 MiB alignment.
+
+    `elem_size` is the element size of the non-FP8 payload (2 for bf16, the reference's only type).
+    """
+    n, h, r = num_max_tokens_per_rank, hidden, num_ranks
+    k = num_topk if num_topk > 0 else MAX_TOPK
+    nvl = num_nvlink_ranks(r) == r
+    sf = ceil_div(h, 32) * 4 if use_fp8_dispatch else 0
+    d = record_bytes(h * (1 if use_fp8_dispatch else elem_size), sf, k, True)
+    b = record_bytes(h * elem_size, 0, k, False)
+    dispatch = d * n * ((0 if nvl else 1) + r)
+    combine = b * n * (1 if allow_multiple_reduction else k) * (0 if nvl else r)
+    combine += b * n * (min(r, k) if allow_multiple_reduction else k)
+    return max(dispatch, combine)
+
+
+def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, **kwargs) -> int:
+    return align(required_bytes(num_ranks, num_max_tokens_per_rank, hidden, **kwargs), ALLOCATION_ALIGNMENT)
+
+
+def max_tokens_that_fit(num_bytes: int, num_ranks: int, hidden: int, **kwargs) -> int:
+    """Largest `num_max_tokens_per_rank` whose requirement fits in `num_bytes` (requirement is linear in it)."""
+    per_token = required_bytes(num_ranks, 1, hidden, **kwargs)
+    return num_bytes // per_token if per_token else 0
+
+
+def _expected_distinct_groups(num_experts: int, num_topk: int, num_groups: int) -> float:
+    """Expected number of distinct groups hit by `num_topk` distinct experts drawn from `num_groups` groups."""
+    per_group = num_experts // num_groups
+    return num_groups * (1 - math.comb(num_experts - per_group, num_topk) / math.comb(num_experts, num_topk))
+
+
+def theoretical_num_sms(
+    num_ranks: int,
+    num_experts: int,
+    num_topk: int,
+    nvlink_gbs: float,
+    device_sms: int,
+    *,
+    sm_read_gbs: float = 180.0,
+    sm_write_gbs: float = 45.0,
+    prefer_overlap_with_compute: bool = True,
+) -> int:
+    """SM count that keeps the NVLink bottleneck busy under a balanced gate (reference §8.2, direct mode).
+
+    A hint only: the collective transport runs no persistent SM-limited kernels; the NVLink transport uses it
+    as its default grid size.
+    """
+    if num_ranks <= 1 or nvlink_gbs <= 0:
+        sms = float(device_sms)
+    else:
+        t = _expected_distinct_groups(num_experts, min(num_topk, num_experts), num_ranks)
+        read = 1 / t
+        write = 1.0  # num_nvl / num_ranks with every rank on one host
+        nvl = 1 - 1 / num_ranks
+        scale = nvlink_gbs / nvl
+        sms = max(
+            scale * read / sm_read_gbs,
+            scale * write / sm_write_gbs,
+            scale * (write - nvl) / sm_read_gbs,
+            scale * (read + nvl) / sm_write_gbs,
+        )
+    sms_i = align(max(4, math.ceil(1.3 * sms)), 4)
+    if not prefer_overlap_with_compute:
+        sms_i = max(sms_i, 64)
+    return min(sms_i, device_sms // 2 * 2) if device_sms > 0 else sms_i
+
+
+def default_nvlink_gbs(device: torch.device) -> float:
+    """Usable NVLink bandwidth per direction (GB/s) assumed for `device`: 0.9 x nominal for the GPUs we know."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    # NOTE: H100/H200 SXM have 18 links of 26.56 GB/s per direction (478 GB/s); DeepEP's model uses 0.9x nominal.
+    if "H100" in name or "H200" in name or "H800" in name or "H20" in name:
+        return 0.9 * 18 * 26.5625
+    if "A100" in name or "A800" in name:
+        return 0.9 * 12 * 25.0
+    return 0.0

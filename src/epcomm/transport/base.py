@@ -1,0 +1,146 @@
+"""The transport interface, the registry, and bounded host waits.
+
+A transport moves rows of bytes between the ranks of one group and nothing else: the buffer computes the
+layout, packs records, and places/reduces what arrives. Three data methods:
+
+| method | moves | host waits? |
+| --- | --- | --- |
+| `exchange_counts(send_RC)` | one int64 row per peer (counts + call header) | when `wait=True` |
+| `dispatch_rows(buf, splits)` | packed records to their destination ranks | on CPU (gloo) only |
+| `combine_rows(buf, splits)` | the same primitive in the return direction | on CPU (gloo) only |
+
+`splits=None` means equal splits (every peer gets `rows / R` rows): the sync-free mode, where sizes are the
+worst case and no host read of counts is needed.
+
+Every host wait is bounded by the buffer's `num_cpu_timeout_secs`: a peer that does not arrive gives a
+`TransportTimeout` naming the missing group ranks (DESIGN.md "Errors and timeouts").
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class TransportTimeout(TimeoutError):
+    """A peer did not arrive within `num_cpu_timeout_secs`; the buffer is unusable afterwards (destroy it)."""
+
+
+def _default_store() -> Optional["dist.Store"]:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # not every init method exposes a store; then missing ranks cannot be named
+        return None
+
+
+class Transport(ABC):
+    """Moves rows between the ranks of `group`.
+
+    Args:
+        group: the EP process group (group ranks are used in every message).
+        device: the buffer's device.
+        timeout_s: bound on every host wait (`num_cpu_timeout_secs`).
+        uid: an id shared by all ranks of this buffer (names the progress keys used to find missing ranks).
+    """
+
+    name = "base"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, uid: int):
+        self.group = group
+        self.device = device
+        self.rank = group.rank()
+        self.num_ranks = group.size()
+        self.timeout_s = float(timeout_s)
+        self.uid = uid
+
+    @abstractmethod
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int) -> Tensor:
+        """Send row r of `send_RC` ([R, C] int64) to rank r; return [R, C] with row s from rank s."""
+
+    @abstractmethod
+    def dispatch_rows(
+        self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int
+    ) -> Tensor:
+        """All-to-all of packed rows ([X, B] uint8) grouped by destination; returns rows grouped by source."""
+
+    def combine_rows(
+        self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int
+    ) -> Tensor:
+        """The return direction of `dispatch_rows` (same primitive unless a transport specialises it)."""
+        return self.dispatch_rows(send_XB, send_splits, recv_splits, call_id=call_id)
+
+    def destroy(self) -> None:
+        """Release transport resources (local; the buffer runs the collective part)."""
+
+    # -- bounded waits -------------------------------------------------------------------------------
+    def wait(self, work: "dist.Work", what: str, call_id: int) -> None:
+        """Wait for `work` on the host, at most `timeout_s`; name the missing ranks on expiry."""
+        deadline = time.monotonic() + self.timeout_s
+        sleep = 1e-5
+        announced = False
+        while not work.is_completed():
+            now = time.monotonic()
+            if not announced and now > deadline - self.timeout_s + min(1.0, self.timeout_s / 4):
+                self._announce(call_id)  # only slow waits pay for a store round trip
+                announced = True
+            if now > deadline:
+                self._raise_timeout(what, call_id)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 1e-3)
+        work.wait()
+
+    def _key(self, call_id: int, rank: int) -> str:
+        return f"epcomm/{self.uid}/{call_id}/{rank}"
+
+    def _announce(self, call_id: int) -> None:
+        store = _default_store()
+        if store is not None:
+            store.set(self._key(call_id, self.rank), "1")
+
+    def _raise_timeout(self, what: str, call_id: int) -> None:
+        store = _default_store()
+        missing: Optional[list] = None
+        if store is not None:
+            self._announce(call_id)
+            time.sleep(min(1.0, self.timeout_s / 4))  # let peers that are waiting too announce themselves
+            missing = [r for r in range(self.num_ranks) if r != self.rank and not store.check([self._key(call_id, r)])]
+        who = f"group ranks {missing}" if missing else "a peer (could not tell which)"
+        raise TransportTimeout(
+            f"{what}: rank {self.rank} waited {self.timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} "
+            f"but {who} did not arrive. Every rank of the group must make the same dispatch/combine calls in the "
+            "same order. The buffer is unusable now: destroy it (and the process group) and restart"
+        )
+
+
+_REGISTRY = {
+    # name: (devices it runs on, chosen by "auto")
+    "collective": (("cpu", "cuda"), True),
+}
+
+
+def available_transports(device: torch.device) -> list:
+    """Names of the transports that can run on `device`, in the order "auto" tries them."""
+    return [name for name, (devices, _) in _REGISTRY.items() if device.type in devices]
+
+
+def resolve_transport(name: str, device: torch.device) -> type:
+    """The transport class for `name` ("auto" picks the first default that applies).
+
+    Raises:
+        ValueError: unknown name, or a transport asked for by name that cannot run on `device`.
+    """
+    if name == "auto":
+        name = next(n for n, (devices, auto) in _REGISTRY.items() if auto and device.type in devices)
+    if name not in _REGISTRY:
+        raise ValueError(f"EPBuffer: transport={name!r} is unknown; expected 'auto' or one of {sorted(_REGISTRY)}")
+    devices, _ = _REGISTRY[name]
+    if device.type not in devices:
+        raise ValueError(f"EPBuffer: transport={name!r} cannot run on device {device}; it supports {devices}")
+    from .collective import CollectiveTransport
+
+    return {"collective": CollectiveTransport}[name]

@@ -1,0 +1,43 @@
+"""The `collective` transport: `torch.distributed.all_to_all_single` on any backend (gloo, NCCL), any number of nodes.
+
+Rows travel as packed uint8 records. With CPU sync the splits are exact; without it every peer gets the
+worst-case `N` rows (equal splits), so no host read of counts is needed and NCCL calls stay graph-capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .base import Transport
+
+
+class CollectiveTransport(Transport):
+    name = "collective"
+
+    def _all_to_all(
+        self, out: Tensor, inp: Tensor, out_splits: Optional[list], in_splits: Optional[list], wait: bool,
+        what: str, call_id: int,
+    ) -> Tensor:
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        if wait or self.device.type == "cpu":
+            self.wait(work, what, call_id)
+        else:
+            work.wait()  # orders the current stream after the collective; no host wait
+        return out
+
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int) -> Tensor:
+        recv_RC = torch.empty_like(send_RC)
+        return self._all_to_all(recv_RC, send_RC, None, None, wait, "count exchange", call_id)
+
+    def dispatch_rows(
+        self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int
+    ) -> Tensor:
+        rows = sum(recv_splits) if recv_splits is not None else send_XB.shape[0]
+        recv_XB = torch.empty(rows, send_XB.shape[1], dtype=send_XB.dtype, device=send_XB.device)
+        if self.num_ranks == 1:
+            return recv_XB.copy_(send_XB)
+        return self._all_to_all(recv_XB, send_XB, recv_splits, send_splits, False, "row exchange", call_id)

@@ -1,0 +1,154 @@
+"""Argument resolution and checks for dispatch/combine, run once before any data moves.
+
+Which reference checks (DeepEP V2.5 EPBuffer behaviour, §9.1-9.2, §11.1) epcomm keeps is DESIGN.md's table.
+User mistakes raise `TypeError` (wrong type/dtype) or `ValueError` (shape, value, device, capacity, options);
+messages name the call, the group rank, the argument, the expected and the actual value, and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import sizing
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+TOPK_IDX_DTYPES = (torch.int64, torch.int32)
+
+
+class Checker:
+    """Raises errors prefixed with the call and the group rank."""
+
+    def __init__(self, call: str, rank: int, device: torch.device):
+        self.call, self.rank, self.device = call, rank, device
+
+    def fail(self, exc: type, msg: str):
+        raise exc(f"{self.call}: rank {self.rank}: {msg}")
+
+    def tensor(self, name: str, t, *, ndim: int, dtypes: tuple, shape: Optional[tuple] = None) -> Tensor:
+        if not isinstance(t, Tensor):
+            self.fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            self.fail(ValueError, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d) for d in dtypes)
+            self.fail(TypeError, f"{name} must have dtype in ({names}), got {t.dtype}")
+        if t.device.type != self.device.type or (self.device.index is not None and t.device != self.device):
+            self.fail(ValueError, f"{name} is on {t.device} but the buffer lives on {self.device}; move it there")
+        if shape is not None:
+            for i, (want, got) in enumerate(zip(shape, t.shape)):
+                if want is not None and want != got:
+                    self.fail(ValueError, f"{name} must have shape {_fmt(shape)}, got {tuple(t.shape)} (dim {i})")
+        return t
+
+    def positive_int(self, name: str, v, minimum: int = 1) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.fail(TypeError, f"{name} must be an int, got {type(v).__name__}")
+        if v < minimum:
+            self.fail(ValueError, f"{name} must be >= {minimum}, got {v}")
+        return v
+
+    def require(self, cond: bool, msg: str) -> None:
+        if not cond:
+            self.fail(ValueError, msg)
+
+
+def _fmt(shape: tuple) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+@dataclass(frozen=True)
+class XSpec:
+    """The payload of a dispatch/combine input: data, optional scale factors, and their element types."""
+
+    data: Tensor
+    sf: Optional[Tensor]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.sf is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.data.shape[1]
+
+
+def check_x(c: Checker, x, *, allow_fp8: bool) -> XSpec:
+    """`x` as a float tensor [T, H] or, when allowed, an FP8 tuple `(data [T, H] e4m3, scales [T, P])`."""
+    if isinstance(x, (tuple, list)):
+        if not allow_fp8:
+            c.fail(TypeError, "x must be a float tensor here; FP8 (data, scales) tuples are dispatch-only")
+        if len(x) != 2:
+            c.fail(ValueError, f"x as a tuple must be (data, scales), got {len(x)} elements")
+        data = c.tensor("x[0] (FP8 data)", x[0], ndim=2, dtypes=FP8_DTYPES)
+        sf = c.tensor("x[1] (scales)", x[1], ndim=2, dtypes=(torch.float32, torch.int32), shape=(data.shape[0], None))
+        return XSpec(data, sf)
+    data = c.tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    return XSpec(data, None)
+
+
+def weights_dtype(x: XSpec) -> torch.dtype:
+    """topk_weights are fp32, or fp64 when x is fp64 (DESIGN.md decision 3)."""
+    return torch.float64 if x.data.dtype == torch.float64 else torch.float32
+
+
+def check_topk_idx(c: Checker, topk_idx, num_tokens: int) -> Tensor:
+    t = c.tensor("topk_idx", topk_idx, ndim=2, dtypes=TOPK_IDX_DTYPES, shape=(num_tokens, None))
+    c.require(1 <= t.shape[1] <= sizing.MAX_TOPK, f"topk_idx has {t.shape[1]} columns; num_topk must be in [1, 32]")
+    return t
+
+
+def check_topk_values(c: Checker, topk_idx: Tensor, num_experts: int) -> None:
+    """Host-side value checks: ids in [-1, num_experts), no expert twice in a row. Reads the tensor (syncs)."""
+    if topk_idx.numel() == 0:
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        row = int(((topk_idx < -1) | (topk_idx >= num_experts)).any(1).nonzero()[0])
+        c.fail(ValueError, f"topk_idx holds {bad} (token {row}); ids must be in [-1, num_experts={num_experts})")
+    s, _ = topk_idx.sort(dim=1)
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    if bool(dup.any()):
+        row = int(dup.any(1).nonzero()[0])
+        c.fail(
+            ValueError,
+            f"topk_idx row {row} names expert {int(s[row, 1:][dup[row]][0])} more than once; each token selects "
+            "distinct experts (use -1 for empty selections)",
+        )
+
+
+def check_capacity(c: Checker, buffer, *, num_tokens: int, hidden: int, num_topk: int, is_fp8: bool,
+                   elem_size: int, n: int) -> None:
+    """The call must fit in the buffer's `num_bytes` (reference §4.3, DESIGN.md decision 3)."""
+    c.require(num_tokens <= n, f"x has {num_tokens} tokens but num_max_tokens_per_rank is {n}; raise "
+              "num_max_tokens_per_rank (a dispatch argument, or the EPBuffer argument) and size the buffer for it")
+    kw = dict(num_topk=num_topk, use_fp8_dispatch=is_fp8, allow_multiple_reduction=buffer.allow_multiple_reduction,
+              elem_size=elem_size)
+    need = sizing.required_bytes(buffer.num_ranks, n, hidden, **kw)
+    if need > buffer.num_bytes:
+        fits = sizing.max_tokens_that_fit(buffer.num_bytes, buffer.num_ranks, hidden, **kw)
+        c.fail(
+            ValueError,
+            f"the call needs {need} bytes (num_max_tokens_per_rank={n}, hidden={hidden}, num_topk={num_topk}, "
+            f"{elem_size}-byte elements{', FP8' if is_fp8 else ''}) but the buffer has num_bytes={buffer.num_bytes}; "
+            f"at this shape it fits num_max_tokens_per_rank <= {fits}. Size the buffer with "
+            f"EPBuffer.get_buffer_size_hint(group, {n}, {hidden}, {num_topk}, use_fp8_dispatch={is_fp8}, "
+            f"dtype=<x's dtype>) or pass num_max_tokens_per_rank/hidden/dtype to EPBuffer",
+        )
+
+
+def check_event_options(c: Checker, *, previous_event, allocate_on_comm_stream: bool,
+                        async_with_compute_stream: bool, defer_epilogue: bool) -> None:
+    c.require(not defer_epilogue or async_with_compute_stream,
+              "defer_epilogue=True requires async_with_compute_stream=True (reference §3.5)")
+    c.require(previous_event is None or allocate_on_comm_stream,
+              "previous_event requires allocate_on_comm_stream=True (reference §3.4)")
