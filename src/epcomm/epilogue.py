@@ -23,6 +23,8 @@ from .sizing import align
 
 def gather_rows(src_XH: Tensor, idx_Y: Tensor) -> Tensor:
     """[Y, ...]: row y is `src_XH[idx_Y[y]]`, zero where the index is -1. Fresh tensor."""
+    if src_XH.dtype == torch.float8_e4m3fn:  # few kernels exist for FP8: move its bytes
+        return gather_rows(src_XH.view(torch.uint8), idx_Y).view(src_XH.dtype)
     if src_XH.shape[0] == 0:
         return src_XH.new_zeros((idx_Y.shape[0],) + tuple(src_XH.shape[1:]))
     out = src_XH[idx_Y.clamp(min=0)]

@@ -1,0 +1,206 @@
+"""Rank-side bodies of the multi-rank dispatch/combine tests (importable by the worker processes).
+
+Every check compares epcomm against `epcomm.reference` on fresh random inputs, bitwise (STYLE rules 19-21).
+Each function runs on every rank as `fn(rank, world_size, ...)` and returns a small summary or raises.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+from epcomm import reference as ref
+from epcomm.fp8 import per_token_cast_to_fp8
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def assert_equal(actual, expected, what: str) -> None:
+    """Bitwise equality with a useful message (first mismatching index, max difference)."""
+    if actual is None or expected is None:
+        assert actual is None and expected is None, f"{what}: one is None ({actual is None}, {expected is None})"
+        return
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    if torch.equal(actual, expected):
+        return
+    a, e = actual.view(torch.uint8) if actual.dtype == torch.float8_e4m3fn else actual, expected
+    e = e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e
+    diff = (a != e).nonzero()
+    first = tuple(diff[0].tolist())
+    raise AssertionError(f"{what}: {len(diff)} elements differ; first at {first}: {a[first]} vs {e[first]}")
+
+
+def random_routing(gen, num_tokens: int, num_experts: int, num_topk: int, masked_ratio: float = 0.2):
+    """top-k of random scores (distinct experts per row) with a fraction of selections set to -1."""
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    topk_idx = scores.topk(num_topk, dim=1).indices
+    mask = torch.rand(num_tokens, num_topk, generator=gen) < masked_ratio
+    topk_idx = topk_idx.masked_fill(mask, -1)
+    weights = torch.rand(num_tokens, num_topk, generator=gen).masked_fill(mask, 0.0)
+    return topk_idx, weights
+
+
+def make_x(gen, num_tokens: int, hidden: int, dtype: str, use_ue8m0: bool = False):
+    x = torch.randn(num_tokens, hidden, generator=gen, dtype=torch.float64)
+    if dtype == "fp8":
+        return per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0)
+    return x.to(DTYPES[dtype])
+
+
+def check_mode(
+    rank: int,
+    world: int,
+    *,
+    seed: int = 0,
+    tokens=(33, 20),
+    hidden: int = 64,
+    num_experts: int = 16,
+    num_topk: int = 4,
+    dtype: str = "bf16",
+    use_ue8m0: bool = False,
+    do_expand: bool = False,
+    expert_alignment: int = 1,
+    do_cpu_sync: bool = True,
+    num_bias: int = 0,
+    allow_multiple_reduction: bool = True,
+    masked_ratio: float = 0.2,
+    topk_idx_dtype=torch.int64,
+    defer: bool = False,
+    col_major_sf: bool = False,
+    routing=None,
+):
+    """Dispatch, cached dispatch and combine against the reference in one mode; returns counts."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    num_tokens = tokens[rank % len(tokens)]
+    n = max(tokens)
+    if routing is None:
+        topk_idx, weights = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio)
+    else:
+        topk_idx, weights = routing(rank, world, gen)
+        num_tokens = topk_idx.shape[0]
+    topk_idx = topk_idx.to(topk_idx_dtype)
+    x = make_x(gen, num_tokens, hidden, dtype, use_ue8m0)
+    x_ref = x
+    if dtype == "fp64":
+        weights = weights.double()
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
+                          use_fp8_dispatch=dtype == "fp8", allow_multiple_reduction=allow_multiple_reduction,
+                          dtype=DTYPES.get(dtype, torch.bfloat16), explicitly_destroy=True)
+    stats = torch.zeros(num_experts // world, dtype=torch.int32)
+    kwargs = dict(num_experts=num_experts, expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync,
+                  do_expand=do_expand, use_tma_aligned_col_major_sf=col_major_sf)
+    if defer:
+        event = buf.dispatch(x, topk_idx, weights, stats, async_with_compute_stream=True, defer_epilogue=True,
+                             **kwargs)
+        recv_x, recv_idx, recv_w, handle = event.wait()
+        assert event.wait() is None, "a second wait must return None"
+    else:
+        recv_x, recv_idx, recv_w, handle, event = buf.dispatch(x, topk_idx, weights, stats, **kwargs)
+        assert event.event is None
+    r_x, r_idx, r_w, r_handle = ref.dispatch(x_ref, topk_idx, weights, num_experts, num_max_tokens_per_rank=n,
+                                             expert_alignment=expert_alignment, do_expand=do_expand)
+    num_valid = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+    assert num_valid == len(r_handle.recv_g)
+    assert handle.topk_idx is topk_idx
+    num_local = num_experts // world
+
+    # Data rows: exact rows with CPU sync, the valid prefix (or valid expanded rows) without.
+    def rows(t, count):
+        return t if t is None else t[:count]
+    count = r_x[0].shape[0] if dtype == "fp8" else r_x.shape[0]
+    if dtype == "fp8":
+        assert_equal(rows(recv_x[0], count), r_x[0], "recv_x data")
+        assert_equal(rows(recv_x[1], count), r_x[1], "recv_x scales")
+        if col_major_sf:
+            alloc = recv_x[1].shape[0]
+            assert recv_x[1].stride() == (1, (alloc + 3) // 4 * 4), recv_x[1].stride()
+    else:
+        assert_equal(rows(recv_x, count), r_x, "recv_x")
+    assert_equal(rows(recv_w, count), r_w, "recv_topk_weights")
+    assert_equal(rows(recv_idx, count), r_idx, "recv_topk_idx")
+
+    # Handle fields (reference §10, §24).
+    meta = handle.recv_src_metadata
+    assert_equal(meta[:num_valid, 0].long(), r_handle.recv_g, "recv_src_metadata[:, 0]")
+    assert bool((meta[num_valid:] == -1).all()), "rows past the valid extent must be -1"
+    if do_expand:
+        assert_equal(meta[:num_valid, 2:].long(), r_handle.row_ptr, "recv_src_metadata[:, 2:]")
+    n_ref = torch.tensor(r_handle.num_recv_per_expert, dtype=torch.int32)
+    assert_equal(handle.num_unaligned_recv_tokens_per_expert, n_ref, "num_unaligned_recv_tokens_per_expert")
+    assert_equal(stats, n_ref, "cumulative_local_expert_recv_stats")
+    aligned = (n_ref + expert_alignment - 1) // expert_alignment * expert_alignment
+    if do_cpu_sync:
+        assert handle.num_recv_tokens_per_expert_list == aligned.tolist()
+        assert handle.num_recv_tokens == num_valid
+    else:
+        assert handle.num_recv_tokens_per_expert_list == []
+        assert handle.num_recv_tokens == world * n
+    psum_expected = (aligned.cumsum(0) - aligned + n_ref) if do_expand else aligned.cumsum(0)
+    assert_equal(handle.psum_num_recv_tokens_per_expert, psum_expected.to(torch.int32), "psum per expert")
+    counts = torch.tensor(r_handle.recv_counts)
+    assert_equal(handle.psum_num_recv_tokens_per_scaleup_rank, counts.cumsum(0).to(torch.int32), "psum per rank")
+
+    # Cached dispatch replays positions bitwise and returns the same handle object.
+    c_x, c_idx, c_w, c_handle, _ = buf.dispatch(x, handle=handle, topk_weights=weights, do_expand=do_expand,
+                                                use_tma_aligned_col_major_sf=col_major_sf)
+    assert c_handle is handle
+    for a, b, what in ((c_x, recv_x, "cached recv_x"), (c_w, recv_w, "cached recv_topk_weights"),
+                       (c_idx, recv_idx, "cached recv_topk_idx")):
+        if isinstance(a, tuple):
+            assert_equal(rows(a[0], count), rows(b[0], count), what)
+            assert_equal(rows(a[1], count), rows(b[1], count), what + " scales")
+        else:
+            assert_equal(rows(a, count), rows(b, count), what)
+
+    # Combine: expert outputs derived from the received rows (random per row), biases, weights back.
+    if dtype == "fp8":
+        buf.destroy()
+        return dict(num_valid=num_valid)
+    y = recv_x * (1 + torch.rand(recv_x.shape, generator=gen, dtype=torch.float64)).to(recv_x.dtype)
+    biases = [torch.randn(num_tokens, hidden, generator=gen, dtype=torch.float64).to(recv_x.dtype)
+              for _ in range(num_bias)]
+    bias = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
+    per_pair = do_expand and not allow_multiple_reduction
+    combine_w = None if per_pair else recv_w
+    if defer:
+        event = buf.combine(y, handle, topk_weights=combine_w, bias=bias, async_with_compute_stream=True,
+                            defer_epilogue=True)
+        combined_x, combined_w = event.wait()
+    else:
+        combined_x, combined_w, _ = buf.combine(y, handle, topk_weights=combine_w, bias=bias)
+    y_ref = y[:count]
+    ref_w = None if combine_w is None else r_w
+    c_ref, cw_ref = ref.combine(y_ref, r_handle, topk_weights=ref_w, bias=bias,
+                                allow_multiple_reduction=allow_multiple_reduction)
+    assert_equal(combined_x, c_ref, "combined_x")
+    if combine_w is not None:
+        assert_equal(combined_w, cw_ref, "combined_topk_weights")
+        # Weights round trip (reference §24 item 17): the original weights, 0 at -1 selections.
+        assert_equal(combined_w, torch.where(topk_idx >= 0, weights, torch.zeros_like(weights)), "weights round trip")
+    buf.destroy()
+    return dict(num_valid=num_valid, num_local=num_local)
+
+
+def combine_counts_ranks(rank: int, world: int, seed: int = 0):
+    """combine(ones) in non-expand layout = number of distinct destination ranks per token (§24 item 14)."""
+    gen = torch.Generator().manual_seed(seed + rank)
+    num_experts, num_topk, hidden = 12, 3, 8
+    topk_idx, _ = random_routing(gen, 17, num_experts, num_topk)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=17, hidden=hidden)
+    for expand in (False, True):
+        recv_x, _, _, handle, _ = buf.dispatch(torch.randn(17, hidden, generator=gen).bfloat16(), topk_idx,
+                                               num_experts=num_experts, do_expand=expand)
+        out, _, _ = buf.combine(torch.ones_like(recv_x), handle)
+        dest = torch.where(topk_idx >= 0, topk_idx // (num_experts // world), -1)
+        if expand:
+            expected = (topk_idx >= 0).sum(1)
+        else:
+            expected = torch.tensor([len(set(r) - {-1}) for r in dest.tolist()])
+        assert_equal(out[:, 0].long(), expected, f"combine(ones) expand={expand}")
+    return True
+
+
+def world_group_ranks(rank: int, world: int):
+    return dist.get_world_size()
