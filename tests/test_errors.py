@@ -1,0 +1,128 @@
+"""Every user mistake raises a clear error on every rank, before data moves; no input hangs a rank.
+
+DESIGN.md "Errors and timeouts"; reference §9.2, §11.1, §24 items 9, 10, 16, 17, 20.
+"""
+
+import re
+
+import pytest
+
+import epcomm
+import error_cases
+from epcomm.testing import run_in_fresh_world
+
+# scenario -> (exception class, pattern in the offending rank's message)
+EXPECTED = {
+    "x_int_dtype": (TypeError, r"x must have dtype in .*got torch\.int32"),
+    "x_3d": (ValueError, r"x must be 2-D, got shape \(1, 6, 32\)"),
+    "x_meta_device": (ValueError, r"x is on meta but the buffer lives on cpu"),
+    "x_tuple_len3": (ValueError, r"x as a tuple must be \(data, scales\), got 3 elements"),
+    "too_many_tokens": (ValueError, r"x has 17 tokens but num_max_tokens_per_rank is 16"),
+    "topk_idx_float": (TypeError, r"topk_idx must have dtype in \(torch\.int64, torch\.int32\), got torch\.float32"),
+    "topk_idx_rows": (ValueError, r"topk_idx must have shape \[6, \*\], got \(5, 2\)"),
+    "topk_33": (ValueError, r"topk_idx has 33 columns; num_topk must be in \[1, 32\]"),
+    "topk_id_too_large": (ValueError, r"topk_idx holds 8 \(token 0\); ids must be in \[-1, num_experts=8\)"),
+    "topk_id_below_minus_one": (ValueError, r"topk_idx holds -2"),
+    "topk_repeated_expert": (ValueError, r"topk_idx row 0 names expert 3 more than once"),
+    "weights_dtype": (TypeError, r"topk_weights must have dtype in \(torch\.float32\), got torch\.float64"),
+    "weights_shape": (ValueError, r"topk_weights must have shape \[6, 2\], got \(6, 1\)"),
+    "stats_dtype": (TypeError, r"cumulative_local_expert_recv_stats must have dtype in \(torch\.int32\)"),
+    "stats_shape": (ValueError, r"cumulative_local_expert_recv_stats must have shape \[4\], got \(8,\)"),
+    "num_experts_not_multiple": (ValueError, r"num_experts=7 must be a multiple of the group size 2"),
+    "num_experts_missing": (ValueError, r"num_experts is required for a non-cached dispatch"),
+    "alignment_zero": (ValueError, r"expert_alignment must be >= 1, got 0"),
+    "zero_padding_without_expand": (ValueError, r"do_zero_padding=True requires do_expand=True"),
+    "expert_ids_without_expand": (ValueError, r"emit_expert_ids=True requires do_expand=True"),
+    "defer_without_async": (ValueError, r"defer_epilogue=True requires async_with_compute_stream=True"),
+    "previous_event_without_comm_alloc": (ValueError, r"previous_event requires allocate_on_comm_stream=True"),
+    "do_handle_copy": (ValueError, r"do_handle_copy must be False"),
+    "num_qps_too_many": (ValueError, r"num_qps=10000 exceeds num_allocated_qps=65"),
+    "capacity_hidden": (ValueError, r"the call needs \d+ bytes .*hidden=65536.* but the buffer has num_bytes=\d+; "
+                                    r"at this shape it fits num_max_tokens_per_rank <= \d+\. Size the buffer"),
+    "combine_rows": (ValueError, r"x has \d+ rows but the handle's non-expand layout has \d+"),
+    "combine_x_fp8_tuple": (TypeError, r"x must be a float tensor here"),
+    "combine_bias_len3": (ValueError, r"bias as a tuple must be \(bias_0, bias_1\), got 3 elements"),
+    "combine_bias_shape": (ValueError, r"bias must have shape \[6, 32\], got \(5, 32\)"),
+    "combine_bias_dtype": (TypeError, r"bias must have dtype in \(torch\.bfloat16\), got torch\.float32"),
+    "combine_weights_shape": (ValueError, r"topk_weights must have shape \[\d+, 2\], got \(\d+, 1\)"),
+    "combine_handle_type": (TypeError, r"handle must be an EPHandle from dispatch, got object"),
+    "combine_topk_idx_modified": (ValueError, r"topk_idx tensor passed to dispatch was modified in place"),
+    "cached_with_topk_idx": (ValueError, r"topk_idx must be None when handle is given"),
+    "cached_with_cpu_sync": (ValueError, r"do_cpu_sync must be None or False with handle"),
+    "cached_layout_mismatch": (ValueError, r"do_expand=True does not match the handle's do_expand=False"),
+    "cached_num_experts_mismatch": (ValueError, r"num_experts=16 does not match the handle's num_experts=8"),
+    "cached_stats": (ValueError, r"cumulative_local_expert_recv_stats must be None with handle"),
+    "cached_topk_idx_modified": (ValueError, r"modified in place after the dispatch"),
+    "cached_token_count": (ValueError, r"x has 5 tokens but the handle's dispatch had 6"),
+}
+# Ranks disagree: every rank raises the same message kind.
+DISAGREE = {
+    "disagree_hidden": r"ranks disagree on hidden \(rank 0: 32, rank 1: 16\)",
+    "disagree_num_experts": r"ranks disagree on num_experts \(rank 0: 8, rank 1: 16\)",
+    "disagree_layout": r"ranks disagree on do_expand \(rank 0: 0, rank 1: 1\)",
+    "disagree_alignment": r"ranks disagree on expert_alignment \(rank 0: 1, rank 1: 4\)",
+    "disagree_dtype": r"ranks disagree on dtype \(rank 0: torch.bfloat16, rank 1: torch.float16\)",
+    "disagree_sync": r"ranks disagree on do_cpu_sync \(rank 0: 1, rank 1: 0\)",
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(pools):
+    return pools.get(2).run(error_cases.run_scenarios, timeout=300)
+
+
+def test_every_scenario_is_pinned():
+    assert set(error_cases.scenarios()) == set(EXPECTED) | set(DISAGREE)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bad_input_raises_on_every_rank(outcomes, name):
+    exc, pattern = EXPECTED[name]
+    offender, peer = outcomes[1][name], outcomes[0][name]
+    assert offender is not None and peer is not None, f"{name}: rank 1 raised {offender}, rank 0 raised {peer}"
+    assert offender[0] == exc.__name__ and peer[0] == exc.__name__, (offender, peer)
+    assert re.search(pattern, offender[1]), offender[1]
+    assert offender[1].startswith(("EPBuffer.dispatch: rank 1: ", "EPBuffer.combine: rank 1: ")), offender[1]
+    # The peer names the offending group rank and carries its message.
+    assert re.search(r"rank 0: group rank 1 rejected the call: .*" + pattern, peer[1]), peer[1]
+
+
+@pytest.mark.parametrize("name", sorted(DISAGREE))
+def test_disagreeing_ranks_raise_everywhere(outcomes, name):
+    for rank in (0, 1):
+        cls, msg = outcomes[rank][name]
+        assert cls == "ValueError" and re.search(DISAGREE[name], msg), msg
+        assert f"rank {rank}: " in msg
+
+
+def test_dispatch_while_peer_combines(run_ranks):
+    for rank, msg in enumerate(run_ranks(2, error_cases.dispatch_vs_combine)):
+        assert msg is not None and re.search(r"ranks disagree on op \(rank 0: dispatch, rank 1: combine\)", msg), msg
+
+
+def test_handle_from_another_buffer_and_use_after_destroy(run_ranks):
+    for out in run_ranks(2, error_cases.other_buffer_handle):
+        assert "handle comes from another EPBuffer" in out[0]
+        assert "handle comes from another EPBuffer" in out[1]
+        assert "the buffer was destroyed" in out[2] and "the buffer was destroyed" in out[3]
+
+
+def test_missing_peer_times_out_naming_it():
+    results = run_in_fresh_world(2, error_cases.missing_peer, 3.0, timeout=60)
+    msg, elapsed, after = results[0]
+    assert re.search(r"rank 0 waited 3 s .* group ranks \[1\] did not arrive", msg), msg
+    assert elapsed < 3.0 + 5.0, elapsed
+    assert "unusable after an earlier failure" in after
+    assert results[1] == "skipped"
+
+
+def test_constructor_checks(run_ranks):
+    with pytest.raises(ValueError, match=r"get_buffer_size_hint: num_max_tokens_per_rank \(0\)"):
+        epcomm.EPBuffer.get_buffer_size_hint(2, 0, 128)
+    errs = run_ranks(2, _construct_bad, return_exceptions=True)
+    for e in errs:
+        assert isinstance(e, ValueError) and "num_bytes must be a positive multiple of 2 MiB" in str(e), e
+
+
+def _construct_bad(rank, world):
+    epcomm.EPBuffer(None, num_bytes=3 * 1024 * 1024)
