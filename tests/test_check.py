@@ -24,21 +24,6 @@ def status_lines(out: str, status: str) -> list:
     return [line.strip() for line in out.splitlines() if line.strip().startswith(status + " ")]
 
 
-def _fp8_buffer_fails_its_combine() -> bool:
-    """validate.check_capacity for combine also counts bf16 *dispatch* records, so a buffer sized by the hint for
-    FP8 dispatch fails the combine of the same shape (a bug outside check.py, reported to the lead)."""
-    nb = sizing.buffer_size_hint(8, 16384, 7168, num_topk=6, use_fp8_dispatch=True)
-    stub = SimpleNamespace(num_ranks=8, num_bytes=nb, allow_multiple_reduction=True)
-    try:
-        check_capacity(Checker("EPBuffer.combine", 0, torch.device("cpu")), stub, num_tokens=16384, hidden=7168,
-                       num_topk=6, is_fp8=False, elem_size=2, n=16384)
-    except ValueError:
-        return True
-    return False
-
-
-@pytest.mark.xfail(_fp8_buffer_fails_its_combine(), strict=True,
-                   reason="validate.check_capacity(combine) counts the bf16 dispatch term; FP8-sized buffers fail")
 def test_issue_example_passes(capsys):
     rc, out = run(capsys, *EXAMPLE, "--fp8")
     assert rc == 0, "\n".join(status_lines(out, "FAIL"))

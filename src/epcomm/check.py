@@ -103,23 +103,19 @@ def _b(n: float) -> str:
 
 
 def _capacity(r: Report, call: str, a, nb: int, *, is_fp8: bool, elem: int) -> None:
-    """`validate.check_capacity` on a stand-in buffer: the verdict epcomm gives at run time, and the bytes it
-    needs (found by bisection over num_bytes, so the number is always the one epcomm enforces)."""
-    def error(num_bytes: int) -> Optional[str]:
-        stub = SimpleNamespace(num_ranks=a.ranks, num_bytes=num_bytes,
-                               allow_multiple_reduction=a.allow_multiple_reduction)
-        try:
-            check_capacity(Checker(call, 0, torch.device("cpu")), stub, num_tokens=a.tokens, hidden=a.hidden,
-                           num_topk=a.topk, is_fp8=is_fp8, elem_size=elem, n=a.tokens)
-        except ValueError as e:
-            return str(e).split("; ", 1)[-1]
-        return None
-    lo, hi = 0, 1 << 62
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if error(mid) is None else (mid + 1, hi)
-    msg = error(nb)
-    r.check(msg is None, f"{call}: num_bytes fits the call (needs {lo:,} bytes, buffer has {nb:,})", msg or "")
+    """`validate.check_capacity` on a stand-in buffer: the verdict epcomm gives at run time."""
+    which = "combine" if call.endswith("combine") else "dispatch"
+    kw = dict(num_topk=a.topk, use_fp8_dispatch=is_fp8, allow_multiple_reduction=a.allow_multiple_reduction,
+              elem_size=elem)
+    need = sizing.required_bytes(a.ranks, a.tokens, a.hidden, which=which, **kw)
+    stub = SimpleNamespace(num_ranks=a.ranks, num_bytes=nb, allow_multiple_reduction=a.allow_multiple_reduction)
+    msg = ""
+    try:
+        check_capacity(Checker(call, 0, torch.device("cpu")), stub, num_tokens=a.tokens, hidden=a.hidden,
+                       num_topk=a.topk, is_fp8=is_fp8, elem_size=elem, n=a.tokens, which=which)
+    except ValueError as e:
+        msg = str(e).split("; ", 1)[-1]
+    r.check(not msg, f"{call}: num_bytes fits the call (needs {need:,} bytes, buffer has {nb:,})", msg)
 
 
 def check_constraints(r: Report, a) -> tuple:
