@@ -3,14 +3,11 @@
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 from epcomm import sizing
 from epcomm.check import main
-from epcomm.validate import Checker, check_capacity
 
 EXAMPLE = ["--ranks", "8", "--experts", "256", "--topk", "6", "--hidden", "7168", "--tokens", "16384"]
 
@@ -42,7 +39,7 @@ def test_bf16_example_passes_with_hint_traffic_and_walkthrough(capsys):
     assert any(p.startswith("PASS      EPBuffer.dispatch: num_bytes fits the call") for p in passes)
     assert any(p.startswith("PASS      EPBuffer.combine: num_bytes fits the call") for p in passes)
     hint = sizing.buffer_size_hint(8, 16384, 7168, num_topk=6)
-    assert f"EPBuffer.get_buffer_size_hint(8, 16384, 7168, 6" in out and f"{hint:,} B" in out
+    assert "EPBuffer.get_buffer_size_hint(8, 16384, 7168, 6" in out and f"{hint:,} B" in out
     assert "expected distinct ranks per token t = 4.440 of 8" in out
     assert "non-expand: M = R * N = 131,072 rows" in out
     assert "get_theoretical_num_sms(256, 6) = " in out

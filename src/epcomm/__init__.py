@@ -3,10 +3,11 @@
 import torch
 
 from ._version import __version__
+from .autograd import TokenDispatcher
 from .buffer import EPBuffer
 from .events import EventHandle, EventOverlap
 from .handle import EPHandle
 
 topk_idx_t = torch.int64
 
-__all__ = ["EPBuffer", "EPHandle", "EventHandle", "EventOverlap", "__version__", "topk_idx_t"]
+__all__ = ["EPBuffer", "EPHandle", "EventHandle", "EventOverlap", "TokenDispatcher", "__version__", "topk_idx_t"]

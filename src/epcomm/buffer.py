@@ -7,7 +7,6 @@ backend: CPU with gloo, the current CUDA device with NCCL (DESIGN.md decision 2)
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import warnings

@@ -155,7 +155,7 @@ def combine(
     own position.
     """
     group = group or dist.group.WORLD
-    rank, num_ranks = group.rank(), group.size()
+    num_ranks = group.size()
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     idx = handle.topk_idx.long()
     num_tokens, num_topk = idx.shape
