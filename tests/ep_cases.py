@@ -70,11 +70,23 @@ def check_mode(
     defer: bool = False,
     col_major_sf: bool = False,
     routing=None,
+    groups=None,
+    buffer=None,
+    async_op: bool = False,
 ):
-    """Dispatch, cached dispatch and combine against the reference in one mode; returns counts."""
+    """Dispatch, cached dispatch and combine against the reference in one mode; returns counts.
+
+    `groups`: lists of world ranks; every rank creates every group and runs in the one that holds it (as its
+    group rank). `buffer`: reuse this buffer instead of making (and destroying) one.
+    """
+    group = None
+    if groups is not None:
+        made = [dist.new_group(g) for g in groups]
+        group = next(grp for grp, g in zip(made, groups) if rank in g)
+        rank, world = group.rank(), group.size()
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     num_tokens = tokens[rank % len(tokens)]
-    n = max(tokens)
+    n = buffer.num_max_tokens_per_rank if buffer is not None else max(tokens)
     if routing is None:
         topk_idx, weights = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio)
     else:
@@ -85,7 +97,7 @@ def check_mode(
     x_ref = x
     if dtype == "fp64":
         weights = weights.double()
-    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
+    buf = buffer or epcomm.EPBuffer(group, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
                           use_fp8_dispatch=dtype == "fp8", allow_multiple_reduction=allow_multiple_reduction,
                           dtype=DTYPES.get(dtype, torch.bfloat16), explicitly_destroy=True)
     stats = torch.zeros(num_experts // world, dtype=torch.int32)
@@ -97,10 +109,13 @@ def check_mode(
         recv_x, recv_idx, recv_w, handle = event.wait()
         assert event.wait() is None, "a second wait must return None"
     else:
-        recv_x, recv_idx, recv_w, handle, event = buf.dispatch(x, topk_idx, weights, stats, **kwargs)
-        assert event.event is None
+        recv_x, recv_idx, recv_w, handle, event = buf.dispatch(x, topk_idx, weights, stats,
+                                                               async_with_compute_stream=async_op, **kwargs)
+        assert (event.event is not None) == async_op
+        if async_op:
+            assert event.wait() is None
     r_x, r_idx, r_w, r_handle = ref.dispatch(x_ref, topk_idx, weights, num_experts, num_max_tokens_per_rank=n,
-                                             expert_alignment=expert_alignment, do_expand=do_expand)
+                                             expert_alignment=expert_alignment, do_expand=do_expand, group=group)
     num_valid = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
     assert num_valid == len(r_handle.recv_g)
     assert handle.topk_idx is topk_idx
@@ -156,7 +171,8 @@ def check_mode(
 
     # Combine: expert outputs derived from the received rows (random per row), biases, weights back.
     if dtype == "fp8":
-        buf.destroy()
+        if buffer is None:
+            buf.destroy()
         return dict(num_valid=num_valid)
     y = recv_x * (1 + torch.rand(recv_x.shape, generator=gen, dtype=torch.float64)).to(recv_x.dtype)
     biases = [torch.randn(num_tokens, hidden, generator=gen, dtype=torch.float64).to(recv_x.dtype)
@@ -173,14 +189,15 @@ def check_mode(
     y_ref = y[:count]
     ref_w = None if combine_w is None else r_w
     c_ref, cw_ref = ref.combine(y_ref, r_handle, topk_weights=ref_w, bias=bias,
-                                allow_multiple_reduction=allow_multiple_reduction)
+                                allow_multiple_reduction=allow_multiple_reduction, group=group)
     assert_equal(combined_x, c_ref, "combined_x")
     if combine_w is not None:
         assert_equal(combined_w, cw_ref, "combined_topk_weights")
         # Weights round trip (reference §24 item 17): the original weights, 0 at -1 selections.
         assert_equal(combined_w, torch.where(topk_idx >= 0, weights, torch.zeros_like(weights)), "weights round trip")
-    buf.destroy()
-    return dict(num_valid=num_valid, num_local=num_local)
+    if buffer is None:
+        buf.destroy()
+    return dict(num_valid=num_valid, num_local=num_local, recv_rows=tuple(recv_x.shape))
 
 
 def combine_counts_ranks(rank: int, world: int, seed: int = 0):
@@ -204,3 +221,101 @@ def combine_counts_ranks(rank: int, world: int, seed: int = 0):
 
 def world_group_ranks(rank: int, world: int):
     return dist.get_world_size()
+
+
+# -- routings for edge cases: fn(rank, world, gen) -> (topk_idx, weights) -----------------------------------
+def routing_all_to_rank0(rank, world, gen, num_tokens=10, num_experts=8, num_topk=2):
+    """Every selection lands on rank 0's experts: the other ranks receive 0 rows."""
+    num_local = num_experts // world
+    idx = torch.stack([torch.randperm(num_local, generator=gen)[:num_topk] for _ in range(num_tokens)])
+    return idx, torch.rand(num_tokens, num_topk, generator=gen)
+
+
+def routing_all_masked(rank, world, gen, num_tokens=9, num_topk=3):
+    return torch.full((num_tokens, num_topk), -1, dtype=torch.int64), torch.zeros(num_tokens, num_topk)
+
+
+def routing_all_local(rank, world, gen, num_tokens=7, num_experts=16, num_topk=3):
+    """Every token picks only experts of its own rank (and rank 0's tokens: mixed)."""
+    num_local = num_experts // world
+    idx = torch.stack([torch.randperm(num_local, generator=gen)[:num_topk] + rank * num_local
+                       for _ in range(num_tokens)])
+    return idx, torch.rand(num_tokens, num_topk, generator=gen)
+
+
+def routing_one_expert(rank, world, gen, num_tokens=11, num_topk=2):
+    """Every token picks expert 5 (and -1)."""
+    idx = torch.full((num_tokens, num_topk), -1, dtype=torch.int64)
+    idx[:, 0] = 5
+    return idx, torch.rand(num_tokens, num_topk, generator=gen)
+
+
+def routing_alignment_counts(rank, world, gen):
+    """With alignment 4 and 5 local experts, rank r receives 0, 1, 3, 4, 5 rows for its experts (world 2)."""
+    counts = [0, 1, 3, 4, 5]
+    other = 1 - rank
+    ids = [other * 5 + e for e, c in enumerate(counts) for _ in range(c)]
+    idx = torch.tensor(ids, dtype=torch.int64).unsqueeze(1)
+    return idx, torch.rand(len(ids), 1, generator=gen)
+
+
+def reused_buffer(rank: int, world: int):
+    """One buffer, many calls with changing token counts (including 0 and exactly N) and both layouts."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=24, hidden=32, num_topk=4, explicitly_destroy=True)
+    shapes = []
+    for i, tokens in enumerate([(5, 9), (0, 24), (24, 0), (17, 3), (1, 1)]):
+        for expand in (False, True):
+            out = check_mode(rank, world, seed=100 + i, tokens=tokens, hidden=32, num_experts=8, num_topk=4,
+                             do_expand=expand, expert_alignment=3, num_bias=1, buffer=buf)
+            shapes.append(out["recv_rows"])
+    buf.destroy()
+    return shapes
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def memory_growth(rank: int, world: int, iters: int = 1000):
+    """RSS after iteration 100 and after iteration `iters` of dispatch/combine pairs (fresh routing each)."""
+    gen = torch.Generator().manual_seed(rank)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=64, hidden=128, num_topk=4)
+    rss = {}
+    for it in range(1, iters + 1):
+        idx, w = random_routing(gen, 64, 16, 4)
+        x = torch.randn(64, 128, generator=gen).bfloat16()
+        recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=16, do_expand=bool(it % 2))
+        buf.combine(recv_x, handle, topk_weights=recv_w)
+        if it in (100, iters):
+            rss[it] = _rss_bytes()
+    buf.destroy()
+    return rss
+
+
+def events_on_cpu(rank: int, world: int):
+    """The event contract of reference §3 on CPU (DESIGN.md "Events on CPU")."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=16)
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = random_routing(gen, 8, 4, 2)
+    x = torch.randn(8, 16, generator=gen).bfloat16()
+    prev = epcomm.EPBuffer.capture()
+    assert prev.query()
+    out = buf.dispatch(x, idx, w, num_experts=4, previous_event=prev, allocate_on_comm_stream=True)
+    assert out[4].event is None
+    try:
+        out[4].wait()
+        raise AssertionError("waiting on a synchronous call's event must raise")
+    except ValueError as e:
+        assert "event is None" in str(e)
+    ev = buf.dispatch(x, idx, w, num_experts=4, async_with_compute_stream=True, defer_epilogue=True)
+    assert isinstance(ev, epcomm.EventOverlap)
+    with ev:
+        pass  # the with-block waits on exit: that wait runs the deferred epilogue and drops its result
+    assert ev.wait() is None
+    ev = buf.dispatch(x, idx, w, num_experts=4, async_with_compute_stream=True, defer_epilogue=True)
+    recv_x, _, recv_w, handle = ev.wait()
+    ev2 = buf.combine(recv_x, handle, async_with_compute_stream=True, defer_epilogue=True)
+    combined, combined_w = ev2.wait()
+    assert combined.shape == x.shape and combined_w is None
+    return True

@@ -1,0 +1,92 @@
+"""Edge cases that must work (issue: core; STYLE rule 22), each against `epcomm.reference`, bitwise."""
+
+import functools
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import ep_cases
+
+
+@pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
+@pytest.mark.parametrize("case", [
+    dict(tokens=(12, 0)),                                      # a rank with no tokens: torch.empty((0, H))
+    dict(routing=ep_cases.routing_all_to_rank0),               # rank 1 receives 0 rows
+    dict(routing=ep_cases.routing_all_masked),                 # every selection is -1
+    dict(routing=ep_cases.routing_all_local),                  # every expert of a token is local
+    dict(routing=ep_cases.routing_one_expert),                 # all tokens to one expert
+    dict(routing=ep_cases.routing_alignment_counts, num_experts=10, expert_alignment=4),  # 0, 1, a-1, a, a+1
+    dict(tokens=(16, 16)),                                     # exactly num_max_tokens_per_rank tokens
+    dict(num_topk=1, num_experts=4),
+    dict(num_topk=32, num_experts=64, hidden=16),
+], ids=["empty-rank", "recv-nothing", "all-masked", "all-local", "one-expert", "alignment-counts", "exactly-N",
+        "top1", "top32"])
+def test_edge_case(run_ranks, case, do_expand):
+    for sync in (True, False):
+        run_ranks(2, ep_cases.check_mode, do_expand=do_expand, do_cpu_sync=sync, num_bias=2, **case)
+
+
+def test_rank_receiving_nothing_gets_empty_outputs(run_ranks):
+    out = run_ranks(2, ep_cases.check_mode, routing=ep_cases.routing_all_to_rank0, dtype="fp32")
+    assert out[1]["num_valid"] == 0 and out[1]["recv_rows"] == (0, 64)
+
+
+def test_one_buffer_reused_with_changing_token_counts(run_ranks):
+    shapes = run_ranks(2, ep_cases.reused_buffer)
+    assert len(set(shapes[0])) > 3, shapes  # the calls really had different sizes
+
+
+def test_memory_does_not_grow(run_ranks):
+    for rss in run_ranks(2, ep_cases.memory_growth, timeout=300):
+        growth = (rss[1000] - rss[100]) / rss[100]
+        assert growth < 0.01, f"RSS grew {growth:.2%} between iteration 100 and 1000 ({rss})"
+
+
+def test_events_on_cpu(run_ranks):
+    assert all(run_ranks(2, ep_cases.events_on_cpu))
+
+
+def test_async_event(run_ranks):
+    run_ranks(2, ep_cases.check_mode, async_op=True, do_expand=True, num_bias=1)
+
+
+def test_subgroups_side_by_side(run_ranks):
+    # Two EP groups of 2 in a world of 4, each with its own buffer, run at the same time.
+    out = run_ranks(4, ep_cases.check_mode, groups=[[0, 1], [2, 3]], tokens=(9, 14), do_expand=True,
+                    expert_alignment=2, num_bias=1)
+    assert len(out) == 4
+    # A sub-group that leaves out a rank of the world (ranks 1, 2 of 3): rank 0 only creates the group.
+    run_ranks(3, _subgroup_of_three)
+
+
+def _subgroup_of_three(rank, world):
+    import torch.distributed as dist
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    del group  # check_mode makes its own groups
+    return ep_cases.check_mode(rank, world, groups=[[1, 2]], tokens=(5, 8))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    tokens=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    num_topk=st.integers(1, 8),
+    experts_per_rank=st.integers(1, 12),
+    masked_ratio=st.sampled_from([0.0, 0.3, 0.9]),
+    do_expand=st.booleans(),
+    expert_alignment=st.sampled_from([1, 2, 5, 16]),
+    do_cpu_sync=st.booleans(),
+    allow_multiple_reduction=st.booleans(),
+)
+def test_random_routings(run_ranks, seed, tokens, num_topk, experts_per_rank, masked_ratio, do_expand,
+                         expert_alignment, do_cpu_sync, allow_multiple_reduction):
+    num_experts = 2 * experts_per_rank
+    num_topk = min(num_topk, num_experts)
+    run_ranks(2, ep_cases.check_mode, seed=seed, tokens=tokens if max(tokens) else (1, 0), num_topk=num_topk,
+              num_experts=num_experts, masked_ratio=masked_ratio, do_expand=do_expand,
+              expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, num_bias=seed % 3,
+              allow_multiple_reduction=allow_multiple_reduction, hidden=24)
