@@ -73,6 +73,7 @@ def check_mode(
     groups=None,
     buffer=None,
     async_op: bool = False,
+    device: str = "cpu",
 ):
     """Dispatch, cached dispatch and combine against the reference in one mode; returns counts.
 
@@ -94,13 +95,15 @@ def check_mode(
         num_tokens = topk_idx.shape[0]
     topk_idx = topk_idx.to(topk_idx_dtype)
     x = make_x(gen, num_tokens, hidden, dtype, use_ue8m0)
-    x_ref = x
     if dtype == "fp64":
         weights = weights.double()
+    x = tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+    topk_idx, weights = topk_idx.to(device), weights.to(device)
+    x_ref = x
     buf = buffer or epcomm.EPBuffer(group, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
                           use_fp8_dispatch=dtype == "fp8", allow_multiple_reduction=allow_multiple_reduction,
                           dtype=DTYPES.get(dtype, torch.bfloat16), explicitly_destroy=True)
-    stats = torch.zeros(num_experts // world, dtype=torch.int32)
+    stats = torch.zeros(num_experts // world, dtype=torch.int32, device=device)
     kwargs = dict(num_experts=num_experts, expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync,
                   do_expand=do_expand, use_tma_aligned_col_major_sf=col_major_sf)
     if defer:
@@ -142,7 +145,7 @@ def check_mode(
     assert bool((meta[num_valid:] == -1).all()), "rows past the valid extent must be -1"
     if do_expand:
         assert_equal(meta[:num_valid, 2:].long(), r_handle.row_ptr, "recv_src_metadata[:, 2:]")
-    n_ref = torch.tensor(r_handle.num_recv_per_expert, dtype=torch.int32)
+    n_ref = torch.tensor(r_handle.num_recv_per_expert, dtype=torch.int32, device=device)
     assert_equal(handle.num_unaligned_recv_tokens_per_expert, n_ref, "num_unaligned_recv_tokens_per_expert")
     assert_equal(stats, n_ref, "cumulative_local_expert_recv_stats")
     aligned = (n_ref + expert_alignment - 1) // expert_alignment * expert_alignment
@@ -154,7 +157,7 @@ def check_mode(
         assert handle.num_recv_tokens == world * n
     psum_expected = (aligned.cumsum(0) - aligned + n_ref) if do_expand else aligned.cumsum(0)
     assert_equal(handle.psum_num_recv_tokens_per_expert, psum_expected.to(torch.int32), "psum per expert")
-    counts = torch.tensor(r_handle.recv_counts)
+    counts = torch.tensor(r_handle.recv_counts, device=device)
     assert_equal(handle.psum_num_recv_tokens_per_scaleup_rank, counts.cumsum(0).to(torch.int32), "psum per rank")
 
     # Cached dispatch replays positions bitwise and returns the same handle object.
@@ -174,8 +177,8 @@ def check_mode(
         if buffer is None:
             buf.destroy()
         return dict(num_valid=num_valid)
-    y = recv_x * (1 + torch.rand(recv_x.shape, generator=gen, dtype=torch.float64)).to(recv_x.dtype)
-    biases = [torch.randn(num_tokens, hidden, generator=gen, dtype=torch.float64).to(recv_x.dtype)
+    y = recv_x * (1 + torch.rand(recv_x.shape, generator=gen, dtype=torch.float64)).to(recv_x.dtype).to(device)
+    biases = [torch.randn(num_tokens, hidden, generator=gen, dtype=torch.float64).to(recv_x.dtype).to(device)
               for _ in range(num_bias)]
     bias = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
     per_pair = do_expand and not allow_multiple_reduction
@@ -318,4 +321,34 @@ def events_on_cpu(rank: int, world: int):
     ev2 = buf.combine(recv_x, handle, async_with_compute_stream=True, defer_epilogue=True)
     combined, combined_w = ev2.wait()
     assert combined.shape == x.shape and combined_w is None
+    return True
+
+
+def gpu_streams(rank: int, world: int):
+    """Reference §3 on CUDA: async results valid after wait, previous_event ordering, deferred epilogue."""
+    torch.manual_seed(rank)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=512, hidden=1024)
+    assert buf.get_comm_stream() is not None
+    idx, w = random_routing(torch.Generator().manual_seed(rank), 512, 32, 4)
+    idx, w = idx.cuda(), w.cuda()
+    x = torch.randn(512, 1024, device="cuda").bfloat16()
+    ref_x, _, _, handle, ev = buf.dispatch(x, idx, w, num_experts=32)
+    assert ev.event is None
+    for _ in range(3):
+        # Produce x on the compute stream right before an async dispatch that waits for it via previous_event.
+        x2 = x * 1  # same values, new tensor written on the current stream
+        prev = epcomm.EPBuffer.capture()
+        out = buf.dispatch(x2, idx, w, num_experts=32, previous_event=prev, allocate_on_comm_stream=True,
+                           async_with_compute_stream=True)
+        out[4].current_stream_wait()
+        assert torch.equal(out[0], ref_x)
+        ev = buf.dispatch(x, handle=handle, async_with_compute_stream=True, defer_epilogue=True)
+        recv_x, _, _, h2 = ev.wait()
+        assert h2 is handle and torch.equal(recv_x, ref_x)
+        ev = buf.combine(recv_x, handle, async_with_compute_stream=True)
+        combined = ev[0]
+        ev[2].current_stream_wait()
+        assert combined.shape == x.shape
+    torch.cuda.synchronize()
+    buf.destroy()
     return True

@@ -1,0 +1,43 @@
+"""The CPU suite's checks on CUDA tensors with NCCL (run with `pytest -m multigpu` on a machine with >= 2 GPUs)."""
+
+import pytest
+import torch
+
+import ep_cases
+from test_modes import MODES, _mode_id
+
+pytestmark = [
+    pytest.mark.multigpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+
+@pytest.fixture(scope="module")
+def nccl(pools):
+    return pools.get(2, "nccl")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[_mode_id(m) for m in MODES])
+def test_mode_matches_reference_on_gpu(nccl, mode):
+    nccl.run(ep_cases.check_mode, seed=7, device="cuda", **mode)
+
+
+@pytest.mark.parametrize("case", [
+    dict(tokens=(12, 0)),
+    dict(routing=ep_cases.routing_all_to_rank0),
+    dict(routing=ep_cases.routing_all_masked),
+    dict(routing=ep_cases.routing_alignment_counts, num_experts=10, expert_alignment=4),
+    dict(num_topk=32, num_experts=64, hidden=16),
+    dict(async_op=True, do_expand=True, num_bias=2),
+    dict(tokens=(4096, 4001), hidden=7168, num_experts=256, num_topk=8, dtype="bf16", do_expand=True,
+         expert_alignment=128, num_bias=1),
+    dict(tokens=(4096, 4096), hidden=7168, num_experts=256, num_topk=8, dtype="fp8", col_major_sf=True),
+], ids=["empty-rank", "recv-nothing", "all-masked", "alignment-counts", "top32", "async", "dsv3-expand",
+        "dsv3-fp8"])
+def test_edge_cases_on_gpu(nccl, case):
+    for sync in (True, False):
+        nccl.run(ep_cases.check_mode, device="cuda", do_cpu_sync=sync, **case)
+
+
+def test_streams_on_gpu(nccl):
+    assert all(nccl.run(ep_cases.gpu_streams))
