@@ -177,6 +177,9 @@ class EPBuffer:
             allow_multiple_reduction: as the constructor argument.
             dtype: element type of the non-FP8 payload (epcomm keyword); bf16 gives the reference's value.
 
+        Returns:
+            int -- bytes, a multiple of 2 MiB.
+
         Raises:
             ValueError: non-positive sizes.
         """
@@ -194,6 +197,16 @@ class EPBuffer:
         """SM count the reference's model suggests for a balanced gate (reference §8.2); a hint.
 
         On CPU it returns the model's value for an H200-class NVLink (no SMs are used).
+
+        Args:
+            num_experts: E; num_topk: K.
+            num_scaleout_topk: must be 0 (one logical domain).
+            rdma_gbs: accepted, unused (no RDMA layer).
+            nvlink_gbs: NVLink GB/s per direction; 0 = 0.9 x nominal for known GPUs.
+            sm_read_gbs, sm_write_gbs: per-SM rates; 0 = 180 / 45 GB/s.
+
+        Returns:
+            int -- a multiple of 4 in [4, device SMs].
 
         Raises:
             ValueError: `num_scaleout_topk != 0` (one logical domain).

@@ -67,10 +67,21 @@ def dispatch(
     expert_alignment: int = 1,
     do_expand: bool = False,
 ):
-    """Reference dispatch (collective). Returns `(recv_x, recv_topk_idx, recv_topk_weights, handle)`.
+    """Reference dispatch (collective).
 
-    Args: as `EPBuffer.dispatch`; `num_max_tokens_per_rank` defaults to the largest token count of any rank.
-    Returns: as `EPBuffer.dispatch` with CPU sync (exact sizes); handle is a `RefHandle`.
+    Args:
+        x: [T, H] float, or FP8 `(data [T, H], scales [T, P])`.
+        topk_idx: [T, K] int64/int32 -- global expert ids, -1 = none.
+        topk_weights: [T, K] float or None.
+        num_experts: E, a multiple of the group size.
+        group: the process group (default: world).
+        num_max_tokens_per_rank: N of the token key; default: the largest token count of any rank.
+        expert_alignment: expand segments are padded to a multiple of it.
+        do_expand: expand layout.
+
+    Returns:
+        `(recv_x, recv_topk_idx, recv_topk_weights, handle)` as `EPBuffer.dispatch` with CPU sync (exact
+        sizes); handle is a `RefHandle`.
     """
     group = group or dist.group.WORLD
     rank, num_ranks = group.rank(), group.size()
@@ -153,6 +164,17 @@ def combine(
     reduction). Items: non-expand, one row per destination rank at its largest position; expand + multiple
     reduction, one partial per rank at its largest position; expand without, every (token, expert) row at its
     own position.
+
+    Args:
+        x: [M, H] or [S, H] float -- expert outputs in the handle's layout (exact sizes).
+        handle: the `RefHandle` of the reference dispatch.
+        topk_weights: [M, K] or [S] or None -- carried back to the owner of each selection.
+        bias: None, a tensor or a pair; each [T, H] in x's dtype.
+        group: the process group (default: world).
+        allow_multiple_reduction: expand layout: sum each rank's rows before sending them back.
+
+    Returns:
+        `(combined_x [T, H], combined_topk_weights [T, K] or None)`.
     """
     group = group or dist.group.WORLD
     num_ranks = group.size()
