@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.profiler import record_function
 from torch import Tensor
 
 from . import agreement, epilogue, layout
@@ -113,14 +114,16 @@ def _record_tensors(x: XSpec, weights: Optional[Tensor]) -> dict:
 def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional[BaseException]) -> dict:
     """Count exchange (all ranks raise together on bad input), then pack and move the records."""
     tr, num_ranks, device = buf.transport, buf.num_ranks, buf.device
-    send = None if local_error else layout.send_layout(call.topk_idx, num_ranks, call.num_experts // num_ranks)
+    with record_function("epcomm::layout"):
+        send = None if local_error else layout.send_layout(call.topk_idx, num_ranks, call.num_experts // num_ranks)
     signature = {} if local_error else call.signature(1)
     head = agreement.header(agreement.status_of(local_error), call_id, signature)
     send_RC = agreement.pack(head, None if send is None else send.num_tokens_per_rank_R, num_ranks, device)
     check_on_host = call is None or call.do_cpu_sync or device.type == "cpu"
-    recv_RC = tr.exchange_counts(send_RC, wait=check_on_host, call_id=call_id)
-    if check_on_host:
-        buf.agree("EPBuffer.dispatch", recv_RC.tolist(), local_error)
+    with record_function("epcomm::exchange_counts"):
+        recv_RC = tr.exchange_counts(send_RC, wait=check_on_host, call_id=call_id)
+        if check_on_host:
+            buf.agree("EPBuffer.dispatch", recv_RC.tolist(), local_error)
     if local_error is not None:  # sync-free on GPU: peers are left to their timeout (DESIGN.md)
         raise local_error
     recv_counts_R = recv_RC[:, agreement.HEADER_LEN]
@@ -142,8 +145,10 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     tokens = torch.arange(call.x.num_tokens, device=device)
     tensors = _record_tensors(call.x, call.topk_weights)
     tensors.update(topk=call.topk_idx.long(), g=buf.rank * n + tokens)
-    send_XB = spec.gather(spec.records(tensors, call.x.num_tokens, device), send_src_X)
-    recv_XB = tr.dispatch_rows(send_XB, send_splits, recv_splits, call_id=call_id)
+    with record_function("epcomm::pack"):
+        send_XB = spec.gather(spec.records(tensors, call.x.num_tokens, device), send_src_X)
+    with record_function("epcomm::move_rows"):
+        recv_XB = tr.dispatch_rows(send_XB, send_splits, recv_splits, call_id=call_id)
     return dict(spec=spec, recv_XB=recv_XB, recv_counts_R=recv_counts_R, send=send, send_row_TR=send_row_TR,
                 send_src_X=send_src_X, send_splits=send_splits, recv_splits=recv_splits, num_recv=num_recv)
 
@@ -310,7 +315,8 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
         records = spec.records({"x": y_MH, "w": w_MK}, y_MH.shape[0], buf.device)
         send_XB = spec.gather(records, plan.buf_out_X)
         send_splits, recv_splits = plan.recv_splits, plan.send_splits
-    recv_XB = buf.transport.combine_rows(send_XB, send_splits, recv_splits, call_id=call_id)
+    with record_function("epcomm::move_rows"):
+        recv_XB = buf.transport.combine_rows(send_XB, send_splits, recv_splits, call_id=call_id)
     return dict(spec=spec, recv_XB=recv_XB)
 
 
