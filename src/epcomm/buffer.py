@@ -341,7 +341,7 @@ class EPBuffer:
         handle: Optional[EPHandle] = None,
         do_handle_copy: bool = False,
         do_cpu_sync: Optional[bool] = None,
-        do_expand: bool = False,
+        do_expand: Optional[bool] = None,
         do_zero_padding: bool = False,
         emit_expert_ids: bool = False,
         use_tma_aligned_col_major_sf: bool = False,
@@ -374,7 +374,8 @@ class EPBuffer:
             do_cpu_sync: True (default) gives exact output sizes (the host waits for counts); False gives the
                 worst-case sizes of reference §9.4/9.5 and no host synchronisation. Cached dispatch is sync-free
                 (it reuses the handle's sizes). Must be None or False with `handle`.
-            do_expand: expand layout (one row per token and local expert) instead of one row per token.
+            do_expand: expand layout (one row per token and local expert) instead of one row per token; default
+                False, or the handle's layout with `handle` (a value given must match it).
             do_zero_padding: zero the alignment padding rows (expand only; epcomm always zeroes them).
             emit_expert_ids: fill `handle.recv_expert_ids` (expand, non-cached only).
             use_tma_aligned_col_major_sf: FP8 output scales column-major with pack stride `align(rows, 4)`.
@@ -442,6 +443,8 @@ class EPBuffer:
                           col_major_sf) -> pipeline.DispatchCall:
         """Reference §9.1-9.2 in order, as amended by DESIGN.md."""
         c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
+        if do_expand is None:
+            do_expand = handle.do_expand if isinstance(handle, EPHandle) else False
         do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
         xs = check_x(c, x, allow_fp8=True)
         if handle is not None:

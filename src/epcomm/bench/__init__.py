@@ -1,0 +1,5 @@
+"""`epcomm-bench`: the benchmark harness (BENCHMARKS.md). Run it as `epcomm-bench` or `python -m epcomm.bench`."""
+
+from .cli import main
+
+__all__ = ["main"]
