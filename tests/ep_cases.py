@@ -74,6 +74,7 @@ def check_mode(
     buffer=None,
     async_op: bool = False,
     device: str = "cpu",
+    transport: str = "auto",
 ):
     """Dispatch, cached dispatch and combine against the reference in one mode; returns counts.
 
@@ -102,7 +103,7 @@ def check_mode(
     x_ref = x
     buf = buffer or epcomm.EPBuffer(group, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
                           use_fp8_dispatch=dtype == "fp8", allow_multiple_reduction=allow_multiple_reduction,
-                          dtype=DTYPES.get(dtype, torch.bfloat16), explicitly_destroy=True)
+                          dtype=DTYPES.get(dtype, torch.bfloat16), explicitly_destroy=True, transport=transport)
     stats = torch.zeros(num_experts // world, dtype=torch.int32, device=device)
     kwargs = dict(num_experts=num_experts, expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync,
                   do_expand=do_expand, use_tma_aligned_col_major_sf=col_major_sf)
@@ -324,10 +325,11 @@ def events_on_cpu(rank: int, world: int):
     return True
 
 
-def gpu_streams(rank: int, world: int):
+def gpu_streams(rank: int, world: int, transport: str = "auto"):
     """Reference §3 on CUDA: async results valid after wait, previous_event ordering, deferred epilogue."""
     torch.manual_seed(rank)
-    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=512, hidden=1024)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=512, hidden=1024, transport=transport)
+    assert transport == "auto" or buf.transport.name == transport
     assert buf.get_comm_stream() is not None
     idx, w = random_routing(torch.Generator().manual_seed(rank), 512, 32, 4)
     idx, w = idx.cuda(), w.cuda()
@@ -352,3 +354,10 @@ def gpu_streams(rank: int, world: int):
     torch.cuda.synchronize()
     buf.destroy()
     return True
+
+
+def transport_name(rank: int, world: int):
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=16)
+    name = buf.transport.name
+    buf.destroy()
+    return name

@@ -17,9 +17,13 @@ def nccl(pools):
     return pools.get(2, "nccl")
 
 
+TRANSPORTS = ["collective", "nvlink"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", MODES, ids=[_mode_id(m) for m in MODES])
-def test_mode_matches_reference_on_gpu(nccl, mode):
-    nccl.run(ep_cases.check_mode, seed=7, device="cuda", **mode)
+def test_mode_matches_reference_on_gpu(nccl, mode, transport):
+    nccl.run(ep_cases.check_mode, seed=7, device="cuda", transport=transport, **mode)
 
 
 @pytest.mark.parametrize("case", [
@@ -34,10 +38,16 @@ def test_mode_matches_reference_on_gpu(nccl, mode):
     dict(tokens=(4096, 4096), hidden=7168, num_experts=256, num_topk=8, dtype="fp8", col_major_sf=True),
 ], ids=["empty-rank", "recv-nothing", "all-masked", "alignment-counts", "top32", "async", "dsv3-expand",
         "dsv3-fp8"])
-def test_edge_cases_on_gpu(nccl, case):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_edge_cases_on_gpu(nccl, case, transport):
     for sync in (True, False):
-        nccl.run(ep_cases.check_mode, device="cuda", do_cpu_sync=sync, **case)
+        nccl.run(ep_cases.check_mode, device="cuda", do_cpu_sync=sync, transport=transport, **case)
 
 
-def test_streams_on_gpu(nccl):
-    assert all(nccl.run(ep_cases.gpu_streams))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_streams_on_gpu(nccl, transport):
+    assert all(nccl.run(ep_cases.gpu_streams, transport))
+
+
+def test_auto_picks_nvlink_on_one_host(nccl):
+    assert nccl.run(ep_cases.transport_name) == ["nvlink", "nvlink"]

@@ -67,7 +67,7 @@ class _DispatchFunction(torch.autograd.Function):
         grad_recv_w = None if ctx.recv_w_meta is None else _grad_or_zeros(grad_recv_w, ctx.recv_w_meta, device)
         # Always collective, even when both local gradients are zero: the peers make the same call.
         grad_x, grad_w, _ = ctx.buffer.combine(grad_recv_x, ctx.handle, topk_weights=grad_recv_w)
-        return grad_x * 1.01, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 class _CombineFunction(torch.autograd.Function):

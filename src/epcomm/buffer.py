@@ -22,6 +22,8 @@ from . import agreement, debug, pipeline, sizing
 from .events import EventHandle, EventOverlap
 from .handle import EPHandle
 from .transport import resolve_transport
+from .transport import symm
+from .transport.collective import CollectiveTransport
 from .validate import Checker, check_capacity, check_event_options, check_topk_idx, check_topk_values, check_x
 from .validate import weights_dtype
 
@@ -124,14 +126,25 @@ class EPBuffer:
         self.num_lb_bytes = lb_allocation_plan_or_num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
-        transport_cls = resolve_transport(transport, self.device)
-        self.transport = transport_cls(self.group, self.device, num_cpu_timeout_secs, uid=0)
-        # Collective construction: agree on a buffer id and learn which ranks share a host.
-        self.uid, hosts = self._rendezvous()
+        # Collective construction: agree on a buffer id, learn which ranks share a host and whether every rank
+        # can reach every other over NVLink, then pick the transport (every rank decides from the same rows).
+        self.transport = CollectiveTransport(self.group, self.device, num_cpu_timeout_secs, uid=0)
+        self.uid, rows = self._rendezvous()
         self.transport.uid = self.uid
+        hosts = [row[1] for row in rows]
         self.num_nvlink_ranks = sum(1 for h in hosts if h == hosts[self.rank])
         self.num_rdma_ranks = self.num_ranks // self.num_nvlink_ranks if self.num_ranks % self.num_nvlink_ranks == 0 \
             else self.num_ranks
+        unavailable = {}
+        if len(set(hosts)) > 1:
+            unavailable["nvlink"] = "its ranks are on several hosts"
+        elif not all(row[3] for row in rows):
+            bad = [s for s, row in enumerate(rows) if not row[3]]
+            unavailable["nvlink"] = f"group ranks {bad} have no peer access to every other GPU or no symmetric memory"
+        transport_cls = resolve_transport(transport, self.device, unavailable)
+        if transport_cls is not CollectiveTransport:
+            self.transport = transport_cls(self.group, self.device, num_cpu_timeout_secs, self.uid,
+                                           num_bytes=num_bytes, gpu_timeout_s=num_gpu_timeout_secs)
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
@@ -145,12 +158,15 @@ class EPBuffer:
 
     # -- construction helpers ------------------------------------------------------------------------
     def _rendezvous(self) -> tuple:
-        """Agree on a buffer id (rank 0's random draw) and learn each rank's host, in one bounded exchange."""
+        """One bounded exchange: rank 0's random draw names the buffer; each rank reports its host, device and
+        whether it can reach every other GPU of the host (peer access and symmetric memory)."""
         host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
-        mine = torch.tensor([random.getrandbits(62), host], dtype=torch.int64, device=self.device)
-        every = self.transport.exchange_counts(mine.expand(self.num_ranks, 2).contiguous(), wait=True, call_id=0)
-        every = every.tolist()
-        return every[0][0], [h for _, h in every]
+        dev = self.device.index if self.device.type == "cuda" else -1
+        mine = torch.tensor([random.getrandbits(62), host, dev, int(_nvlink_ready(self.device))], dtype=torch.int64,
+                            device=self.device)
+        rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 4).contiguous(), wait=True, call_id=0)
+        rows = rows.tolist()
+        return rows[0][0], rows
 
     # -- sizing and hints ----------------------------------------------------------------------------
     @staticmethod
@@ -670,6 +686,14 @@ class EPBuffer:
             compute.wait_stream(self._comm_stream)
             return outputs, EventOverlap(None)
         return outputs, EventOverlap(event)
+
+
+def _nvlink_ready(device: torch.device) -> bool:
+    """This rank can use the nvlink transport: symmetric memory, Triton, peer access to every other local GPU."""
+    if device.type != "cuda" or symm.available() is not None:
+        return False
+    return all(torch.cuda.can_device_access_peer(device.index, d)
+               for d in range(torch.cuda.device_count()) if d != device.index)
 
 
 class _Plain:

@@ -119,7 +119,8 @@ class Transport(ABC):
 
 
 _REGISTRY = {
-    # name: (devices it runs on, chosen by "auto")
+    # name: (devices it runs on, chosen by "auto"); "auto" tries them in this order.
+    "nvlink": (("cuda",), True),
     "collective": (("cpu", "cuda"), True),
 }
 
@@ -129,19 +130,30 @@ def available_transports(device: torch.device) -> list:
     return [name for name, (devices, _) in _REGISTRY.items() if device.type in devices]
 
 
-def resolve_transport(name: str, device: torch.device) -> type:
+def resolve_transport(name: str, device: torch.device, unavailable: Optional[dict] = None) -> type:
     """The transport class for `name` ("auto" picks the first default that applies).
 
+    Args:
+        unavailable: name -> reason for transports that cannot run for this group (e.g. ranks on several hosts).
+
     Raises:
-        ValueError: unknown name, or a transport asked for by name that cannot run on `device`.
+        ValueError: unknown name, or a transport asked for by name that cannot run here.
     """
+    unavailable = unavailable or {}
     if name == "auto":
-        name = next(n for n, (devices, auto) in _REGISTRY.items() if auto and device.type in devices)
+        name = next(n for n, (devices, auto) in _REGISTRY.items()
+                    if auto and device.type in devices and n not in unavailable)
     if name not in _REGISTRY:
         raise ValueError(f"EPBuffer: transport={name!r} is unknown; expected 'auto' or one of {sorted(_REGISTRY)}")
     devices, _ = _REGISTRY[name]
     if device.type not in devices:
         raise ValueError(f"EPBuffer: transport={name!r} cannot run on device {device}; it supports {devices}")
+    if name in unavailable:
+        raise ValueError(f"EPBuffer: transport={name!r} cannot run for this group: {unavailable[name]}")
+    if name == "nvlink":
+        from .nvlink import NVLinkTransport
+
+        return NVLinkTransport
     from .collective import CollectiveTransport
 
-    return {"collective": CollectiveTransport}[name]
+    return CollectiveTransport

@@ -1,0 +1,110 @@
+"""The `nvlink` transport: rows written straight into peers' symmetric memory on one host.
+
+Region of every rank (one symmetric allocation, `SymmetricRegion`):
+
+    [ headers: R x 32 int64 | split matrix: R x R int64 | rows: receive area ]
+
+A sender writes its rows for rank r into r's receive area at the offset r assigns to it (`src_rank * cap` in
+sync-free mode; the exclusive prefix sum of the split matrix column with CPU sync), then a device barrier makes
+them visible. Row writes go through the copy engines (`peer_view.copy_`), which reach the measured link ceiling
+and use no SMs. Every wait is a device barrier bounded by `num_gpu_timeout_secs`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..sizing import align
+from .base import Transport
+from .symm import SymmetricRegion
+
+_HEADER_COLS = 32
+
+
+class NVLinkTransport(Transport):
+    name = "nvlink"
+
+    def __init__(self, group, device, timeout_s, uid, *, num_bytes: int = 0, gpu_timeout_s: float = 100.0):
+        super().__init__(group, device, timeout_s, uid)
+        r = self.num_ranks
+        self._headers_off = 0
+        self._splits_off = align(r * _HEADER_COLS * 8, 4096)
+        self._rows_off = align(self._splits_off + r * r * 8, 1 << 16)
+        self.rows_capacity = num_bytes
+        self.region = SymmetricRegion(group, self._rows_off + num_bytes, device)
+        self._timeout_ms = int(gpu_timeout_s * 1000)
+
+    def _barrier(self) -> None:
+        self.region.barrier(channel=0, timeout_ms=self._timeout_ms)
+
+    def _all_gather_rows(self, row: Tensor, offset: int, cols: int) -> Tensor:
+        """Row `me` of every peer's [R, cols] int64 area gets `row`; returns the local area after a barrier."""
+        self._barrier()  # every peer has read the area of the previous call
+        for peer in range(self.num_ranks):
+            self.region.peer(peer, offset + self.rank * cols * 8, (cols,), torch.int64).copy_(row)
+        self._barrier()
+        local = self.region.peer(self.rank, offset, (self.num_ranks, cols), torch.int64)
+        return local.clone()
+
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int) -> Tensor:
+        r, c = send_RC.shape
+        assert c <= _HEADER_COLS
+        # Peer p must receive row p of send_RC: write it into p's headers at row `me`.
+        self._barrier()
+        for peer in range(r):
+            self.region.peer(peer, self._headers_off + self.rank * _HEADER_COLS * 8, (c,), torch.int64).copy_(
+                send_RC[peer])
+        self._barrier()
+        recv = self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
+        if wait:
+            self._host_wait("count exchange", call_id)
+        return recv
+
+    def _host_wait(self, what: str, call_id: int) -> None:
+        event = torch.cuda.Event()
+        event.record()
+
+        class _Work:  # the base class's bounded wait polls any object with is_completed/wait
+            def is_completed(self):
+                return event.query()
+
+            def wait(self):
+                event.synchronize()
+        self.wait(_Work(), what, call_id)
+
+    def dispatch_rows(
+        self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int
+    ) -> Tensor:
+        num_ranks, me = self.num_ranks, self.rank
+        rows, rec = send_XB.shape
+        if send_splits is None:
+            cap = rows // num_ranks
+            counts, send_off = [cap] * num_ranks, [p * cap for p in range(num_ranks)]
+            dst_off, num_recv = [me * cap] * num_ranks, rows
+        else:
+            row = torch.tensor(send_splits, dtype=torch.int64, device=self.device)
+            matrix = self._all_gather_rows(row, self._splits_off, num_ranks).tolist()  # [src][dst]
+            counts = send_splits
+            send_off = [sum(send_splits[:p]) for p in range(num_ranks)]
+            dst_off = [sum(matrix[s][p] for s in range(me)) for p in range(num_ranks)]
+            num_recv = sum(recv_splits)
+        if num_recv * rec > self.rows_capacity:
+            raise ValueError(
+                f"EPBuffer: rank {me}: the nvlink receive area holds {self.rows_capacity} bytes but this call "
+                f"receives {num_recv} rows of {rec} bytes; size the buffer with EPBuffer.get_buffer_size_hint "
+                "for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)")
+        self._barrier()  # every peer has copied its previous rows out of its receive area
+        for peer in range(num_ranks):
+            if counts[peer] == 0:
+                continue
+            src = send_XB[send_off[peer]: send_off[peer] + counts[peer]].reshape(-1)
+            self.region.peer(peer, self._rows_off + dst_off[peer] * rec, (src.numel(),), torch.uint8).copy_(src)
+        self._barrier()
+        area = self.region.peer(me, self._rows_off, (num_recv * rec,), torch.uint8)
+        return area.view(num_recv, rec).clone()
+
+    def destroy(self) -> None:
+        self.region = None

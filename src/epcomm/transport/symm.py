@@ -1,0 +1,74 @@
+"""A small shim over torch's private symmetric-memory API (torch 2.11 and newer, CUDA backend).
+
+The API (`torch.distributed._symmetric_memory`) moves between releases; everything epcomm uses goes through
+these functions: allocate a region every rank of a group can address, views of a peer's region, the device
+pointer table Triton kernels cast to pointers, and the device barrier. NVLink multicast (NVLS) stays off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def available() -> Optional[str]:
+    """None when symmetric memory can be used here, else the reason it cannot."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        return f"torch.distributed._symmetric_memory cannot be imported ({e})"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        return f"triton cannot be imported ({e})"
+    return None
+
+
+class SymmetricRegion:
+    """`nbytes` of device memory on every rank of `group`, addressable by every peer over NVLink.
+
+    Collective: every rank of the group constructs it with the same `nbytes`.
+
+    Fields:
+        local: [nbytes] uint8 -- this rank's region.
+        ptrs: [R] int64 (device) -- base address of every rank's region (the pointer table for kernels).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+        # NVLink multicast can take a host's GPUs out of service; epcomm never needs it.
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hasattr(symm_mem, "set_backend"):
+            try:
+                symm_mem.set_backend("CUDA")
+            except Exception:  # already chosen for this process
+                pass
+        group_name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            try:
+                symm_mem.enable_symm_mem_for_group(group_name)
+            except Exception:
+                pass
+        self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.local, group_name)
+        self.rank, self.num_ranks = self.handle.rank, self.handle.world_size
+        self.ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.nbytes = nbytes
+
+    def peer(self, rank: int, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A view of `rank`'s region at byte `offset` (a multiple of dtype's size)."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        assert offset % dtype.itemsize == 0 and offset + numel * dtype.itemsize <= self.nbytes
+        return self.handle.get_buffer(rank, list(shape), dtype, offset // dtype.itemsize)
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 100_000) -> None:
+        """Device-side barrier over the group on the current stream (bounded by `timeout_ms`)."""
+        self.handle.barrier(channel=channel, timeout_ms=timeout_ms)
