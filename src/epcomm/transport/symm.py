@@ -7,6 +7,7 @@ pointer table Triton kernels cast to pointers, and the device barrier. NVLink mu
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Optional
 
@@ -19,11 +20,11 @@ def available() -> Optional[str]:
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
     except Exception as e:  # pragma: no cover - depends on the torch build
         return f"torch.distributed._symmetric_memory cannot be imported ({e})"
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except Exception as e:  # pragma: no cover
         return f"triton cannot be imported ({e})"
     return None
