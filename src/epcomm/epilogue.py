@@ -46,12 +46,6 @@ def expanded_sources(row_ptr_MK: Tensor, num_expanded_rows: int) -> Tensor:
     return scatter_index(row_ptr_MK.reshape(-1), num_expanded_rows)
 
 
-def expand_rows(rows_MH: Tensor, pair_S: Tensor, num_topk: int) -> Tensor:
-    """[S, ...]: the received row of each expanded row (zero for padding and the unused tail)."""
-    src = torch.where(pair_S >= 0, torch.div(pair_S, num_topk, rounding_mode="floor"), -1)
-    return gather_rows(rows_MH, src)
-
-
 def expand_weights(weights_MK: Tensor, pair_S: Tensor) -> Tensor:
     """[S]: the weight of the (token, position) pair at each expanded row, 0 for padding/tail."""
     return gather_rows(weights_MK.reshape(-1), pair_S)

@@ -108,6 +108,13 @@ def _record_tensors(x: XSpec, weights: Optional[Tensor]) -> dict:
     return {"x": x.data, "sf": x.sf, "w": weights}
 
 
+def _row_index(plan: "Plan", rows_Y: Tensor) -> Tensor:
+    """Receive-buffer row of output rows `rows_Y` (-1 stays -1)."""
+    if plan.exact:
+        return rows_Y
+    return torch.where(rows_Y >= 0, plan.out_src_M[rows_Y.clamp(min=0)], -1)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # dispatch
 # ------------------------------------------------------------------------------------------------------------
@@ -146,7 +153,7 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     tensors = _record_tensors(call.x, call.topk_weights)
     tensors.update(topk=call.topk_idx.long(), g=buf.rank * n + tokens)
     with record_function("epcomm::pack"):
-        send_XB = spec.gather(spec.records(tensors, call.x.num_tokens, device), send_src_X)
+        send_XB = spec.pack(tensors, send_src_X, holes=not call.do_cpu_sync)
     with record_function("epcomm::move_rows"):
         recv_XB = tr.dispatch_rows(send_XB, send_splits, recv_splits, call_id=call_id)
     return dict(spec=spec, recv_XB=recv_XB, recv_counts_R=recv_counts_R, send=send, send_row_TR=send_row_TR,
@@ -177,9 +184,10 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
     exact = call.do_cpu_sync
     out_src_M, buf_out_X, src_rank_M, valid_M = _compaction(
         launched["recv_counts_R"], exact, num_ranks, n, launched["num_recv"])
-    spec, rows_MB = launched["spec"], epilogue.gather_rows(launched["recv_XB"], out_src_M)
-    topk_MK = torch.where(valid_M.unsqueeze(1), spec.unpack(rows_MB, "topk"), -1)
-    g_M = spec.unpack(rows_MB, "g")
+    spec, recv_XB = launched["spec"], launched["recv_XB"]
+    idx, holes = (None, False) if exact else (out_src_M, True)
+    topk_MK = torch.where(valid_M.unsqueeze(1), spec.unpack(recv_XB, "topk", idx, holes), -1)
+    g_M = spec.unpack(recv_XB, "g", idx, holes)
     worst_s = None if exact else layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment)
     recv = layout.recv_layout(topk_MK, valid_M, buf.rank, num_local, call.expert_alignment, call.do_expand, worst_s)
     pair_S = epilogue.expanded_sources(recv.row_ptr_MK, recv.num_expanded_rows) if call.do_expand else None
@@ -187,7 +195,7 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
                 send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"], out_src_M=out_src_M,
                 buf_out_X=buf_out_X, src_rank_M=src_rank_M, valid_M=valid_M, recv=recv, send=launched["send"],
                 pair_S=pair_S)
-    recv_x, recv_w = _place(call, spec, rows_MB, plan)
+    recv_x, recv_w = _place(call, spec, recv_XB, plan)
     recv_topk_idx = None if call.do_expand else recv.local_idx_MK.to(call.topk_idx.dtype)
     if call.stats is not None:
         call.stats += recv.num_unaligned_L.to(call.stats.dtype)
@@ -195,23 +203,26 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
     return recv_x, recv_topk_idx, recv_w, handle
 
 
-def _place(call: DispatchCall, spec: RecordSpec, rows_MB: Tensor, plan: Plan) -> tuple:
-    """Unpack data, scales and weights from the output-ordered records and lay them out."""
-    x_MH = spec.unpack(rows_MB, "x")
-    sf_MP = spec.unpack(rows_MB, "sf") if spec.has("sf") else None
-    w_MK = spec.unpack(rows_MB, "w") if spec.has("w") else None
-    local_MK, valid_M = plan.recv.local_idx_MK, plan.valid_M
-    if w_MK is not None:  # DESIGN.md: non-local columns hold 0
-        w_MK = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
+def _place(call: DispatchCall, spec: RecordSpec, recv_XB: Tensor, plan: Plan) -> tuple:
+    """Unpack data, scales and weights straight from the receive buffer into the final layout (one pass each)."""
+    local_MK, num_rows = plan.recv.local_idx_MK, plan.out_src_M.shape[0]
     if call.do_expand:
         num_topk = local_MK.shape[1]
-        x_MH = epilogue.expand_rows(x_MH, plan.pair_S, num_topk)
-        sf_MP = None if sf_MP is None else epilogue.expand_rows(sf_MP, plan.pair_S, num_topk)
-        w_MK = None if w_MK is None else epilogue.expand_weights(w_MK, plan.pair_S)
-    elif w_MK is not None:
-        w_MK = w_MK.masked_fill_(~valid_M.unsqueeze(1), 0)
-    recv_x = x_MH if sf_MP is None else (x_MH, epilogue.place_sf(sf_MP, call.col_major_sf))
-    return recv_x, w_MK
+        src_S = torch.where(plan.pair_S >= 0, torch.div(plan.pair_S, num_topk, rounding_mode="floor"), -1)
+        idx, holes = _row_index(plan, src_S), True
+    else:
+        idx, holes = (None, False) if plan.exact else (plan.out_src_M, True)
+    x = spec.unpack(recv_XB, "x", idx, holes)
+    sf = spec.unpack(recv_XB, "sf", idx, holes) if spec.has("sf") else None
+    w = None
+    if spec.has("w"):  # DESIGN.md: non-local columns hold 0
+        w_MK = spec.unpack(recv_XB, "w", None if plan.exact else plan.out_src_M, not plan.exact)
+        w = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
+        if call.do_expand:
+            w = epilogue.expand_weights(w, plan.pair_S)
+    assert call.do_expand or x.shape[0] == num_rows
+    recv_x = x if sf is None else (x, epilogue.place_sf(sf, call.col_major_sf))
+    return recv_x, w
 
 
 def _make_handle(buf, call: DispatchCall, plan: Plan, g_M: Tensor, recv_counts_R: Tensor):
@@ -252,16 +263,14 @@ def cached_launch(buf, call: DispatchCall, call_id: int) -> dict:
     plan: Plan = call.handle._plan
     wdt = None if call.topk_weights is None else call.topk_weights.dtype
     spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=False)
-    records = spec.records(_record_tensors(call.x, call.topk_weights), call.x.num_tokens, buf.device)
-    send_XB = spec.gather(records, plan.send_src_X)
+    send_XB = spec.pack(_record_tensors(call.x, call.topk_weights), plan.send_src_X, holes=not plan.exact)
     recv_XB = buf.transport.dispatch_rows(send_XB, plan.send_splits, plan.recv_splits, call_id=call_id)
     return dict(spec=spec, recv_XB=recv_XB)
 
 
 def cached_finish(buf, call: DispatchCall, launched: dict):
     plan: Plan = call.handle._plan
-    rows_MB = epilogue.gather_rows(launched["recv_XB"], plan.out_src_M)
-    recv_x, recv_w = _place(call, launched["spec"], rows_MB, plan)
+    recv_x, recv_w = _place(call, launched["spec"], launched["recv_XB"], plan)
     recv_topk_idx = None if call.do_expand else plan.recv.local_idx_MK.to(call.topk_idx.dtype)
     return recv_x, recv_topk_idx, recv_w, call.handle
 
@@ -298,7 +307,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
     if call.per_pair:
         cap = None if plan.exact else n * min(num_topk, plan.recv.aligned_start_L.shape[0])
         send_src_X, counts_R = epilogue.pair_rows_by_source(plan.recv.row_ptr_MK, plan.src_rank_M, num_ranks, cap)
-        send_XB = spec.gather(spec.records({"x": call.x}, call.x.shape[0], buf.device), send_src_X)
+        send_XB = spec.pack({"x": call.x}, send_src_X, holes=not plan.exact)
         send_splits = counts_R.tolist() if plan.exact else None
         recv_splits = _pair_counts_at_origin(h, num_ranks).tolist() if plan.exact else None
     else:
@@ -312,8 +321,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             w_MK = call.topk_weights
         if w_MK is not None:
             w_MK = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
-        records = spec.records({"x": y_MH, "w": w_MK}, y_MH.shape[0], buf.device)
-        send_XB = spec.gather(records, plan.buf_out_X)
+        send_XB = spec.pack({"x": y_MH, "w": w_MK}, plan.buf_out_X, holes=not plan.exact)
         send_splits, recv_splits = plan.recv_splits, plan.send_splits
     with record_function("epcomm::move_rows"):
         recv_XB = buf.transport.combine_rows(send_XB, send_splits, recv_splits, call_id=call_id)
@@ -328,7 +336,7 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     """Origin side: the canonical reduction (bias first, then ascending position) and the weights back."""
     h, plan = call.handle, call.handle._plan
     spec, rows_XB = launched["spec"], launched["recv_XB"]
-    y_XH = spec.unpack(rows_XB, "x")
+    y_XH = spec.view(rows_XB, "x")  # the reduction reads the rows in place
     topk_TK = h._topk_idx.long()
     num_tokens, num_topk = topk_TK.shape
     num_ranks, num_local = buf.num_ranks, h.num_experts // buf.num_ranks
@@ -349,7 +357,7 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype)
     combined_w = None
     if call.topk_weights is not None:
-        w_XK = spec.unpack(rows_XB, "w")
+        w_XK = spec.view(rows_XB, "w")
         row_TK = plan.send_row_TR.gather(1, dest_TK.clamp(min=0))
         combined_w = torch.zeros(num_tokens, num_topk, dtype=w_XK.dtype, device=buf.device)
         if w_XK.shape[0]:

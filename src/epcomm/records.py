@@ -9,6 +9,7 @@ records carry the row and the weights going back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -44,31 +45,50 @@ class RecordSpec:
             off += align(f.nbytes, _FIELD_ALIGN)
         self.nbytes = max(off, _FIELD_ALIGN)
 
-    def records(self, tensors: dict, num_tokens: int, device: torch.device) -> Tensor:
-        """[T, B] uint8: one record per token (fields not given stay zero)."""
-        rec_TB = torch.zeros(num_tokens, self.nbytes, dtype=torch.uint8, device=device)
+    def pack(self, tensors: dict, src_X: Tensor, holes: bool) -> Tensor:
+        """[X, B] uint8: row x is the record of token `src_X[x]` (one gather per field, no staging copy).
+
+        Rows with `src_X == -1` (only when `holes`), padding bytes and fields not given are left unspecified:
+        nobody reads them.
+        """
+        num_rows = src_X.shape[0]
+        out = torch.empty(num_rows, self.nbytes, dtype=torch.uint8, device=src_X.device)
+        idx = src_X.clamp(min=0) if holes else src_X
         for f in self.fields:
             t = tensors.get(f.name)
-            if t is None or num_tokens == 0:
+            if t is None or t.shape[0] == 0 or num_rows == 0:
                 continue
             off = self.offsets[f.name]
-            rec_TB[:, off : off + f.nbytes] = t.reshape(num_tokens, -1).contiguous().view(torch.uint8)
-        return rec_TB
+            as_bytes = t.reshape(t.shape[0], -1).contiguous().view(torch.uint8)
+            out[:, off: off + f.nbytes] = as_bytes.index_select(0, idx)
+        return out
 
-    @staticmethod
-    def gather(rec_TB: Tensor, src_token_X: Tensor) -> Tensor:
-        """[X, B]: row x is record `src_token_X[x]`; rows with -1 are zero."""
-        if rec_TB.shape[0] == 0:
-            return rec_TB.new_zeros(src_token_X.shape[0], rec_TB.shape[1])
-        rows = rec_TB[src_token_X.clamp(min=0)]
-        return rows.masked_fill_((src_token_X < 0).unsqueeze(1), 0)
-
-    def unpack(self, rows_XB: Tensor, name: str) -> Tensor:
-        """[X, *shape] dtype: a fresh tensor holding field `name` of every row."""
+    def view(self, rows_XB: Tensor, name: str) -> Tensor:
+        """[X, *shape] dtype: field `name` of every row as a strided view (no copy)."""
         f = next(f for f in self.fields if f.name == name)
         off = self.offsets[name]
-        raw = rows_XB[:, off : off + f.nbytes].contiguous()
+        raw = rows_XB[:, off: off + f.nbytes]
+        if rows_XB.shape[0] == 0:
+            return raw.contiguous().view(f.dtype).view(0, *f.shape)
         return raw.view(f.dtype).view(rows_XB.shape[0], *f.shape)
+
+    def unpack(self, rows_XB: Tensor, name: str, idx_Y: Optional[Tensor] = None, holes: bool = False) -> Tensor:
+        """[Y, *shape] dtype: a fresh tensor holding field `name` of rows `idx_Y` (all rows when None).
+
+        With `holes`, rows whose index is -1 are zero.
+        """
+        f = next(f for f in self.fields if f.name == name)
+        off = self.offsets[name]
+        raw = rows_XB[:, off: off + f.nbytes]
+        if idx_Y is None:
+            out = raw.contiguous()
+        elif rows_XB.shape[0] == 0:
+            out = raw.new_zeros(idx_Y.shape[0], f.nbytes)
+        else:
+            out = raw.index_select(0, idx_Y.clamp(min=0) if holes else idx_Y)
+            if holes:
+                out.masked_fill_((idx_Y < 0).unsqueeze(1), 0)
+        return out.view(f.dtype).view(out.shape[0], *f.shape)
 
     def has(self, name: str) -> bool:
         return name in self.offsets

@@ -29,3 +29,45 @@ def test_fp64_accumulates_in_fp64_and_empty_rows():
     rows = torch.randn(0, 5, dtype=torch.float64)
     out = canonical_reduce(rows, torch.full((3, 2), -1), torch.ones(3, 5, dtype=torch.float64), None)
     assert out.dtype == torch.float64 and torch.equal(out, torch.ones(3, 5, dtype=torch.float64))
+
+
+def _run_triton_interpreted(rows, item, b0, b1, out_dtype):
+    """The Triton kernel under TRITON_INTERPRET=1 on CPU (a subprocess: the flag is read at import)."""
+    import pickle
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys, torch\n"
+        "from epcomm.kernels import canonical_reduce\n"
+        "rows, item, b0, b1, out_dtype = pickle.load(sys.stdin.buffer)\n"
+        "out = canonical_reduce(rows, item, b0, b1, out_dtype, use_triton=True)\n"
+        "sys.stdout.buffer.write(pickle.dumps(out))\n"
+    )
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((rows, item, b0, b1, out_dtype)),
+                         capture_output=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr.decode()[-3000:]
+    return pickle.loads(res.stdout)
+
+
+def test_triton_kernel_matches_twin_interpreted():
+    pytest = __import__("pytest")
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(1)
+    cases = [
+        (torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([[2, -1, 0], [-1, -1, -1]]), None, None),  # worked example
+        ((torch.randn(40, 37, generator=gen) * 100).bfloat16(), torch.randint(-1, 40, (9, 5), generator=gen),
+         torch.randn(9, 37, generator=gen).bfloat16(), torch.randn(9, 37, generator=gen).bfloat16()),
+        (torch.randn(12, 2000, generator=gen, dtype=torch.float64), torch.randint(-1, 12, (3, 4), generator=gen),
+         torch.randn(3, 2000, generator=gen, dtype=torch.float64), None),
+        (torch.randn(8, 64, generator=gen).half(), torch.randint(-1, 8, (5, 2), generator=gen), None,
+         torch.randn(5, 64, generator=gen).half()),
+    ]
+    for rows, item, b0, b1 in cases:
+        # The interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even, pinned bitwise by the
+        # GPU suite), so bf16 rows are compared on the fp32 sum here.
+        out_dtype = torch.float32 if rows.dtype == torch.bfloat16 else rows.dtype
+        got = _run_triton_interpreted(rows, item, b0, b1, out_dtype)
+        want = canonical_reduce_torch(rows, item, b0, b1, out_dtype)
+        assert torch.equal(got, want), (got - want).abs().max()

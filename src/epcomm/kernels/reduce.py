@@ -69,6 +69,22 @@ def canonical_reduce(
     bias_0: Optional[Tensor] = None,
     bias_1: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    *,
+    use_triton: Optional[bool] = None,
 ) -> Tensor:
-    """Launcher for the canonical reduction; the torch twin on every device until a faster kernel exists."""
-    return canonical_reduce_torch(rows_XH, item_row_TP, bias_0, bias_1, out_dtype)
+    """Launcher: the Triton kernel on CUDA (one pass, no host sync), the torch twin elsewhere.
+
+    Same arguments and result as `canonical_reduce_torch`; `use_triton` forces the choice (tests run the kernel
+    on CPU under `TRITON_INTERPRET=1`).
+    """
+    if use_triton is None:
+        use_triton = rows_XH.is_cuda
+    if not use_triton or rows_XH.shape[0] == 0 or item_row_TP.shape[0] == 0:
+        return canonical_reduce_torch(rows_XH, item_row_TP, bias_0, bias_1, out_dtype)
+    from . import _reduce_triton
+
+    rows = rows_XH if rows_XH.stride(1) == 1 else rows_XH.contiguous()
+    bias_0 = None if bias_0 is None else bias_0.contiguous()
+    bias_1 = None if bias_1 is None else bias_1.contiguous()
+    out = torch.empty(item_row_TP.shape[0], rows.shape[1], dtype=out_dtype or rows.dtype, device=rows.device)
+    return _reduce_triton.launch(rows, item_row_TP.contiguous(), bias_0, bias_1, out)
