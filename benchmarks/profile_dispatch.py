@@ -42,13 +42,17 @@ def run(rank, world, args):
         torch.cuda.synchronize()
         if rank == 0:
             print(f"{name} dispatch wall {1e6 * (time.perf_counter() - t0):.0f} us")
+    dist.barrier()
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        calls()
+        if args.only_full:
+            buf.dispatch(x, idx, w, num_experts=256, do_expand=args.expand)
+        else:
+            calls()
         torch.cuda.synchronize()
     if rank == 0:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=40))
     buf.destroy()
     dist.destroy_process_group()
 
@@ -58,5 +62,6 @@ if __name__ == "__main__":
     p.add_argument("--transport", default="auto")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--expand", action="store_true")
+    p.add_argument("--only-full", action="store_true")
     a = p.parse_args()
     mp.spawn(run, args=(2, a), nprocs=2)

@@ -150,6 +150,7 @@ class EPBuffer:
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
         self._call_id = 0
         self._destroyed = False
+        self._pending_deferred = False
         self._broken: Optional[str] = None
         self._warned: set = set()
         self._num_sms_cache: dict = {}
@@ -303,6 +304,10 @@ class EPBuffer:
                           ResourceWarning, stacklevel=1)
 
     def _check_alive(self, call: str) -> None:
+        if self._pending_deferred and self.transport.borrows_rows:
+            raise ValueError(f"{call}: rank {self.rank}: a deferred epilogue of this buffer is still pending; wait "
+                             f"on its event before the next call (the {self.transport.name} transport keeps one "
+                             "deferred call in flight)")
         if self._destroyed:
             raise ValueError(f"{call}: rank {self.rank}: the buffer was destroyed; create a new EPBuffer")
         if self._broken is not None:
@@ -665,6 +670,13 @@ class EPBuffer:
 
     def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool):
         """Run or defer the epilogue and build the event per reference §3.4-3.5."""
+        if defer:
+            self._pending_deferred = True
+            inner = epilogue
+
+            def epilogue():
+                self._pending_deferred = False
+                return inner()
         if self.device.type != "cuda":
             if defer:
                 return EventOverlap(EventHandle(), hook_after_wait=epilogue)

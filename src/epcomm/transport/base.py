@@ -49,6 +49,8 @@ class Transport(ABC):
     """
 
     name = "base"
+    # True when dispatch_rows/combine_rows return views of a reused receive area (see EPBuffer._finish).
+    borrows_rows = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, uid: int):
         self.group = group

@@ -26,6 +26,9 @@ _HEADER_COLS = 32
 
 class NVLinkTransport(Transport):
     name = "nvlink"
+    # Received rows are returned as a view of the receive area: the epilogue copies them out before the next
+    # call's first barrier lets peers write again (stream order), so one deferred epilogue may be in flight.
+    borrows_rows = True
 
     def __init__(self, group, device, timeout_s, uid, *, num_bytes: int = 0, gpu_timeout_s: float = 100.0):
         super().__init__(group, device, timeout_s, uid)
@@ -104,7 +107,7 @@ class NVLinkTransport(Transport):
             self.region.peer(peer, self._rows_off + dst_off[peer] * rec, (src.numel(),), torch.uint8).copy_(src)
         self._barrier()
         area = self.region.peer(me, self._rows_off, (num_recv * rec,), torch.uint8)
-        return area.view(num_recv, rec).clone()
+        return area.view(num_recv, rec)
 
     def destroy(self) -> None:
         self.region = None
