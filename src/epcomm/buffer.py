@@ -427,10 +427,11 @@ class EPBuffer:
         try:
             check_event_options(c, previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
                                 async_with_compute_stream=async_with_compute_stream, defer_epilogue=defer_epilogue)
-            call = self._resolve_dispatch(
-                c, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
-                num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, handle, do_handle_copy, do_cpu_sync,
-                do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf)
+            with debug.phase("resolve"):
+                call = self._resolve_dispatch(
+                    c, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
+                    num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, handle, do_handle_copy,
+                    do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf)
         except (TypeError, ValueError) as e:
             err = e
         cached = handle is not None
@@ -451,7 +452,7 @@ class EPBuffer:
         inputs = [call.x.data, call.x.sf, call.topk_idx, call.topk_weights]
 
         def epilogue():
-            with torch.profiler.record_function("epcomm::dispatch_epilogue"):
+            with debug.phase("dispatch_epilogue"):
                 return finish(self, call, launched)
         result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue)
         if defer_epilogue:
@@ -604,7 +605,7 @@ class EPBuffer:
         inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]
 
         def epilogue():
-            with torch.profiler.record_function("epcomm::combine_reduce"):
+            with debug.phase("combine_reduce"):
                 return pipeline.combine_finish(self, call, launched)
         result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue)
         if defer_epilogue:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import contextmanager
+
+import torch
 
 from . import envs
 
@@ -33,3 +37,31 @@ def log_dispatch(buf, call, launched: dict) -> None:
     kind = "cached" if call.handle is not None else ("cpu-sync" if call.do_cpu_sync else "sync-free")
     log(f"dispatch rank {buf.rank}: {kind} {layout}, T={call.x.num_tokens}, H={call.x.hidden}, "
         f"K={call.topk_idx.shape[1]}, dtype={call.x.data.dtype}, sent per rank={sent}, received per rank={recv}")
+
+
+_phase_times: dict = {}
+
+
+@contextmanager
+def phase(name: str):
+    """A profiler range; with `EPCOMM_PHASE_TIMES=1` also the phase's wall time (device synchronised at both ends)
+    accumulated in `phase_times()` -- a diagnostic that serialises the GPU, never for production."""
+    with torch.profiler.record_function(f"epcomm::{name}"):
+        if not envs.phase_times_enabled():
+            yield
+            return
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        _phase_times[name] = _phase_times.get(name, 0.0) + time.perf_counter() - start
+
+
+def phase_times(reset: bool = True) -> dict:
+    """Seconds spent per phase since the last reset (see `phase`)."""
+    out = dict(_phase_times)
+    if reset:
+        _phase_times.clear()
+    return out

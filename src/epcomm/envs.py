@@ -3,6 +3,7 @@
 | variable | default | effect |
 | --- | --- | --- |
 | `EPCOMM_DEBUG` | unset | `1`: log sizes, transport choices and per-call counts to stderr (logger `epcomm`) |
+| `EPCOMM_PHASE_TIMES` | unset | `1`: synchronise the device around each phase and sum its wall time (`epcomm.debug.phase_times()`); diagnostics only |
 """
 
 from __future__ import annotations
@@ -12,3 +13,7 @@ import os
 
 def debug_enabled() -> bool:
     return os.environ.get("EPCOMM_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def phase_times_enabled() -> bool:
+    return os.environ.get("EPCOMM_PHASE_TIMES", "0") not in ("", "0", "false", "False")

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.profiler import record_function
 from torch import Tensor
 
 from . import agreement, epilogue, layout
+from .debug import phase
 from .kernels import canonical_reduce
 from .records import Field, RecordSpec, scatter_index
 from .validate import XSpec
@@ -121,13 +121,13 @@ def _row_index(plan: "Plan", rows_Y: Tensor) -> Tensor:
 def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional[BaseException]) -> dict:
     """Count exchange (all ranks raise together on bad input), then pack and move the records."""
     tr, num_ranks, device = buf.transport, buf.num_ranks, buf.device
-    with record_function("epcomm::layout"):
+    with phase("layout"):
         send = None if local_error else layout.send_layout(call.topk_idx, num_ranks, call.num_experts // num_ranks)
     signature = {} if local_error else call.signature(1)
     head = agreement.header(agreement.status_of(local_error), call_id, signature)
     send_RC = agreement.pack(head, None if send is None else send.num_tokens_per_rank_R, num_ranks, device)
     check_on_host = call is None or call.do_cpu_sync or device.type == "cpu"
-    with record_function("epcomm::exchange_counts"):
+    with phase("exchange_counts"):
         recv_RC = tr.exchange_counts(send_RC, wait=check_on_host, call_id=call_id)
         if check_on_host:
             buf.agree("EPBuffer.dispatch", recv_RC.tolist(), local_error)
@@ -152,9 +152,9 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     tokens = torch.arange(call.x.num_tokens, device=device)
     tensors = _record_tensors(call.x, call.topk_weights)
     tensors.update(topk=call.topk_idx.long(), g=buf.rank * n + tokens)
-    with record_function("epcomm::pack"):
+    with phase("pack"):
         send_XB = spec.pack(tensors, send_src_X, holes=not call.do_cpu_sync)
-    with record_function("epcomm::move_rows"):
+    with phase("move_rows"):
         recv_XB = tr.dispatch_rows(send_XB, send_splits, recv_splits, call_id=call_id)
     return dict(spec=spec, recv_XB=recv_XB, recv_counts_R=recv_counts_R, send=send, send_row_TR=send_row_TR,
                 send_src_X=send_src_X, send_splits=send_splits, recv_splits=recv_splits, num_recv=num_recv)
@@ -189,17 +189,21 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
     topk_MK = torch.where(valid_M.unsqueeze(1), spec.unpack(recv_XB, "topk", idx, holes), -1)
     g_M = spec.unpack(recv_XB, "g", idx, holes)
     worst_s = None if exact else layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment)
-    recv = layout.recv_layout(topk_MK, valid_M, buf.rank, num_local, call.expert_alignment, call.do_expand, worst_s)
-    pair_S = epilogue.expanded_sources(recv.row_ptr_MK, recv.num_expanded_rows) if call.do_expand else None
+    with phase("recv_layout"):
+        recv = layout.recv_layout(topk_MK, valid_M, buf.rank, num_local, call.expert_alignment, call.do_expand,
+                                  worst_s)
+        pair_S = epilogue.expanded_sources(recv.row_ptr_MK, recv.num_expanded_rows) if call.do_expand else None
     plan = Plan(exact=exact, send_splits=launched["send_splits"], recv_splits=launched["recv_splits"],
                 send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"], out_src_M=out_src_M,
                 buf_out_X=buf_out_X, src_rank_M=src_rank_M, valid_M=valid_M, recv=recv, send=launched["send"],
                 pair_S=pair_S)
-    recv_x, recv_w = _place(call, spec, recv_XB, plan)
+    with phase("place"):
+        recv_x, recv_w = _place(call, spec, recv_XB, plan)
     recv_topk_idx = None if call.do_expand else recv.local_idx_MK.to(call.topk_idx.dtype)
     if call.stats is not None:
         call.stats += recv.num_unaligned_L.to(call.stats.dtype)
-    handle = _make_handle(buf, call, plan, g_M, recv_counts_R=launched["recv_counts_R"])
+    with phase("handle"):
+        handle = _make_handle(buf, call, plan, g_M, recv_counts_R=launched["recv_counts_R"])
     return recv_x, recv_topk_idx, recv_w, handle
 
 
@@ -323,7 +327,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             w_MK = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
         send_XB = spec.pack({"x": y_MH, "w": w_MK}, plan.buf_out_X, holes=not plan.exact)
         send_splits, recv_splits = plan.recv_splits, plan.send_splits
-    with record_function("epcomm::move_rows"):
+    with phase("move_rows"):
         recv_XB = buf.transport.combine_rows(send_XB, send_splits, recv_splits, call_id=call_id)
     return dict(spec=spec, recv_XB=recv_XB)
 
