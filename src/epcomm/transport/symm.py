@@ -51,7 +51,7 @@ class SymmetricRegion:
             except Exception:  # already chosen for this process
                 pass
         group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        if hasattr(symm_mem, "enable_symm_mem_for_group") and not hasattr(symm_mem, "set_backend"):
             try:
                 symm_mem.enable_symm_mem_for_group(group_name)
             except Exception:
