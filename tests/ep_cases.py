@@ -75,6 +75,7 @@ def check_mode(
     async_op: bool = False,
     device: str = "cpu",
     transport: str = "auto",
+    force_blocked: bool = False,
 ):
     """Dispatch, cached dispatch and combine against the reference in one mode; returns counts.
 
@@ -104,6 +105,8 @@ def check_mode(
     buf = buffer or epcomm.EPBuffer(group, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
                           use_fp8_dispatch=dtype == "fp8", allow_multiple_reduction=allow_multiple_reduction,
                           dtype=DTYPES.get(dtype, torch.bfloat16), explicitly_destroy=True, transport=transport)
+    if force_blocked:  # the nvlink layout (per-sender blocks even with CPU sync) over the collective transport
+        buf.transport.writes_blocks = True
     stats = torch.zeros(num_experts // world, dtype=torch.int32, device=device)
     kwargs = dict(num_experts=num_experts, expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync,
                   do_expand=do_expand, use_tma_aligned_col_major_sf=col_major_sf)

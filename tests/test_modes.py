@@ -54,3 +54,9 @@ def test_world_sizes(run_ranks, world):
 
 def test_combine_of_ones_counts_destinations(run_ranks):
     run_ranks(2, ep_cases.combine_counts_ranks)
+
+
+@pytest.mark.parametrize("mode", MODES[::2], ids=[_mode_id(m) for m in MODES[::2]])
+def test_blocked_layout_matches_reference(run_ranks, mode):
+    """The layout the nvlink transport uses (rows in per-sender blocks, also with CPU sync), checked on CPU."""
+    run_ranks(2, ep_cases.check_mode, seed=3, force_blocked=True, **mode)

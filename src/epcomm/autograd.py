@@ -29,6 +29,7 @@ from typing import Optional, Union
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .buffer import EPBuffer
 from .handle import EPHandle
@@ -61,6 +62,7 @@ class _DispatchFunction(torch.autograd.Function):
         return recv_x, recv_w, handle
 
     @staticmethod
+    @once_differentiable  # the backward's collectives are not themselves differentiable
     def backward(ctx, grad_recv_x, grad_recv_w, _grad_handle):
         device = ctx.buffer.device
         grad_recv_x = _grad_or_zeros(grad_recv_x, ctx.recv_x_meta, device)
@@ -86,6 +88,7 @@ class _CombineFunction(torch.autograd.Function):
         return combined_x
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y):
         grad_y = _grad_or_zeros(grad_y, ctx.y_meta, ctx.buffer.device)
         # Cached dispatch replays the forward's routing; its padding and tail rows are zero. Always collective.

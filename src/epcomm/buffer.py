@@ -143,8 +143,12 @@ class EPBuffer:
             unavailable["nvlink"] = f"group ranks {bad} have no peer access to every other GPU or no symmetric memory"
         transport_cls = resolve_transport(transport, self.device, unavailable)
         if transport_cls is not CollectiveTransport:
+            # The blocked layout needs R x N records of the widest kind in the receive area.
+            blocked_bytes = self.num_ranks * num_max_tokens_per_rank * sizing.record_bytes(
+                hidden * dtype.itemsize, 0, num_topk or sizing.MAX_TOPK, True)
             self.transport = transport_cls(self.group, self.device, num_cpu_timeout_secs, self.uid,
-                                           num_bytes=num_bytes, gpu_timeout_s=num_gpu_timeout_secs)
+                                           num_bytes=num_bytes, gpu_timeout_s=num_gpu_timeout_secs,
+                                           min_rows_bytes=blocked_bytes)
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None

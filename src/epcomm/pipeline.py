@@ -32,8 +32,10 @@ class Plan:
     """What a dispatch decided, replayed by cached dispatch and combine (kept in `EPHandle._plan`).
 
     Fields:
-        exact: CPU-synced (exact splits, exact output sizes) or sync-free (worst-case `N` rows per peer).
-        send_splits, recv_splits: host lists of rows to / from each rank (exact mode), else None.
+        exact: CPU-synced (exact output sizes) or sync-free (worst-case sizes).
+        blocked: rows travel in per-rank blocks of `N` rows (sync-free, or a transport that writes rows straight
+            into peers' receive areas); else packed back to back with exact splits.
+        send_splits, recv_splits: host lists of rows to / from each rank (packed layout), else None.
         send_row_TR: [T, R] int64 -- row of the send (and combine-return) buffer for (token, rank), -1.
         send_src_X: [X] int64 -- token packed into each send row, -1 for holes.
         out_src_M: [M] int64 -- receive-buffer row of each output row, -1 past the valid extent.
@@ -46,6 +48,7 @@ class Plan:
     """
 
     exact: bool
+    blocked: bool
     send_splits: Optional[list]
     recv_splits: Optional[list]
     send_row_TR: Tensor
@@ -110,7 +113,7 @@ def _record_tensors(x: XSpec, weights: Optional[Tensor]) -> dict:
 
 def _row_index(plan: "Plan", rows_Y: Tensor) -> Tensor:
     """Receive-buffer row of output rows `rows_Y` (-1 stays -1)."""
-    if plan.exact:
+    if not plan.blocked:
         return rows_Y
     return torch.where(rows_Y >= 0, plan.out_src_M[rows_Y.clamp(min=0)], -1)
 
@@ -136,14 +139,16 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     recv_counts_R = recv_RC[:, agreement.HEADER_LEN]
     send_counts_R = send.num_tokens_per_rank_R
     n = call.n
-    if call.do_cpu_sync:
+    blocked = tr.writes_blocks or not call.do_cpu_sync
+    send_splits = recv_splits = None
+    if not blocked:
         send_splits, recv_splits = send_counts_R.tolist(), recv_counts_R.tolist()
         send_off_R = _exclusive_cumsum(send_counts_R)
         num_send, num_recv = sum(send_splits), sum(recv_splits)
     else:
-        send_splits = recv_splits = None
         send_off_R = torch.arange(num_ranks, device=device) * n
-        num_send = num_recv = num_ranks * n
+        num_send = num_ranks * n
+        num_recv = int(recv_counts_R.sum()) if call.do_cpu_sync else num_ranks * n
     send_row_TR = torch.where(send.token_slot_TR >= 0, send_off_R + send.token_slot_TR, -1)
     send_src_X = scatter_index(send_row_TR.reshape(-1), num_send)
     send_src_X = torch.where(send_src_X >= 0, torch.div(send_src_X, num_ranks, rounding_mode="floor"), -1)
@@ -152,26 +157,36 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     tokens = torch.arange(call.x.num_tokens, device=device)
     tensors = _record_tensors(call.x, call.topk_weights)
     tensors.update(topk=call.topk_idx.long(), g=buf.rank * n + tokens)
-    with phase("pack"):
-        send_XB = spec.pack(tensors, send_src_X, holes=not call.do_cpu_sync)
     with phase("move_rows"):
-        recv_XB = tr.dispatch_rows(send_XB, send_splits, recv_splits, call_id=call_id)
+        recv_XB = _move(tr, spec, tensors, send_src_X, blocked, send_splits, recv_splits, n, call_id)
     return dict(spec=spec, recv_XB=recv_XB, recv_counts_R=recv_counts_R, send=send, send_row_TR=send_row_TR,
-                send_src_X=send_src_X, send_splits=send_splits, recv_splits=recv_splits, num_recv=num_recv)
+                send_src_X=send_src_X, send_splits=send_splits, recv_splits=recv_splits, num_recv=num_recv,
+                blocked=blocked)
 
 
-def _compaction(recv_counts_R: Tensor, exact: bool, num_ranks: int, n: int, num_recv: int) -> tuple:
-    """Map the receive buffer to output rows: (out_src_M, buf_out_X, src_rank_M, valid_M)."""
+def _move(tr, spec: RecordSpec, tensors: dict, src_X: Tensor, blocked: bool, send_splits, recv_splits, cap: int,
+          call_id: int, back: bool = False) -> Tensor:
+    """Pack and move records: in blocks of `cap` rows per rank (the transport may push them directly), or
+    packed back to back with exact splits."""
+    if blocked:
+        return tr.push_rows(spec, tensors, src_X, cap, call_id=call_id)
+    send_XB = spec.pack(tensors, src_X, holes=False)
+    move = tr.combine_rows if back else tr.dispatch_rows
+    return move(send_XB, send_splits, recv_splits, call_id=call_id)
+
+
+def _compaction(recv_counts_R: Tensor, blocked: bool, num_ranks: int, n: int, num_recv: int) -> tuple:
+    """Map the receive buffer to `num_recv` output rows: (out_src_M, buf_out_X, src_rank_M, valid_M)."""
     device = recv_counts_R.device
     out_off_R = _exclusive_cumsum(recv_counts_R)
-    if exact:
+    if not blocked:
         rows = torch.arange(num_recv, device=device)
         src_rank = torch.repeat_interleave(torch.arange(num_ranks, device=device), recv_counts_R, output_size=num_recv)
         return rows, rows, src_rank, torch.ones(num_recv, dtype=torch.bool, device=device)
     b = torch.arange(num_ranks * n, device=device)
     s, k = torch.div(b, n, rounding_mode="floor"), b % n
     buf_out_X = torch.where(k < recv_counts_R[s], out_off_R[s] + k, -1)
-    out_src_M = scatter_index(buf_out_X, num_ranks * n)
+    out_src_M = scatter_index(buf_out_X, num_recv)
     valid_M = out_src_M >= 0
     src_rank_M = torch.where(valid_M, torch.div(out_src_M, n, rounding_mode="floor"), -1)
     return out_src_M, buf_out_X, src_rank_M, valid_M
@@ -181,11 +196,11 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
     """Epilogue of a non-cached dispatch: outputs and a new handle."""
     num_ranks, n, num_topk = buf.num_ranks, call.n, call.topk_idx.shape[1]
     num_local = call.num_experts // num_ranks
-    exact = call.do_cpu_sync
+    exact, blocked = call.do_cpu_sync, launched["blocked"]
     out_src_M, buf_out_X, src_rank_M, valid_M = _compaction(
-        launched["recv_counts_R"], exact, num_ranks, n, launched["num_recv"])
+        launched["recv_counts_R"], blocked, num_ranks, n, launched["num_recv"])
     spec, recv_XB = launched["spec"], launched["recv_XB"]
-    idx, holes = (None, False) if exact else (out_src_M, True)
+    idx, holes = (out_src_M, not exact) if blocked else (None, False)
     topk_MK = torch.where(valid_M.unsqueeze(1), spec.unpack(recv_XB, "topk", idx, holes), -1)
     g_M = spec.unpack(recv_XB, "g", idx, holes)
     worst_s = None if exact else layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment)
@@ -193,7 +208,7 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
         recv = layout.recv_layout(topk_MK, valid_M, buf.rank, num_local, call.expert_alignment, call.do_expand,
                                   worst_s)
         pair_S = epilogue.expanded_sources(recv.row_ptr_MK, recv.num_expanded_rows) if call.do_expand else None
-    plan = Plan(exact=exact, send_splits=launched["send_splits"], recv_splits=launched["recv_splits"],
+    plan = Plan(exact=exact, blocked=blocked, send_splits=launched["send_splits"], recv_splits=launched["recv_splits"],
                 send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"], out_src_M=out_src_M,
                 buf_out_X=buf_out_X, src_rank_M=src_rank_M, valid_M=valid_M, recv=recv, send=launched["send"],
                 pair_S=pair_S)
@@ -215,12 +230,12 @@ def _place(call: DispatchCall, spec: RecordSpec, recv_XB: Tensor, plan: Plan) ->
         src_S = torch.where(plan.pair_S >= 0, torch.div(plan.pair_S, num_topk, rounding_mode="floor"), -1)
         idx, holes = _row_index(plan, src_S), True
     else:
-        idx, holes = (None, False) if plan.exact else (plan.out_src_M, True)
+        idx, holes = (plan.out_src_M, not plan.exact) if plan.blocked else (None, False)
     x = spec.unpack(recv_XB, "x", idx, holes)
     sf = spec.unpack(recv_XB, "sf", idx, holes) if spec.has("sf") else None
     w = None
     if spec.has("w"):  # DESIGN.md: non-local columns hold 0
-        w_MK = spec.unpack(recv_XB, "w", None if plan.exact else plan.out_src_M, not plan.exact)
+        w_MK = spec.unpack(recv_XB, "w", plan.out_src_M if plan.blocked else None, not plan.exact)
         w = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
         if call.do_expand:
             w = epilogue.expand_weights(w, plan.pair_S)
@@ -267,8 +282,8 @@ def cached_launch(buf, call: DispatchCall, call_id: int) -> dict:
     plan: Plan = call.handle._plan
     wdt = None if call.topk_weights is None else call.topk_weights.dtype
     spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=False)
-    send_XB = spec.pack(_record_tensors(call.x, call.topk_weights), plan.send_src_X, holes=not plan.exact)
-    recv_XB = buf.transport.dispatch_rows(send_XB, plan.send_splits, plan.recv_splits, call_id=call_id)
+    recv_XB = _move(buf.transport, spec, _record_tensors(call.x, call.topk_weights), plan.send_src_X, plan.blocked,
+                    plan.send_splits, plan.recv_splits, call.n, call_id)
     return dict(spec=spec, recv_XB=recv_XB)
 
 
@@ -325,8 +340,10 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             w_MK = call.topk_weights
         if w_MK is not None:
             w_MK = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
-        send_XB = spec.pack({"x": y_MH, "w": w_MK}, plan.buf_out_X, holes=not plan.exact)
-        send_splits, recv_splits = plan.recv_splits, plan.send_splits
+        with phase("move_rows"):
+            recv_XB = _move(buf.transport, spec, {"x": y_MH, "w": w_MK}, plan.buf_out_X, plan.blocked,
+                            plan.recv_splits, plan.send_splits, n, call_id, back=True)
+        return dict(spec=spec, recv_XB=recv_XB)
     with phase("move_rows"):
         recv_XB = buf.transport.combine_rows(send_XB, send_splits, recv_splits, call_id=call_id)
     return dict(spec=spec, recv_XB=recv_XB)

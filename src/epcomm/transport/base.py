@@ -51,6 +51,9 @@ class Transport(ABC):
     name = "base"
     # True when dispatch_rows/combine_rows return views of a reused receive area (see EPBuffer._finish).
     borrows_rows = False
+    # True when the transport writes rows straight into per-sender blocks of peers' receive areas, so the
+    # pipeline uses the blocked layout even with CPU sync (see `push_rows`).
+    writes_blocks = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, uid: int):
         self.group = group
@@ -75,6 +78,14 @@ class Transport(ABC):
     ) -> Tensor:
         """The return direction of `dispatch_rows` (same primitive unless a transport specialises it)."""
         return self.dispatch_rows(send_XB, send_splits, recv_splits, call_id=call_id)
+
+    def push_rows(self, spec, tensors: dict, src_X: Tensor, cap: int, *, call_id: int) -> Tensor:
+        """Move records in the blocked layout: send row x (token `src_X[x]`, -1 for a hole) lands in rank
+        `x // cap`'s receive buffer at row `my_rank * cap + x % cap`. Returns [R * cap, B] uint8 grouped by source.
+
+        The default packs the records and sends equal splits; a transport may write them straight into peers.
+        """
+        return self.dispatch_rows(spec.pack(tensors, src_X, holes=True), None, None, call_id=call_id)
 
     def destroy(self) -> None:
         """Release transport resources (local; the buffer runs the collective part)."""

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels import push
 from ..sizing import align
 from .base import Transport
 from .symm import SymmetricRegion
@@ -29,9 +30,15 @@ class NVLinkTransport(Transport):
     # Received rows are returned as a view of the receive area: the epilogue copies them out before the next
     # call's first barrier lets peers write again (stream order), so one deferred epilogue may be in flight.
     borrows_rows = True
+    writes_blocks = True
 
-    def __init__(self, group, device, timeout_s, uid, *, num_bytes: int = 0, gpu_timeout_s: float = 100.0):
+    def __init__(self, group, device, timeout_s, uid, *, num_bytes: int = 0, gpu_timeout_s: float = 100.0,
+                 min_rows_bytes: int = 0):
         super().__init__(group, device, timeout_s, uid)
+        # NOTE: 4 programs per SM keep enough rows in flight to saturate NVLink with 4-byte stores (a first guess,
+        # to be tuned on 2x H200); `num_sms` of a call does not change it yet.
+        self.num_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        num_bytes = max(num_bytes, min_rows_bytes)
         r = self.num_ranks
         self._headers_off = 0
         self._splits_off = align(r * _HEADER_COLS * 8, 4096)
@@ -108,6 +115,29 @@ class NVLinkTransport(Transport):
         self._barrier()
         area = self.region.peer(me, self._rows_off, (num_recv * rec,), torch.uint8)
         return area.view(num_recv, rec)
+
+    def push_rows(self, spec, tensors: dict, src_X: Tensor, cap: int, *, call_id: int) -> Tensor:
+        """Each send row goes straight from the sender's tensors into its destination's receive area (one pass
+        over the data, no staging copy), then one device barrier publishes every block."""
+        num_ranks, rec = self.num_ranks, spec.nbytes
+        need = num_ranks * cap * rec
+        if need > self.rows_capacity:
+            raise ValueError(
+                f"EPBuffer: rank {self.rank}: the nvlink receive area holds {self.rows_capacity} bytes but this call "
+                f"needs {need} ({num_ranks} ranks x {cap} rows x {rec}-byte records); size the buffer with "
+                "EPBuffer.get_buffer_size_hint for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)")
+        self._barrier()  # every peer has copied its previous rows out of its receive area
+        if push.can_push_words(spec, tensors):
+            push.push_rows(self.region.ptrs, self._rows_off, spec, tensors, src_X, cap, self.rank,
+                           num_programs=self.num_programs)
+        else:  # rows that are not whole 4-byte words: pack, then one copy-engine write per destination block
+            send_XB = spec.pack(tensors, src_X, holes=True)
+            for peer in range(num_ranks):
+                block = send_XB[peer * cap: (peer + 1) * cap].reshape(-1)
+                self.region.peer(peer, self._rows_off + self.rank * cap * rec, (block.numel(),),
+                                 torch.uint8).copy_(block)
+        self._barrier()
+        return self.region.peer(self.rank, self._rows_off, (need,), torch.uint8).view(num_ranks * cap, rec)
 
     def destroy(self) -> None:
         self.region = None

@@ -1,0 +1,505 @@
+"""Redundant-expert load balancing on an `EPBuffer`: weight prefetch and gradient reduction.
+
+DeepEP V2.5 behaviour, §13 (API and checks), §6-7 (the LB region), §8.4 (SM hint). `EPBuffer` inherits
+`LoadBalancingMixin`, which uses only the buffer's `group`, `rank`, `num_ranks`, `device`, `transport` and
+`num_lb_bytes` (plus its call counter and comm stream when present).
+
+Both calls are collective over the whole group (one logical domain, DESIGN.md decision 4): every rank calls
+them, with the same `redundancy_mapping`, including ranks with nothing to send. The portable path moves byte
+rows with one `all_to_all_single` whose exact splits every rank derives from the identical mapping:
+
+    # lb_prefetch_weights, naive equivalent (rank me, pair k; L local experts, C slots per rank)
+    for r, c with e = mapping[r, c] >= 0 and e // L == me:      # ascending (r, c)
+        send expert_weights[k][e % L] (its bytes) to rank r, which stores them in redundant_expert_weights[k][c]
+    # lb_reduce_grads: the transpose, then a sum at the owner
+    for r, c with e = mapping[r, c] >= 0 and e // L == me:      # ascending (r, c): deterministic
+        expert_grads[k][e % L] += redundant_expert_grads[k][c] of rank r     # fp32 accumulate (fp64 for fp64)
+
+Before moving data, one int64 header row per rank ([status, call id, signature, mapping digest]) goes to every
+peer through the buffer's transport, bounded by `num_cpu_timeout_secs`: a rank whose own checks failed, or
+ranks that disagree on the mapping or the payload sizes, make every rank raise (DESIGN.md "Errors and timeouts").
+
+Differences from the reference (documented in docs/load_balancing.md): redundant tensors may live anywhere on
+the buffer's device (the reference needs them in the LB region; allocate them from the region with a
+`BufferAllocator` to stay portable to a symmetric-memory path); bytes per expert need not be a multiple of 32;
+`lb_reduce_grads` accepts up to 16 pairs like prefetch and bf16/fp16/fp64 gradients (fp32 accumulation, fp64 for
+fp64); the gradient sum is in ascending (rank, slot) order (the reference's order is unspecified).
+
+Shape legend: R ranks, L local experts per rank, C redundant slots per rank, X rows this rank sends, Y rows it
+receives, B bytes of one row (all payloads of one expert side by side).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import sizing
+from .allocator import BufferAllocator
+from .events import EventHandle, EventOverlap
+from .validate import Checker
+
+__all__ = ["LoadBalancingMixin", "MAX_LB_PAYLOADS", "lb_routes"]
+
+MAX_LB_PAYLOADS = 16
+_OP_PREFETCH, _OP_REDUCE = 1, 2
+_STATUS = {TypeError: 1, ValueError: 2}
+_EXC = {1: TypeError, 2: ValueError}
+_HEADER = ("status", "call", "op", "num_local_experts", "num_redundant_slots", "num_payloads", "payloads", "mapping")
+_GRAD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+Payloads = Union[Tensor, Sequence[Tensor]]
+
+
+@dataclass(frozen=True)
+class LBRoute:
+    """Which rows one rank sends and receives in `lb_prefetch_weights` (grads travel the transpose).
+
+    Fields:
+        send_rows: list[int], X -- local expert index of each pushed row, grouped by destination rank
+            (ascending), ascending slot within a destination.
+        send_splits: list[int], R -- rows to each rank.
+        recv_slots: list[int], Y -- redundant slot of each received row, grouped by owner rank (ascending),
+            ascending slot within an owner.
+        recv_splits: list[int], R -- rows from each rank.
+        num_transfers: int -- rows moved over the whole group (identical on every rank).
+    """
+
+    send_rows: list
+    send_splits: list
+    recv_slots: list
+    recv_splits: list
+    num_transfers: int
+
+
+def lb_routes(mapping: list, num_local_experts: int, rank: int) -> LBRoute:
+    """The rows `rank` pushes and receives for a redundancy mapping (host lists; no checks).
+
+    Args:
+        mapping: R lists of C ints -- `redundancy_mapping` as host lists; -1 = unused slot.
+        num_local_experts: L > 0.
+        rank: this group rank.
+
+    Returns:
+        LBRoute -- see its fields.
+    """
+    num_ranks = len(mapping)
+    send_rows, send_splits = [], [0] * num_ranks
+    recv, recv_splits = [], [0] * num_ranks
+    total = 0
+    for r, row in enumerate(mapping):
+        for c, e in enumerate(row):
+            if e < 0:
+                continue
+            total += 1
+            owner = e // num_local_experts
+            if owner == rank:
+                send_rows.append(e % num_local_experts)
+                send_splits[r] += 1
+            if r == rank:
+                recv.append((owner, c))
+                recv_splits[owner] += 1
+    recv.sort()
+    return LBRoute(send_rows, send_splits, [c for _, c in recv], recv_splits, total)
+
+
+class LoadBalancingMixin:
+    """Redundant-expert load-balancing calls of `EPBuffer` (reference §13); see the module docstring."""
+
+    # -- the LB region (reference §6-7) ---------------------------------------------------------------
+    def _init_lb_region(self, lb_allocation_plan_or_num_bytes) -> None:
+        """Validate the constructor argument, allocate `self.lb_storage`, materialize a plan on it. Local.
+
+        Sets `num_lb_bytes` (int), `lb_allocation_plan` (the `BufferAllocator` or None) and `lb_storage`
+        ([num_lb_bytes] uint8 on the buffer's device, zero-filled).
+
+        Raises:
+            TypeError: neither an int nor a `BufferAllocator`.
+            ValueError: a negative or unaligned byte count, or a plan that is already materialized.
+        """
+        c = Checker("EPBuffer", self.rank, self.device)
+        value, plan = lb_allocation_plan_or_num_bytes, None
+        if isinstance(value, BufferAllocator):
+            c.require(not value.materialized, "lb_allocation_plan_or_num_bytes: the BufferAllocator is already "
+                                              "materialized (a plan serves one buffer); make a new plan")
+            plan, num_bytes = value, value.num_bytes
+        elif isinstance(value, int) and not isinstance(value, bool):
+            c.require(value >= 0 and value % sizing.ALLOCATION_ALIGNMENT == 0,
+                      f"lb_allocation_plan_or_num_bytes must be a multiple of 2 MiB ({sizing.ALLOCATION_ALIGNMENT}) "
+                      f">= 0, got {value}")
+            num_bytes = value
+        else:
+            c.fail(TypeError, "lb_allocation_plan_or_num_bytes must be an int byte count or an epcomm."
+                              f"BufferAllocator, got {type(value).__name__}")
+        self.num_lb_bytes = num_bytes
+        self.lb_allocation_plan = plan
+        self.lb_storage = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
+        if plan is not None:
+            plan.materialize(self.lb_storage)
+
+    # -- hints ----------------------------------------------------------------------------------------
+    def lb_get_theoretical_num_sms(self) -> int:
+        """SM count the reference's model suggests for LB calls (reference §8.4); a hint, cached.
+
+        `align(ceil(max(nvlink_gbs / 180, nvlink_gbs / 45)), 2)`, capped at the device's SMs; on CPU (no SMs
+        used) the value for an H200-class NVLink.
+
+        Returns:
+            int -- an even number >= 2.
+        """
+        cached = getattr(self, "_lb_num_sms", None)
+        if cached is None:
+            gbs = sizing.default_nvlink_gbs(self.device) or 0.9 * 18 * 26.5625
+            cached = sizing.align(math.ceil(max(gbs / 180.0, gbs / 45.0)), 2)
+            if self.device.type == "cuda":
+                cached = min(cached, torch.cuda.get_device_properties(self.device).multi_processor_count // 2 * 2)
+            self._lb_num_sms = cached
+        return cached
+
+    # -- the calls ------------------------------------------------------------------------------------
+    def lb_prefetch_weights(self, redundant_expert_weights: Payloads, expert_weights: Payloads,
+                            redundancy_mapping: Tensor, num_sms: int = 0,
+                            previous_event: Optional[EventHandle] = None) -> EventOverlap:
+        """Push the owners' expert weights into the redundant slots that host them (collective; reference §13.2).
+
+        For every slot `(r, c)` with `e = redundancy_mapping[r, c] >= 0`, the owner `e // L` copies the bytes
+        of `expert_weights[k][e % L]` into `redundant_expert_weights[k][c]` on rank r, for every pair k. Slots
+        holding -1 and payloads not passed are untouched; bytes are copied, never converted.
+
+        Args:
+            redundant_expert_weights: [C, ...] any dtype, contiguous, on the buffer's device -- or a sequence
+                of 1-16 such tensors (one per payload: weights, scale factors, ...); written in place.
+            expert_weights: [L, ...] any dtype, contiguous, on the buffer's device (L > 0, the same for every
+                pair) -- or a sequence of the same length; pair k has as many bytes per expert as
+                `redundant_expert_weights[k]` (trailing shapes and dtypes may differ).
+            redundancy_mapping: [R, C] int32 (or int64) on the buffer's device or the CPU (no device read) --
+                global expert id `owner * L + local_idx` per slot, -1 = unused; identical on every rank; a rank
+                never hosts its own experts. The host reads it (a sync if it lives on the GPU).
+            num_sms: SM hint; 0 = `lb_get_theoretical_num_sms()`; on CUDA in [0, device SMs] (rounded up to
+                even), ignored by the collective path; on CPU ignored with a warning (once).
+            previous_event: `EventHandle` the copies wait for; default: the current stream.
+
+        Returns:
+            EventOverlap -- wait on it (`.current_stream_wait()`) before reading the slots. On CPU the work is
+            done on return and waiting is a no-op. The host waits only for the header exchange; the copies
+            run on the comm stream.
+
+        Raises:
+            TypeError: a payload or the mapping is not a tensor, a mapping of another dtype, a bad num_sms or
+                previous_event type.
+            ValueError: shapes, devices, contiguity, more than 16 payloads, unequal bytes per expert, mapping
+                values out of `[-1, R*L)`, a rank hosting its own expert; ranks that disagree on the mapping
+                or the payload sizes (every rank raises; the offender names its own mistake).
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+        """
+        return self._lb_call("EPBuffer.lb_prefetch_weights", _OP_PREFETCH, redundant_expert_weights,
+                             expert_weights, redundancy_mapping, num_sms, previous_event)
+
+    def lb_reduce_grads(self, redundant_expert_grads: Payloads, expert_grads: Payloads, redundancy_mapping: Tensor,
+                        num_sms: int = 0, previous_event: Optional[EventHandle] = None) -> EventOverlap:
+        """Add the replicas' gradients into their owners' gradients, in place (collective; reference §13.3).
+
+        On the owner `me` of `e = redundancy_mapping[r, c]`: `expert_grads[k][e % L] += redundant_expert_grads
+        [k][c] of rank r`, for every such `(r, c)` in ascending `(r, c)` order, accumulated in fp32 (fp64 for
+        fp64) and rounded once to the gradient's dtype: deterministic, bitwise equal run to run (DESIGN.md
+        "LB gradient reduction"). `expert_grads` is added to (seed it first); `redundant_expert_grads` is
+        never modified.
+
+        Args:
+            redundant_expert_grads: [C, ...] fp32 (or fp64/bf16/fp16), contiguous, on the buffer's device -- or a
+                sequence of 1-16 such tensors.
+            expert_grads: [L, ...] same dtype and elements per expert as its pair, contiguous, on the buffer's
+                device (L > 0, the same for every pair) -- or a sequence of the same length; updated in place.
+            redundancy_mapping: as `lb_prefetch_weights`.
+            num_sms: as `lb_prefetch_weights`.
+            previous_event: as `lb_prefetch_weights`.
+
+        Returns:
+            EventOverlap -- wait on it before reading `expert_grads` (no-op on CPU).
+
+        Raises:
+            TypeError: as `lb_prefetch_weights`, or a non-float gradient, or pairs of different dtypes.
+            ValueError: as `lb_prefetch_weights`, with "elements per expert" for bytes per expert.
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+        """
+        return self._lb_call("EPBuffer.lb_reduce_grads", _OP_REDUCE, redundant_expert_grads, expert_grads,
+                             redundancy_mapping, num_sms, previous_event)
+
+    # -- driver ---------------------------------------------------------------------------------------
+    def _lb_call(self, name: str, op: int, redundant, original, mapping, num_sms, previous_event) -> EventOverlap:
+        if hasattr(self, "_check_alive"):
+            self._check_alive(name)
+        call_id = self._next_call_id() if hasattr(self, "_next_call_id") else 0
+        c = Checker(name, self.rank, self.device)
+        err, call = None, None
+        try:
+            call = self._lb_resolve(c, op, redundant, original, mapping, num_sms, previous_event)
+        except (TypeError, ValueError) as e:
+            err = e
+        try:
+            self._lb_agree(name, call_id, op, call, err)
+            route = lb_routes(call.mapping, call.num_local_experts, self.rank)
+            with torch.profiler.record_function("epcomm::" + name.split(".")[-1]), \
+                    self._lb_stream(previous_event) as stream:
+                if op == _OP_PREFETCH:
+                    self._lb_prefetch(call, route, call_id)
+                else:
+                    self._lb_reduce(call, route, call_id)
+        except TimeoutError as e:
+            self._broken = str(e).split(":")[0] + " timed out"
+            raise
+        if stream is None:
+            return EventOverlap(EventHandle())
+        for t in call.redundant + call.original:
+            t.record_stream(stream)
+        return EventOverlap(EventHandle(stream=stream))
+
+    def _lb_resolve(self, c: Checker, op: int, redundant, original, mapping, num_sms, previous_event) -> "_LBCall":
+        """Reference §13.1-13.3 checks, in argument order; reads the mapping on the host."""
+        prefetch = op == _OP_PREFETCH
+        red_name, orig_name = ("redundant_expert_weights", "expert_weights") if prefetch else \
+            ("redundant_expert_grads", "expert_grads")
+        if previous_event is not None and not isinstance(previous_event, EventHandle):
+            c.fail(TypeError, f"previous_event must be an EventHandle or None, got {type(previous_event).__name__}")
+        if isinstance(num_sms, bool) or not isinstance(num_sms, int):
+            c.fail(TypeError, f"num_sms must be an int, got {type(num_sms).__name__}")
+        if self.device.type == "cuda":
+            device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            c.require(0 <= num_sms <= device_sms, f"num_sms={num_sms} must be in [0, {device_sms}] on {self.device} "
+                                                  "(0 = lb_get_theoretical_num_sms())")
+        elif num_sms:
+            self._lb_warn_once("num_sms", "epcomm: num_sms has no effect on CPU; it is ignored")
+        reds, origs = _payload_list(c, red_name, redundant), _payload_list(c, orig_name, original)
+        c.require(len(reds) == len(origs), f"{red_name} has {len(reds)} tensors but {orig_name} has {len(origs)}; "
+                                           "pass one redundant tensor per original tensor")
+        if not isinstance(mapping, Tensor):
+            c.fail(TypeError, f"redundancy_mapping must be a torch.Tensor [R, C] int32, got {type(mapping).__name__}")
+        if mapping.dtype not in (torch.int32, torch.int64):
+            c.fail(TypeError, f"redundancy_mapping must have dtype torch.int32 (or int64), got {mapping.dtype}")
+        c.require(mapping.dim() == 2 and mapping.shape[0] == self.num_ranks,
+                  f"redundancy_mapping must have shape [{self.num_ranks}, C] (one row per group rank), got "
+                  f"{tuple(mapping.shape)}")
+        c.require(mapping.device.type == "cpu" or mapping.device == self.device,
+                  f"redundancy_mapping is on {mapping.device}; it must be on the buffer's device {self.device} or "
+                  "the CPU")
+        num_slots = mapping.shape[1]
+        num_local = origs[0].shape[0] if origs[0].dim() >= 1 else 0
+        payload_sizes = []
+        for k, (red, orig) in enumerate(zip(reds, origs)):
+            rn, on = _indexed(red_name, k, len(reds)), _indexed(orig_name, k, len(reds))
+            for n, t in ((rn, red), (on, orig)):
+                c.require(t.dim() >= 1, f"{n} must be at least 1-D (experts first), got a 0-D tensor")
+                c.require(t.device == self.device, f"{n} is on {t.device} but the buffer lives on {self.device}; "
+                                                   "move it there")
+                c.require(t.is_contiguous(), f"{n} must be contiguous (strides {t.stride()}); call .contiguous()")
+            c.require(red.shape[0] == num_slots, f"{rn} has {red.shape[0]} rows but redundancy_mapping has "
+                                                 f"C={num_slots} slots per rank; expected shape [{num_slots}, ...]")
+            c.require(orig.shape[0] == num_local and num_local > 0,
+                      f"{on} has {orig.shape[0]} rows; expected num_local_experts={num_local} > 0 (the rows of "
+                      f"{_indexed(orig_name, 0, len(reds))}), the same for every pair")
+            red_per, orig_per = _per_expert(red), _per_expert(orig)
+            if prefetch:
+                red_b, orig_b = red_per * red.dtype.itemsize, orig_per * orig.dtype.itemsize
+                c.require(red_b == orig_b, f"{rn} holds {red_b} bytes per expert but {on} holds {orig_b}; each "
+                                           "pair must have equal bytes per expert")
+            else:
+                for n, t in ((rn, red), (on, orig)):
+                    if t.dtype not in _GRAD_DTYPES:
+                        c.fail(TypeError, f"{n} must have dtype in (torch.float32, torch.float64, torch.bfloat16, "
+                                          f"torch.float16), got {t.dtype}")
+                if red.dtype != orig.dtype:
+                    c.fail(TypeError, f"{rn} has dtype {red.dtype} but {on} has {orig.dtype}; a pair shares one "
+                                      "dtype")
+                c.require(red_per == orig_per, f"{rn} holds {red_per} elements per expert but {on} holds "
+                                               f"{orig_per}; each pair must have equal elements per expert")
+            payload_sizes.append((red_per * red.dtype.itemsize, str(red.dtype) if not prefetch else ""))
+        rows = mapping.tolist()
+        num_experts = self.num_ranks * num_local
+        for r, row in enumerate(rows):
+            for s, e in enumerate(row):
+                c.require(-1 <= e < num_experts, f"redundancy_mapping[{r}, {s}] = {e}; expected an expert id in "
+                                                 f"[0, {num_experts}) (R={self.num_ranks} x L={num_local}) or -1")
+                c.require(e < 0 or e // num_local != r,
+                          f"redundancy_mapping[{r}, {s}] = {e} is an expert of group rank {r} itself (owner "
+                          f"{e} // L={num_local} = {r}); a rank never hosts a replica of its own experts")
+        return _LBCall(redundant=reds, original=origs, mapping=rows, num_local_experts=num_local,
+                       num_slots=num_slots, payload_bytes=[b for b, _ in payload_sizes],
+                       payload_digest=zlib.crc32(repr(payload_sizes).encode()),
+                       mapping_digest=zlib.crc32(repr(rows).encode()))
+
+    def _lb_agree(self, name: str, call_id: int, op: int, call: Optional["_LBCall"],
+                  err: Optional[BaseException]) -> None:
+        """Header exchange: every rank raises when one failed its checks or the ranks disagree."""
+        status = 0 if err is None else _STATUS.get(type(err), 2)
+        sig = [op, call.num_local_experts, call.num_slots, len(call.redundant), call.payload_digest,
+               call.mapping_digest] if call is not None else [op, 0, 0, 0, 0, 0]
+        row = torch.tensor([status, call_id] + sig, dtype=torch.int64, device=self.device)
+        recv = self.transport.exchange_counts(row.expand(self.num_ranks, row.numel()).contiguous(), wait=True,
+                                              call_id=call_id).tolist()
+        if hasattr(self, "_call_id"):
+            self._call_id = max(self._call_id, max(r[1] for r in recv))
+        failed = [s for s, r in enumerate(recv) if r[0] != 0]
+        if failed:
+            messages = [None] * self.num_ranks
+            dist.all_gather_object(messages, str(err) if err is not None else "", group=self.group)
+            if err is not None:
+                raise err
+            raise _EXC.get(recv[failed[0]][0], ValueError)(
+                f"{name}: rank {self.rank}: group rank {failed[0]} rejected the call: {messages[failed[0]]}")
+        for i, field in enumerate(_HEADER[1:], start=1):
+            values = [r[i] for r in recv]
+            if len(set(values)) == 1:
+                continue
+            odd = [s for s, v in enumerate(values) if v != values[0]]
+            what = {"call": "call number (ranks are at different calls on this buffer)",
+                    "op": "operation (lb_prefetch_weights vs lb_reduce_grads)",
+                    "payloads": "bytes per expert or dtypes of the payloads",
+                    "mapping": "redundancy_mapping"}.get(field, field)
+            shown = "" if field in ("payloads", "mapping") else " (" + ", ".join(
+                f"rank {s}: {v}" for s, v in enumerate(values)) + ")"
+            raise ValueError(f"{name}: rank {self.rank}: ranks disagree on the {what}{shown}: group ranks {odd} "
+                             "differ from rank 0; every rank must make the same call with the same arguments")
+
+    # -- data movement --------------------------------------------------------------------------------
+    def _lb_exchange(self, send_XB: Tensor, send_splits: list, recv_splits: list, row_bytes: int,
+                     call_id: int, what: str) -> Tensor:
+        recv_YB = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=self.device)
+        work = dist.all_to_all_single(recv_YB, send_XB, recv_splits, send_splits, group=self.group, async_op=True)
+        if self.device.type == "cpu":
+            self.transport.wait(work, what, call_id)
+        else:
+            work.wait()  # orders the comm stream after the collective; no host wait
+        return recv_YB
+
+    def _lb_pack(self, byte_views: list, rows: list) -> Tensor:
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        parts = [v.index_select(0, idx) for v in byte_views if v.shape[1]]
+        if not parts:
+            return torch.empty(len(rows), 0, dtype=torch.uint8, device=self.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _lb_prefetch(self, call: "_LBCall", route: LBRoute, call_id: int) -> None:
+        if route.num_transfers == 0:
+            return
+        send = self._lb_pack([_bytes(t) for t in call.original], route.send_rows)
+        recv = self._lb_exchange(send, route.send_splits, route.recv_splits, sum(call.payload_bytes), call_id,
+                                 "lb_prefetch_weights row exchange")
+        slots = torch.tensor(route.recv_slots, dtype=torch.int64, device=self.device)
+        off = 0
+        for red, nbytes in zip(call.redundant, call.payload_bytes):
+            if nbytes:
+                _bytes(red).index_copy_(0, slots, recv[:, off:off + nbytes])
+            off += nbytes
+
+    def _lb_reduce(self, call: "_LBCall", route: LBRoute, call_id: int) -> None:
+        if route.num_transfers == 0:
+            return
+        # The transpose of the prefetch route: my slots go to their owners (ascending owner, then slot); an owner
+        # receives its replicas' rows in ascending (rank, slot) order, each adding into local expert experts[j].
+        send = self._lb_pack([_bytes(t) for t in call.redundant], route.recv_slots)
+        recv = self._lb_exchange(send, route.recv_splits, route.send_splits, sum(call.payload_bytes), call_id,
+                                 "lb_reduce_grads row exchange")
+        experts = route.send_rows
+        uniq = sorted(set(experts))
+        pos_of = {e: p for p, e in enumerate(uniq)}
+        # Round t adds the t-th contribution of every expert: distinct targets per round, so the sum is the
+        # sequential one in ascending (rank, slot) order on every device.
+        rounds, seen = [], {}
+        for j, e in enumerate(experts):
+            t = seen[e] = seen.get(e, -1) + 1
+            if t == len(rounds):
+                rounds.append(([], []))
+            rounds[t][0].append(j)
+            rounds[t][1].append(pos_of[e])
+        uniq_t = torch.tensor(uniq, dtype=torch.int64, device=self.device)
+        rounds_t = [(torch.tensor(j, dtype=torch.int64, device=self.device),
+                     torch.tensor(p, dtype=torch.int64, device=self.device)) for j, p in rounds]
+        off = 0
+        for orig, nbytes in zip(call.original, call.payload_bytes):
+            if nbytes:
+                acc_dtype = torch.float64 if orig.dtype == torch.float64 else torch.float32
+                vals = recv[:, off:off + nbytes].contiguous().view(orig.dtype)
+                grads = orig.view(orig.shape[0], -1)
+                acc = grads.index_select(0, uniq_t).to(acc_dtype)
+                for rows_t, pos_t in rounds_t:
+                    acc.index_copy_(0, pos_t, acc.index_select(0, pos_t) + vals.index_select(0, rows_t).to(acc_dtype))
+                grads.index_copy_(0, uniq_t, acc.to(orig.dtype))
+            off += nbytes
+
+    # -- streams and warnings -------------------------------------------------------------------------
+    @contextmanager
+    def _lb_stream(self, previous_event: Optional[EventHandle]):
+        """Run the enclosed work on the buffer's comm stream after `previous_event` (or the current stream)."""
+        if self.device.type != "cuda":
+            yield None
+            return
+        stream = self.get_comm_stream() if hasattr(self, "get_comm_stream") else None
+        if stream is None:
+            stream = getattr(self, "_lb_own_stream", None)
+            if stream is None:
+                stream = self._lb_own_stream = torch.cuda.Stream(device=self.device, priority=-1)
+        if previous_event is not None and previous_event.event is not None:
+            stream.wait_event(previous_event.event)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield stream
+
+    def _lb_warn_once(self, key: str, msg: str) -> None:
+        if hasattr(self, "_warn_once"):
+            self._warn_once(key, msg)
+            return
+        warned = self.__dict__.setdefault("_lb_warned", set())
+        if key not in warned:
+            warned.add(key)
+            warnings.warn(msg, stacklevel=4)
+
+
+@dataclass
+class _LBCall:
+    """A validated LB call: payload pairs, the mapping as host lists, and what the header carries."""
+
+    redundant: list
+    original: list
+    mapping: list
+    num_local_experts: int
+    num_slots: int
+    payload_bytes: list
+    payload_digest: int
+    mapping_digest: int
+
+
+def _indexed(name: str, k: int, n: int) -> str:
+    return f"{name}[{k}]" if n > 1 else name
+
+
+def _payload_list(c: Checker, name: str, value) -> list:
+    if isinstance(value, Tensor):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        c.fail(TypeError, f"{name} must be a tensor or a sequence of tensors, got {type(value).__name__}")
+    c.require(1 <= len(value) <= MAX_LB_PAYLOADS,
+              f"{name} has {len(value)} tensors; expected 1 to {MAX_LB_PAYLOADS} payloads")
+    for k, t in enumerate(value):
+        if not isinstance(t, Tensor):
+            c.fail(TypeError, f"{name}[{k}] must be a torch.Tensor, got {type(t).__name__}")
+    return list(value)
+
+
+def _per_expert(t: Tensor) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """[rows, bytes per row] uint8 view of a contiguous tensor whose first dim is the row."""
+    return t.view(t.shape[0], _per_expert(t)).view(torch.uint8)
