@@ -21,6 +21,20 @@ for _ in range(1000):
     y = torch.where(idx >= 0, idx, -1)
 torch.cuda.synchronize()
 print(f"torch.where on 4096 int64: {1e6 * (time.perf_counter() - t0) / 1000:.1f} us per op")
+for name, fn in [("where(scalar)", lambda: torch.where(idx >= 0, idx, -1)),
+                 ("masked_fill", lambda: idx.masked_fill(idx < 0, -1)),
+                 ("index_select 8192x14336 B", lambda: big.index_select(0, rows)),
+                 ("cumsum dim0 [4096,3]", lambda: small.cumsum(0))]:
+    big = torch.empty(8192, 14336, dtype=torch.uint8, device="cuda")
+    rows = torch.randperm(8192, device="cuda")
+    small = torch.ones(4096, 3, dtype=torch.int64, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    print(f"{name}: {1e6 * (time.perf_counter() - t0) / 100:.1f} us per op")
 t0 = time.perf_counter()
 for _ in range(100):
     torch.cuda.synchronize()

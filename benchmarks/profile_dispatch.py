@@ -38,7 +38,7 @@ def run(rank, world, args):
     torch.cuda.synchronize()
     for name, fn in [("full", lambda: buf.dispatch(x, idx, w, num_experts=256, do_expand=args.expand))]:
         t0 = time.perf_counter()
-        out = fn()
+        fn()
         torch.cuda.synchronize()
         if rank == 0:
             print(f"{name} dispatch wall {1e6 * (time.perf_counter() - t0):.0f} us")

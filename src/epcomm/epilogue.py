@@ -56,7 +56,7 @@ def src_metadata(g_M: Tensor, src_rank_M: Tensor, local_idx_MK: Tensor, row_ptr_
     """[M, K + 2] int32 `recv_src_metadata` (reference §10); -1 on rows past the valid extent."""
     num_rows, num_topk = local_idx_MK.shape
     pos_MK = torch.arange(num_topk, device=g_M.device).expand(num_rows, num_topk)
-    last_pos_M = torch.where(local_idx_MK >= 0, pos_MK, -1).amax(1) if num_topk else g_M.new_full((num_rows,), -1)
+    last_pos_M = pos_MK.masked_fill(local_idx_MK < 0, -1).amax(1) if num_topk else g_M.new_full((num_rows,), -1)
     meta = torch.full((num_rows, num_topk + 2), -1, dtype=torch.int64, device=g_M.device)
     meta[:, 0] = g_M
     meta[:, 1] = src_rank_M * num_topk + last_pos_M
@@ -84,13 +84,13 @@ def pair_rows_by_source(row_ptr_MK: Tensor, src_rank_M: Tensor, num_ranks: int, 
     counts_R.scatter_add_(0, src_rank, valid.long())
     order = valid.long().cumsum(0) - 1  # index among all valid pairs (grouped by source)
     if capacity is None:
-        dst = torch.where(valid, order, -1)
+        dst = order.masked_fill(~valid, -1)
         num_rows = flat.numel() and int(valid.sum())
     else:
         before_R = counts_R.cumsum(0) - counts_R
-        dst = torch.where(valid, src_rank * capacity + order - before_R[src_rank], -1)
+        dst = (src_rank * capacity + order - before_R[src_rank]).masked_fill(~valid, -1)
         num_rows = num_ranks * capacity
     send_src = scatter_index(dst, num_rows)
     if flat.numel() == 0:
         return torch.full_like(send_src, -1), counts_R
-    return torch.where(send_src >= 0, flat[send_src.clamp(min=0)], -1), counts_R
+    return (flat[send_src.clamp(min=0)]).masked_fill(send_src < 0, -1), counts_R

@@ -22,7 +22,7 @@ from .sizing import align
 def dest_rank_of(topk_idx_TK: Tensor, num_local_experts: int) -> Tensor:
     """[T, K] int64: the rank owning each selected expert, -1 where the selection is -1."""
     idx = topk_idx_TK.long()
-    return torch.where(idx >= 0, torch.div(idx, num_local_experts, rounding_mode="floor"), -1)
+    return (torch.div(idx, num_local_experts, rounding_mode="floor")).masked_fill(idx < 0, -1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,7 @@ def send_layout(topk_idx_TK: Tensor, num_ranks: int, num_local_experts: int) -> 
     is_sent_TR = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.int64, device=dest_TK.device)
     is_sent_TR.scatter_(1, col_TK, 1)
     is_sent_TR = is_sent_TR[:, 1:]
-    token_slot_TR = torch.where(is_sent_TR > 0, is_sent_TR.cumsum(0) - 1, -1)
+    token_slot_TR = (is_sent_TR.cumsum(0) - 1).masked_fill(is_sent_TR <= 0, -1)
     pos_TK = torch.arange(num_topk, device=dest_TK.device).expand(num_tokens, num_topk)
     last_pos_TR = torch.full((num_tokens, num_ranks + 1), -1, dtype=torch.int64, device=dest_TK.device)
     last_pos_TR.scatter_reduce_(1, col_TK, pos_TK, reduce="amax", include_self=True)
@@ -70,7 +70,7 @@ def dst_buffer_slot_idx(layout: SendLayout, topk_idx_TK: Tensor, num_local_exper
     pos_TK = torch.arange(topk_idx_TK.shape[1], device=dest_TK.device).expand_as(dest_TK)
     is_last_TK = (dest_TK >= 0) & (layout.last_pos_TR.gather(1, safe_TK) == pos_TK)
     slot_TK = safe_TK * n + layout.token_slot_TR.gather(1, safe_TK)
-    return torch.where(is_last_TK, slot_TK, -1).to(torch.int32)
+    return slot_TK.masked_fill(~is_last_TK, -1).to(torch.int32)
 
 
 def pair_slots(topk_idx_TK: Tensor, num_ranks: int, num_local_experts: int) -> tuple[Tensor, Tensor]:
@@ -87,7 +87,7 @@ def pair_slots(topk_idx_TK: Tensor, num_ranks: int, num_local_experts: int) -> t
     onehot.scatter_(1, (flat + 1).unsqueeze(1), 1)
     onehot = onehot[:, 1:]
     rank_in_dest = (onehot.cumsum(0) - 1).gather(1, flat.clamp(min=0).unsqueeze(1)).squeeze(1)
-    pair_slot = torch.where(flat >= 0, rank_in_dest, -1).view_as(dest_TK)
+    pair_slot = rank_in_dest.masked_fill(flat < 0, -1).view_as(dest_TK)
     return onehot.sum(0), pair_slot
 
 
@@ -132,7 +132,7 @@ def recv_layout(
     num_local = num_local_experts
     idx = recv_topk_idx_MK.long()
     is_local = (idx >= rank * num_local) & (idx < (rank + 1) * num_local) & valid_M.unsqueeze(1)
-    local_idx_MK = torch.where(is_local, idx - rank * num_local, -1)
+    local_idx_MK = (idx - rank * num_local).masked_fill(~is_local, -1)
     # One-hot over local experts; an expert appears at most once per row, so cumsum gives the in-segment rank.
     onehot_ML = torch.zeros(idx.shape[0], num_local + 1, dtype=torch.int64, device=idx.device)
     onehot_ML.scatter_(1, local_idx_MK + 1, 1)
@@ -147,7 +147,7 @@ def recv_layout(
             num_expanded_rows = int(aligned_L.sum())
         safe_MK = local_idx_MK.clamp(min=0)
         rank_in_expert_MK = (onehot_ML.cumsum(0) - 1).gather(1, safe_MK)
-        row_ptr_MK = torch.where(is_local, aligned_start_L[safe_MK] + rank_in_expert_MK, -1)
+        row_ptr_MK = (aligned_start_L[safe_MK] + rank_in_expert_MK).masked_fill(~is_local, -1)
     return RecvLayout(
         local_idx_MK=local_idx_MK,
         num_unaligned_L=num_unaligned_L,

@@ -115,7 +115,7 @@ def _row_index(plan: "Plan", rows_Y: Tensor) -> Tensor:
     """Receive-buffer row of output rows `rows_Y` (-1 stays -1)."""
     if not plan.blocked:
         return rows_Y
-    return torch.where(rows_Y >= 0, plan.out_src_M[rows_Y.clamp(min=0)], -1)
+    return (plan.out_src_M[rows_Y.clamp(min=0)]).masked_fill(rows_Y < 0, -1)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -149,9 +149,9 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
         send_off_R = torch.arange(num_ranks, device=device) * n
         num_send = num_ranks * n
         num_recv = int(recv_counts_R.sum()) if call.do_cpu_sync else num_ranks * n
-    send_row_TR = torch.where(send.token_slot_TR >= 0, send_off_R + send.token_slot_TR, -1)
+    send_row_TR = (send_off_R + send.token_slot_TR).masked_fill(send.token_slot_TR < 0, -1)
     send_src_X = scatter_index(send_row_TR.reshape(-1), num_send)
-    send_src_X = torch.where(send_src_X >= 0, torch.div(send_src_X, num_ranks, rounding_mode="floor"), -1)
+    send_src_X = (torch.div(send_src_X, num_ranks, rounding_mode="floor")).masked_fill(send_src_X < 0, -1)
     wdt = None if call.topk_weights is None else call.topk_weights.dtype
     spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=True)
     tokens = torch.arange(call.x.num_tokens, device=device)
@@ -185,10 +185,10 @@ def _compaction(recv_counts_R: Tensor, blocked: bool, num_ranks: int, n: int, nu
         return rows, rows, src_rank, torch.ones(num_recv, dtype=torch.bool, device=device)
     b = torch.arange(num_ranks * n, device=device)
     s, k = torch.div(b, n, rounding_mode="floor"), b % n
-    buf_out_X = torch.where(k < recv_counts_R[s], out_off_R[s] + k, -1)
+    buf_out_X = (out_off_R[s] + k).masked_fill(k >= recv_counts_R[s], -1)
     out_src_M = scatter_index(buf_out_X, num_recv)
     valid_M = out_src_M >= 0
-    src_rank_M = torch.where(valid_M, torch.div(out_src_M, n, rounding_mode="floor"), -1)
+    src_rank_M = (torch.div(out_src_M, n, rounding_mode="floor")).masked_fill(~valid_M, -1)
     return out_src_M, buf_out_X, src_rank_M, valid_M
 
 
@@ -201,7 +201,7 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
         launched["recv_counts_R"], blocked, num_ranks, n, launched["num_recv"])
     spec, recv_XB = launched["spec"], launched["recv_XB"]
     idx, holes = (out_src_M, not exact) if blocked else (None, False)
-    topk_MK = torch.where(valid_M.unsqueeze(1), spec.unpack(recv_XB, "topk", idx, holes), -1)
+    topk_MK = (spec.unpack(recv_XB, "topk", idx, holes)).masked_fill(~(valid_M.unsqueeze(1)), -1)
     g_M = spec.unpack(recv_XB, "g", idx, holes)
     worst_s = None if exact else layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment)
     with phase("recv_layout"):
@@ -227,7 +227,7 @@ def _place(call: DispatchCall, spec: RecordSpec, recv_XB: Tensor, plan: Plan) ->
     local_MK, num_rows = plan.recv.local_idx_MK, plan.out_src_M.shape[0]
     if call.do_expand:
         num_topk = local_MK.shape[1]
-        src_S = torch.where(plan.pair_S >= 0, torch.div(plan.pair_S, num_topk, rounding_mode="floor"), -1)
+        src_S = (torch.div(plan.pair_S, num_topk, rounding_mode="floor")).masked_fill(plan.pair_S < 0, -1)
         idx, holes = _row_index(plan, src_S), True
     else:
         idx, holes = (plan.out_src_M, not plan.exact) if plan.blocked else (None, False)
@@ -236,7 +236,7 @@ def _place(call: DispatchCall, spec: RecordSpec, recv_XB: Tensor, plan: Plan) ->
     w = None
     if spec.has("w"):  # DESIGN.md: non-local columns hold 0
         w_MK = spec.unpack(recv_XB, "w", plan.out_src_M if plan.blocked else None, not plan.exact)
-        w = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
+        w = w_MK.masked_fill(local_MK < 0, 0)
         if call.do_expand:
             w = epilogue.expand_weights(w, plan.pair_S)
     assert call.do_expand or x.shape[0] == num_rows
@@ -339,7 +339,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             y_MH = call.x
             w_MK = call.topk_weights
         if w_MK is not None:
-            w_MK = torch.where(local_MK >= 0, w_MK, torch.zeros((), dtype=w_MK.dtype, device=w_MK.device))
+            w_MK = w_MK.masked_fill(local_MK < 0, 0)
         with phase("move_rows"):
             recv_XB = _move(buf.transport, spec, {"x": y_MH, "w": w_MK}, plan.buf_out_X, plan.blocked,
                             plan.recv_splits, plan.send_splits, n, call_id, back=True)
@@ -368,7 +368,7 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
             off_R = _exclusive_cumsum(counts_R)
         else:
             off_R = torch.arange(num_ranks, device=buf.device) * (h.num_max_tokens_per_rank * min(num_topk, num_local))
-        item_TK = torch.where(slot_TK >= 0, off_R[dest_TK.clamp(min=0)] + slot_TK, -1)
+        item_TK = (off_R[dest_TK.clamp(min=0)] + slot_TK).masked_fill(slot_TK < 0, -1)
     else:
         # One row per (token, destination rank), at the largest top-k position on that rank (reference §11.2).
         last_TR, row_TR = plan.send.last_pos_TR, plan.send_row_TR
@@ -383,5 +383,5 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
         combined_w = torch.zeros(num_tokens, num_topk, dtype=w_XK.dtype, device=buf.device)
         if w_XK.shape[0]:
             picked = w_XK[row_TK.clamp(min=0), torch.arange(num_topk, device=buf.device)]
-            combined_w = torch.where(dest_TK >= 0, picked, combined_w)
+            combined_w = picked.masked_fill(dest_TK < 0, 0)
     return combined_x, combined_w

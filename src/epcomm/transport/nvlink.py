@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..debug import phase
 from ..kernels import push
 from ..sizing import align
 from .base import Transport
@@ -48,7 +49,8 @@ class NVLinkTransport(Transport):
         self._timeout_ms = int(gpu_timeout_s * 1000)
 
     def _barrier(self) -> None:
-        self.region.barrier(channel=0, timeout_ms=self._timeout_ms)
+        with phase("device_barrier"):
+            self.region.barrier(channel=0, timeout_ms=self._timeout_ms)
 
     def _all_gather_rows(self, row: Tensor, offset: int, cols: int) -> Tensor:
         """Row `me` of every peer's [R, cols] int64 area gets `row`; returns the local area after a barrier."""
@@ -128,8 +130,9 @@ class NVLinkTransport(Transport):
                 "EPBuffer.get_buffer_size_hint for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)")
         self._barrier()  # every peer has copied its previous rows out of its receive area
         if push.can_push_words(spec, tensors):
-            push.push_rows(self.region.ptrs, self._rows_off, spec, tensors, src_X, cap, self.rank,
-                           num_programs=self.num_programs)
+            with phase("push_kernel"):
+                push.push_rows(self.region.ptrs, self._rows_off, spec, tensors, src_X, cap, self.rank,
+                               num_programs=self.num_programs)
         else:  # rows that are not whole 4-byte words: pack, then one copy-engine write per destination block
             send_XB = spec.pack(tensors, src_X, holes=True)
             for peer in range(num_ranks):

@@ -1,0 +1,289 @@
+"""`epcomm.comm`: the device barrier, the communication stream, and the communication context of one group.
+
+DeepEP V2.5 behaviour, §3.1, §5 and §17. `barrier(buffer, ...)` and `get_comm_stream(buffer)` take any epcomm
+buffer (`EPBuffer`, `BucketBuffer`, `PPBuffer`, `EngramBuffer`). `CommContext` is what the reference calls a
+communication context: one process group as a buffer uses it (device, group ranks, an id shared by its ranks,
+the physical domain, bounded host waits, the barrier). `BucketBuffer` holds one per group, `PPBuffer` and
+`EngramBuffer` one each.
+
+Every host wait here is bounded by `num_cpu_timeout_secs`: a peer that does not arrive raises `TimeoutError`
+naming the missing group ranks, and the context is unusable afterwards (destroy the buffer). Device-side waits
+of the collective path (NCCL on CUDA) are bounded by the process group's own NCCL timeout.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .transport.base import TransportTimeout
+from .validate import Checker
+
+__all__ = ["CommContext", "barrier", "get_comm_stream", "group_device"]
+
+
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a buffer on `group` lives on: the current CUDA device with NCCL, else CPU (DESIGN decision 2)."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def new_comm_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """A high-priority CUDA stream for a buffer's communication (reference §3.1); None on CPU."""
+    return torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
+
+
+def _default_store() -> Optional["dist.Store"]:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # some init methods expose no store; then the missing ranks cannot be named
+        return None
+
+
+class CommContext:
+    """One process group as a buffer uses it. Construction is collective over `group` (one bounded exchange).
+
+    Args:
+        group: the process group; None for the default (world) group. Messages use group ranks.
+        owner: the owning buffer's name, used in messages (e.g. "BucketBuffer").
+        num_cpu_timeout_secs: bound on every host wait of this context (seconds).
+        comm_stream: the owning buffer's communication stream (CUDA), or None.
+        agree: name -> int values every rank must pass identically (e.g. a group's index in a buffer's list).
+
+    Fields:
+        group, rank, num_ranks, device: the group, this rank's group rank, the group size, the device.
+        uid: int -- an id every rank of the context shares (drawn by group rank 0).
+        num_nvlink_ranks: int -- ranks of the group on this rank's host; num_rdma_ranks: int -- hosts.
+        timeout_s: float -- `num_cpu_timeout_secs`.
+
+    Raises:
+        ValueError: the ranks passed different `agree` values (every rank raises).
+        TimeoutError: a peer did not construct its context within `num_cpu_timeout_secs`.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], *, owner: str, num_cpu_timeout_secs: float,
+                 comm_stream: Optional["torch.cuda.Stream"] = None, agree: Optional[dict] = None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.owner = owner
+        self.rank = self.group.rank()
+        self.num_ranks = self.group.size()
+        self.device = group_device(self.group)
+        self.timeout_s = float(num_cpu_timeout_secs)
+        self.comm_stream = comm_stream
+        self.broken: Optional[str] = None
+        self.destroyed = False
+        self._call_id = 0
+        self.uid = 0
+        host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+        agree = dict(agree or {})
+        mine = torch.tensor([[random.getrandbits(62), host, *agree.values()]], dtype=torch.int64, device=self.device)
+        rows = self.exchange(mine.expand(self.num_ranks, mine.shape[1]).contiguous(), f"{owner} construction")
+        rows = rows.tolist()
+        for i, name in enumerate(agree):
+            values = [row[2 + i] for row in rows]
+            if len(set(values)) > 1:
+                self.broken = "construction failed"
+                raise ValueError(f"{owner}: rank {self.rank}: group ranks disagree on {name} ("
+                                 + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")")
+        self.uid = rows[0][0]
+        hosts = [row[1] for row in rows]
+        self.num_nvlink_ranks = sum(1 for h in hosts if h == hosts[self.rank])
+        self.num_rdma_ranks = self.num_ranks // self.num_nvlink_ranks \
+            if self.num_ranks % self.num_nvlink_ranks == 0 else self.num_ranks
+
+    # -- state ---------------------------------------------------------------------------------------
+    def checker(self, call: str) -> Checker:
+        """A `Checker` for `call` on this rank, after checking the context is usable.
+
+        Raises:
+            ValueError: the buffer was destroyed, or an earlier wait timed out.
+        """
+        c = Checker(call, self.rank, self.device)
+        if self.destroyed:
+            c.fail(ValueError, f"the {self.owner} was destroyed; create a new one")
+        if self.broken is not None:
+            c.fail(ValueError, f"the {self.owner} is unusable after an earlier failure ({self.broken}); destroy "
+                               "it and restart the process group")
+        return c
+
+    def next_call_id(self) -> int:
+        self._call_id += 1
+        return self._call_id
+
+    # -- bounded waits -------------------------------------------------------------------------------
+    def wait(self, work: "dist.Work", what: str) -> None:
+        """Wait on the host for a collective `work` of this context, at most `timeout_s` (every rank calls it).
+
+        Raises:
+            TimeoutError: a peer did not arrive; names the missing group ranks. The context is broken after.
+        """
+        call_id = self.next_call_id()
+        start = time.monotonic()
+        announced = False
+        while not work.is_completed():
+            now = time.monotonic()
+            if not announced and now > start + min(1.0, self.timeout_s / 4):
+                self._announce(call_id)  # only slow waits pay for a store round trip
+                announced = True
+            if now > start + self.timeout_s:
+                self._raise_timeout(what, call_id)
+            # NOTE: same policy as Transport.wait: sleep on CPU (the peers' gloo threads need the cores),
+            # spin for the first 2 ms on GPU.
+            if self.device.type == "cpu" or now - start > 2e-3:
+                time.sleep(1e-4)
+        work.wait()
+
+    def complete(self, work: "dist.Work", what: str) -> None:
+        """Order later work after `work`: a bounded host wait on CPU, a stream wait (no host wait) on CUDA."""
+        if self.device.type == "cpu":
+            self.wait(work, what)
+        else:
+            work.wait()
+
+    def sync_stream(self, stream: Optional["torch.cuda.Stream"], what: str) -> None:
+        """Wait on the host, at most `timeout_s`, for the work queued so far on a CUDA `stream` (no-op on CPU).
+
+        Raises:
+            TimeoutError: the stream did not drain in time (a device-side wait on a peer that is not coming).
+        """
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                self.broken = f"{what} timed out"
+                raise TransportTimeout(f"{what}: rank {self.rank} waited {self.timeout_s:g} s "
+                                       f"(num_cpu_timeout_secs) for {self.device} to finish its queued work; a peer "
+                                       f"did not arrive. The {self.owner} is unusable now: destroy it and restart")
+            time.sleep(1e-4)
+
+    def _key(self, call_id: int, rank: int) -> str:
+        return f"epcomm/{self.uid}/{call_id}/{rank}"
+
+    def _announce(self, call_id: int) -> None:
+        store = _default_store()
+        if store is not None:
+            store.set(self._key(call_id, self.rank), "1")
+
+    def _raise_timeout(self, what: str, call_id: int) -> None:
+        store = _default_store()
+        missing: Optional[list] = None
+        if store is not None:
+            self._announce(call_id)
+            time.sleep(min(1.0, self.timeout_s / 4))  # let peers that are waiting too announce themselves
+            missing = [r for r in range(self.num_ranks) if r != self.rank and not store.check([self._key(call_id, r)])]
+        who = f"group ranks {missing}" if missing else "a peer (could not tell which)"
+        self.broken = f"{what} timed out"
+        raise TransportTimeout(
+            f"{what}: rank {self.rank} waited {self.timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} but "
+            f"{who} did not arrive. Every rank of the group must make the same {self.owner} calls in the same order. "
+            f"The {self.owner} is unusable now: destroy it (and the process group) and restart")
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def exchange(self, send_RC: Tensor, what: str) -> Tensor:
+        """Send row r of `send_RC` ([R, C] int64) to group rank r; return [R, C], row s from rank s (bounded)."""
+        recv_RC = torch.empty_like(send_RC)
+        if self.num_ranks == 1:
+            return recv_RC.copy_(send_RC)
+        work = dist.all_to_all_single(recv_RC, send_RC, group=self.group, async_op=True)
+        self.wait(work, what)
+        return recv_RC
+
+    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
+                *, call: str = "barrier") -> None:
+        """Barrier over the group on the current stream (collective; reference §17.1).
+
+        On CUDA: `with_cpu_sync` drains the current and communication streams on the host before and after
+        (bounded); otherwise `wait_comm_stream` orders the current stream after the communication stream before
+        the barrier and the communication stream after the current stream afterwards. `sequential` has no
+        effect (one logical domain). On CPU every option is a plain barrier with a bounded host wait.
+
+        Raises:
+            ValueError: the buffer was destroyed or is broken.
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+        """
+        self.checker(call)
+        cuda = self.device.type == "cuda"
+        if cuda and with_cpu_sync:
+            self.sync_stream(self.comm_stream, call)
+            self.sync_stream(None, call)
+        elif cuda and wait_comm_stream and self.comm_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+        token = torch.zeros(1, device=self.device)
+        work = dist.all_reduce(token, group=self.group, async_op=True)
+        if cuda and not with_cpu_sync:
+            work.wait()  # the current stream waits; the device wait is bounded by the group's NCCL timeout
+        else:
+            self.wait(work, call)
+        if cuda and with_cpu_sync:
+            self.sync_stream(None, call)
+        elif cuda and wait_comm_stream and self.comm_stream is not None:
+            self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+
+def barrier(buffer, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
+            context_idx: Optional[int] = None) -> None:
+    """Device barrier over a buffer's group, on the current stream, bounded by the timeout (collective).
+
+    DeepEP V2.5 behaviour, §17.1. Naive equivalent:
+        torch.cuda.current_stream().wait_stream(comm_stream)   # wait_comm_stream (CUDA only)
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        comm_stream.wait_stream(torch.cuda.current_stream())
+
+    Args:
+        buffer: an `EPBuffer`, `BucketBuffer`, `PPBuffer` or `EngramBuffer`.
+        wait_comm_stream: order the barrier after the communication stream and the communication stream after
+            the barrier (CUDA; no effect on CPU). Default True.
+        with_cpu_sync: drain the device on the host before and after (bounded by `num_cpu_timeout_secs`).
+        sequential: accepted; no effect (one logical domain).
+        context_idx: which of the buffer's contexts (`buffer.contexts[i]`, one per group of a `BucketBuffer`);
+            None = the first. An `EPBuffer` has one context (0).
+
+    Raises:
+        TypeError: `buffer` is not an epcomm buffer.
+        ValueError: `context_idx` out of range; the buffer was destroyed.
+        TimeoutError: a peer did not arrive within the buffer's `num_cpu_timeout_secs`.
+    """
+    contexts = getattr(buffer, "contexts", None)
+    if contexts is None:
+        if not callable(getattr(buffer, "barrier", None)):
+            raise TypeError(f"epcomm.comm.barrier: buffer must be an epcomm buffer (EPBuffer, BucketBuffer, "
+                            f"PPBuffer, EngramBuffer), got {type(buffer).__name__}")
+        if context_idx not in (None, 0):
+            raise ValueError(f"epcomm.comm.barrier: an {type(buffer).__name__} has one context; context_idx must "
+                             f"be None or 0, got {context_idx}")
+        buffer.barrier(wait_comm_stream, with_cpu_sync, sequential)
+        return
+    name = type(buffer).__name__
+    if not contexts:
+        raise ValueError(f"epcomm.comm.barrier: the {name} was destroyed; create a new one")
+    idx = 0 if context_idx is None else context_idx
+    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < len(contexts):
+        raise ValueError(f"epcomm.comm.barrier: context_idx must be None or in [0, {len(contexts)}) (the {name} has "
+                         f"{len(contexts)} contexts), got {context_idx}")
+    contexts[idx].barrier(wait_comm_stream, with_cpu_sync, sequential, call=f"{name}.barrier")
+
+
+def get_comm_stream(buffer) -> Optional["torch.cuda.Stream"]:
+    """The buffer's high-priority communication stream (reference §3.1); None on CPU.
+
+    Args:
+        buffer: an `EPBuffer`, `BucketBuffer`, `PPBuffer` or `EngramBuffer`.
+
+    Raises:
+        TypeError: `buffer` is not an epcomm buffer.
+    """
+    getter = getattr(buffer, "get_comm_stream", None)
+    if not callable(getter):
+        raise TypeError(f"epcomm.comm.get_comm_stream: buffer must be an epcomm buffer, got {type(buffer).__name__}")
+    return getter()

@@ -1,0 +1,200 @@
+"""Redundant-expert load balancing: weight prefetch, gradient reduction, errors on every rank, physical ids
+end to end (DeepEP V2.5 behaviour, §13; DESIGN.md "LB gradient reduction", "Errors and timeouts")."""
+
+import re
+
+import pytest
+import torch
+
+import lb_cases
+from epcomm.lb import lb_routes
+from epcomm.testing import run_in_fresh_world
+
+# Bytes per expert of each payload (weights, scale factors ...): reference §13.4's sweep, trimmed for CPU, plus
+# sizes that are not multiples of 32 (epcomm's collective path has no alignment rule).
+PAYLOADS = [(1 << 20, 16384, 4096), (12320, 12256, 32), (1152, 544, 288), (96, 64, 32), (20480,), (36, 6, 1)]
+
+
+def test_routes_worked_example():
+    # 2 ranks, L=2: rank 0 holds experts 2, 3 (both rank 1's); rank 1 holds expert 0 and an empty slot.
+    mapping = [[2, 3], [0, -1]]
+    r0, r1 = lb_routes(mapping, 2, 0), lb_routes(mapping, 2, 1)
+    assert (r0.send_rows, r0.send_splits, r0.recv_slots, r0.recv_splits) == ([0], [0, 1], [0, 1], [0, 2])
+    assert (r1.send_rows, r1.send_splits, r1.recv_slots, r1.recv_splits) == ([0, 1], [2, 0], [0], [1, 0])
+    assert r0.num_transfers == r1.num_transfers == 3
+
+
+@pytest.mark.parametrize("pattern", ["random", "ring", "spread"])
+def test_prefetch_patterns_four_ranks(run_ranks, pattern):
+    for i, payload in enumerate(PAYLOADS[1:]):
+        filled = run_ranks(4, lb_cases.check_prefetch, pattern=pattern, payload_bytes=payload, shaped=i % 2 == 1,
+                           use_event=i % 2 == 0, seed=i)
+        assert sum(filled) > 0
+
+
+def test_prefetch_megabytes_two_ranks(run_ranks):
+    run_ranks(2, lb_cases.check_prefetch, pattern="random", payload_bytes=PAYLOADS[0], num_local=2, num_slots=2,
+              shaped=True)
+
+
+def test_prefetch_all_slots_empty_moves_nothing(run_ranks):
+    run_ranks(2, lb_cases.check_prefetch, pattern="ring", payload_bytes=(64,), num_slots=0)
+
+
+@pytest.mark.parametrize("pattern", ["random", "ring", "spread"])
+def test_reduce_exact_small_integers(run_ranks, pattern):
+    for hidden in (24, 3064, 16392):
+        run_ranks(4, lb_cases.check_reduce, pattern=pattern, hidden=hidden, seed=hidden)
+
+
+def test_reduce_order_is_ascending_rank_slot(run_ranks):
+    # Random fp32 values: only the sequential sum in ascending (rank, slot) order matches bitwise.
+    run_ranks(4, lb_cases.check_reduce, pattern="spread", hidden=1000, num_slots=6, random=True, empty_ratio=0)
+    run_ranks(2, lb_cases.check_reduce, pattern="random", hidden=1 << 18, num_local=4, num_slots=3)
+
+
+def test_reduce_dtypes_and_payloads(run_ranks):
+    run_ranks(2, lb_cases.check_reduce, pattern="spread", hidden=40, num_payloads=3)
+    for dtype in (torch.bfloat16, torch.float64):
+        run_ranks(2, lb_cases.check_reduce, pattern="spread", hidden=40, num_local=4, num_slots=4, dtype=dtype,
+                  random=True)
+
+
+def test_lb_num_sms_hint(run_ranks):
+    assert run_ranks(1, _num_sms) == [10]
+
+
+def _num_sms(rank, world):
+    buf = lb_cases.make_buffer()
+    with pytest.warns(UserWarning, match="num_sms has no effect on CPU"):
+        buf.lb_prefetch_weights(torch.zeros(0, 4), torch.ones(1, 4), torch.zeros(1, 0, dtype=torch.int32),
+                                num_sms=8)
+    value = buf.lb_get_theoretical_num_sms()
+    buf.destroy()
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# errors: the offending rank names its mistake, the peer names the offending rank
+# ----------------------------------------------------------------------------------------------------------
+P, R = "EPBuffer.lb_prefetch_weights", "EPBuffer.lb_reduce_grads"
+EXPECTED = {
+    "payload_type": (TypeError, P, r"redundant_expert_weights must be a tensor or a sequence of tensors, got str"),
+    "payload_none": (TypeError, P, r"expert_weights\[1\] must be a torch\.Tensor, got NoneType"),
+    "too_many_payloads": (ValueError, P, r"redundant_expert_weights has 17 tensors; expected 1 to 16 payloads"),
+    "length_mismatch": (ValueError, P, r"redundant_expert_weights has 1 tensors but expert_weights has 2"),
+    "slot_rows": (ValueError, P, r"redundant_expert_weights has 3 rows but redundancy_mapping has C=2 slots per "
+                                 r"rank; expected shape \[2, \.\.\.\]"),
+    "bytes_per_expert": (ValueError, P, r"redundant_expert_weights holds 32 bytes per expert but expert_weights "
+                                        r"holds 16"),
+    "zero_local": (ValueError, P, r"expert_weights has 0 rows; expected num_local_experts=0 > 0"),
+    "non_contiguous": (ValueError, P, r"expert_weights must be contiguous \(strides \(1, 2\)\)"),
+    "meta_device": (ValueError, P, r"redundant_expert_weights is on meta but the buffer lives on cpu"),
+    "mapping_dtype": (TypeError, P, r"redundancy_mapping must have dtype torch\.int32 \(or int64\), got "
+                                    r"torch\.float32"),
+    "mapping_shape": (ValueError, P, r"redundancy_mapping must have shape \[2, C\] \(one row per group rank\), got "
+                                     r"\(3, 2\)"),
+    "mapping_range": (ValueError, P, r"redundancy_mapping\[0, 1\] = 4; expected an expert id in \[0, 4\)"),
+    "self_host": (ValueError, P, r"redundancy_mapping\[1, 1\] = 3 is an expert of group rank 1 itself"),
+    "num_sms_type": (TypeError, P, r"num_sms must be an int, got float"),
+    "event_type": (TypeError, P, r"previous_event must be an EventHandle or None, got str"),
+    "grad_dtype": (TypeError, R, r"redundant_expert_grads must have dtype in \(torch\.float32, .*got torch\.int32"),
+    "grad_pair_dtype": (TypeError, R, r"redundant_expert_grads has dtype torch\.float32 but expert_grads has "
+                                      r"torch\.float64; a pair shares one dtype"),
+    "grad_elements": (ValueError, R, r"redundant_expert_grads holds 8 elements per expert but expert_grads holds 4"),
+}
+DISAGREE = {
+    "disagree_mapping": r"ranks disagree on the redundancy_mapping: group ranks \[1\] differ from rank 0",
+    "disagree_op": r"ranks disagree on the operation \(lb_prefetch_weights vs lb_reduce_grads\) \(rank 0: 1, "
+                   r"rank 1: 2\)",
+    "disagree_bytes": r"ranks disagree on the bytes per expert or dtypes of the payloads: group ranks \[1\]",
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(pools):
+    return pools.get(2).run(lb_cases.run_error_scenarios, timeout=120)
+
+
+def test_every_scenario_is_pinned():
+    assert set(lb_cases.error_scenarios()) == set(EXPECTED) | set(DISAGREE)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bad_lb_input_raises_on_every_rank(outcomes, name):
+    exc, call, pattern = EXPECTED[name]
+    offender, peer = outcomes[1][name], outcomes[0][name]
+    assert offender is not None and peer is not None, (offender, peer)
+    assert offender[0] == exc.__name__ and peer[0] == exc.__name__, (offender, peer)
+    with pytest.raises(exc, match=re.escape(f"{call}: rank 1: ") + pattern):
+        raise exc(offender[1])
+    with pytest.raises(exc, match=re.escape(f"{call}: rank 0: group rank 1 rejected the call: ") + ".*" + pattern):
+        raise exc(peer[1])
+
+
+@pytest.mark.parametrize("name", sorted(DISAGREE))
+def test_disagreeing_lb_calls_raise_everywhere(outcomes, name):
+    for rank in (0, 1):
+        cls, msg = outcomes[rank][name]
+        with pytest.raises(ValueError, match=f"rank {rank}: " + DISAGREE[name]):
+            raise {"ValueError": ValueError, "TypeError": TypeError}[cls](msg)
+
+
+def test_missing_peer_times_out_naming_it():
+    results = run_in_fresh_world(2, lb_cases.lb_missing_peer, 2.0, timeout=60)
+    msg, elapsed = results[0]
+    assert re.search(r"rank 0 waited 2 s .* group ranks \[1\] did not arrive", msg), msg
+    assert elapsed < 2.0 + 5.0, elapsed
+    assert results[1] == "skipped"
+
+
+def test_constructor_accepts_plans_and_checks_them(run_ranks):
+    for out in run_ranks(2, lb_cases.constructor_errors):
+        kind, msg = out[0]
+        assert kind == "TypeError" and re.search(r"lb_allocation_plan_or_num_bytes must be an int byte count or an "
+                                                 r"epcomm\.BufferAllocator, got str", msg), msg
+        assert out[1][0] == "ValueError" and "must be a multiple of 2 MiB (2097152) >= 0, got 3145728" in out[1][1]
+        assert out[2][0] == "ValueError" and "the BufferAllocator is already materialized" in out[2][1]
+        assert out[3] == (4 << 20, (4 << 20,), None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# end to end
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("do_expand", [True, False], ids=["expand", "non-expand"])
+def test_physical_ids_give_the_same_output_and_gradients(run_ranks, do_expand):
+    res = run_ranks(2, lb_cases.check_physical_equivalence, do_expand=do_expand, seed=3)
+    assert max(res[0]["after"]) < max(res[0]["before"]), res[0]  # the hot expert's rank sheds load
+    res = run_ranks(3, lb_cases.check_physical_equivalence, do_expand=do_expand, num_local=2, num_slots=2,
+                    seed=5)
+    assert max(res[0]["after"]) < max(res[0]["before"]), res[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU (NCCL): the same checks on CUDA tensors
+# ----------------------------------------------------------------------------------------------------------
+gpu = [pytest.mark.multigpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+@pytest.mark.parametrize("pattern", ["random", "spread"])
+@pytest.mark.parametrize("payload", PAYLOADS, ids=[str(p[0]) for p in PAYLOADS])
+def test_prefetch_on_gpu(pools, pattern, payload):
+    pools.get(2, "nccl").run(lb_cases.check_prefetch, pattern=pattern, payload_bytes=payload, device="cuda",
+                             use_event=True)
+
+
+@pytest.mark.parametrize("hidden", [24, 3072, 1 << 18])
+def test_reduce_on_gpu(pools, hidden):
+    for random in (False, True):
+        pools.get(2, "nccl").run(lb_cases.check_reduce, pattern="spread", hidden=hidden, num_local=4, num_slots=4,
+                                 random=random, device="cuda")
+
+
+@pytest.mark.parametrize("do_expand", [True, False])
+def test_physical_ids_on_gpu(pools, do_expand):
+    pools.get(2, "nccl").run(lb_cases.check_physical_equivalence, do_expand=do_expand, device="cuda")
+
+
+for _name in ("test_prefetch_on_gpu", "test_reduce_on_gpu", "test_physical_ids_on_gpu"):
+    for _mark in gpu:
+        globals()[_name] = _mark(globals()[_name])
