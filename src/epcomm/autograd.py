@@ -16,8 +16,7 @@ dispatch zeroes them and combine ignores them.
 
 Every forward and every backward is a collective call: all ranks must run the same sequence of dispatches and
 combines, and then the same backward through them. A backward always calls its collective, even when the local
-incoming gradient is undefined (it is replaced by zeros), so a rank whose loss does not depend on an output
-still keeps its peers in lockstep.
+incoming gradient of an output is undefined (it is replaced by zeros), so the ranks stay in lockstep.
 
 Shape legend (docs/shapes.md): T tokens on this rank, H hidden, K top-k, M received rows (non-expand),
 S expanded rows (expand).
@@ -106,7 +105,9 @@ class TokenDispatcher:
     The backward of each call is the opposite call on the same handle (dispatch backward = combine, combine
     backward = cached dispatch), so backward is collective too: every rank must call `dispatch` and `combine`
     in the same order and then run backward through all of them (for example one `loss.backward()` per rank
-    per step). A rank whose loss does not use an output still takes part (its gradient counts as zero).
+    per step). An output that a rank's loss does not use counts as a zero gradient, but autograd only runs a
+    call's backward when the loss depends on at least one of its outputs: a rank whose loss depends on none of
+    them skips that collective and its peers fail with `TimeoutError` (add `0 * y.sum()` to such a loss).
     Blocks the host (CPU-synced dispatch: exact output sizes); not capturable in a CUDA graph.
 
     Naive equivalent of the forward (plain epcomm calls, no autograd):

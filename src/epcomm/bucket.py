@@ -351,46 +351,110 @@ class BucketBuffer:
         if not t.is_contiguous():
             c.fail(ValueError, f"{name} must be contiguous (got strides {tuple(t.stride())})")
 
-    def _gather_bucket(self, c, ctx, i: int, src, dst) -> _Bucket:
-        name = "srcs" if i is None else f"srcs[{i}]"
-        src = self._check_tensor(c, name, src)
-        self._check_contiguous(c, name, src)
+    def _gather_call(self, srcs, dsts, group, num_sms, session: Optional["BucketSession"]) -> BucketEvent:
+        call = "BucketBuffer.all_gather"
+        ctx, c = session._context(call, group) if session else self._begin(call, group)
+        srcs_l, single = _as_list(c, "srcs", srcs)
+        dsts_l = [None] * len(srcs_l) if dsts is None else _like(c, srcs_l, single, dsts)
+        if num_sms:
+            c.fail(ValueError, f"num_sms must be None or 0 for all_gather (copy-engine driven), got {num_sms}")
+        buckets = [self._gather_bucket(c, ctx, "srcs" if single else f"srcs[{i}]", s, d, session)
+                   for i, (s, d) in enumerate(zip(srcs_l, dsts_l))]
+        return self._launch(ctx, call, "all_gather", buckets, 1.0, 0, single)
+
+    def _gather_bucket(self, c, ctx, name: str, src, dst, session) -> _Bucket:
         r, R = ctx.rank, ctx.num_ranks
-        if dst is None:
-            off = self._in_storage(c, name, src)
-            start, end = off - r * src.nbytes, off + (R - r) * src.nbytes
+        dname = name.replace("srcs", "dsts")
+        src = self._check_tensor(c, name, src)
+        if dst is not None:
+            dst = self._check_tensor(c, dname, dst)
+            self._check_contiguous(c, dname, dst)
+            if session is not None and dst.dtype != src.dtype:
+                c.fail(TypeError, f"{dname} must have the src's dtype {src.dtype} in a session, got {dst.dtype}")
+            if dst.nbytes != R * src.nbytes:
+                c.fail(ValueError, f"{dname} must have {R} x {name}.nbytes = {R * src.nbytes} bytes, got "
+                                   f"{dst.nbytes}")
+        src_off, dst_off = self.offset_of(src), None if dst is None else self.offset_of(dst)
+        if dst_off is not None:  # gather straight into dst; src may be anywhere
+            out = self.storage[dst_off:dst_off + dst.nbytes]
+            sptr, dptr = src.data_ptr(), dst.data_ptr()
+            if src_off is not None and sptr < dptr + dst.nbytes and dptr < sptr + src.nbytes \
+                    and sptr != dptr + r * src.nbytes:
+                c.fail(ValueError, f"{name} overlaps {dname} but is not its rank-th (rank {r}) shard (byte offset "
+                                   f"{sptr - dptr}, expected {r * src.nbytes}); use the local shard or another tensor")
+            if session is None or src.is_contiguous():
+                self._check_contiguous(c, name, src)
+                return _Bucket(inp=_bytes(src), out=out, result=dst)
+            shard = out[r * src.nbytes:(r + 1) * src.nbytes]
+            return _Bucket(inp=shard, out=out, result=dst, stage_from=src,
+                           stage_to=shard.view(src.dtype).view(src.shape))
+        if dst is not None and session is None:
+            self._in_storage(c, dname, dst)  # raises: dsts live in the storage outside a session
+        if src_off is not None:  # in place: src is the rank-th shard of the gathered region
+            self._check_contiguous(c, name, src)
+            start, end = src_off - r * src.nbytes, src_off + (R - r) * src.nbytes
             if start < 0 or end > self.num_bytes:
                 c.fail(ValueError, f"{name} must be the rank-th (rank {r}) shard of a gathered tensor inside the "
                                    f"storage: the gathered bytes would span [{start}, {end}) but the storage has "
                                    f"{self.num_bytes}; move the bucket or pass dsts")
             out = self.storage[start:end]
-            return _Bucket(inp=src.view(-1).view(torch.uint8), out=out, result=out.view(src.dtype))
-        dname = name.replace("srcs", "dsts")
-        dst = self._check_tensor(c, dname, dst)
-        self._check_contiguous(c, dname, dst)
-        doff = self._in_storage(c, dname, dst)
-        if dst.nbytes != R * src.nbytes:
-            c.fail(ValueError, f"{dname} must have {R} x {name}.nbytes = {R * src.nbytes} bytes, got {dst.nbytes}")
-        sptr, dptr = src.data_ptr(), dst.data_ptr()
-        if sptr < dptr + dst.nbytes and dptr < sptr + src.nbytes and sptr != dptr + r * src.nbytes:
-            c.fail(ValueError, f"{name} overlaps {dname} but is not its rank-th (rank {r}) shard (byte offset "
-                               f"{sptr - dptr}, expected {r * src.nbytes}); use the local shard or a separate tensor")
-        out = self.storage[doff:doff + dst.nbytes]
-        return _Bucket(inp=src.view(-1).view(torch.uint8), out=out, result=dst)
+            return _Bucket(inp=_bytes(src), out=out, result=out.view(src.dtype), copy_to=dst)
+        if session is None:
+            self._in_storage(c, name, src)  # raises
+        out = session._carve(c, R * src.nbytes)
+        shard = out[r * src.nbytes:(r + 1) * src.nbytes]
+        return _Bucket(inp=shard, out=out, result=out.view(src.dtype), stage_from=src,
+                       stage_to=shard.view(src.dtype).view(src.shape), copy_to=dst)
 
-    def _check_reduce_src(self, c, ctx, name: str, s) -> None:
-        s = self._check_tensor(c, name, s)
-        if s.dtype != torch.float32:
-            c.fail(TypeError, f"{name} must be torch.float32, got {s.dtype}")
-        self._check_contiguous(c, name, s)
-        self._in_storage(c, name, s)
-        unit = ctx.num_ranks * 32
-        if s.nbytes % unit:
-            c.fail(ValueError, f"{name} has {s.nbytes} bytes; it must be a multiple of R x 32 = {unit} "
-                               "(R ranks, 32-byte shards)")
-        if s.data_ptr() % 32:
-            c.fail(ValueError, f"{name} starts at storage byte {s.data_ptr() - self.storage.data_ptr()}; it must "
-                               "start on a 32-byte boundary")
+    def _reduce_call(self, op: str, srcs, dsts, comm_precision, scale, group, num_sms,
+                     session: Optional["BucketSession"]) -> BucketEvent:
+        call = f"BucketBuffer.{op}"
+        ctx, c = session._context(call, group) if session else self._begin(call, group)
+        srcs_l, single = _as_list(c, "srcs", srcs)
+        dsts_l = [None] * len(srcs_l) if dsts is None else _like(c, srcs_l, single, dsts)
+        sms = self._reduction_options(c, ctx, op, comm_precision, scale, num_sms)
+        r, R = ctx.rank, ctx.num_ranks
+        shards_out = R if op == "reduce_scatter" else 1
+        buckets = []
+        for i, (src, dst) in enumerate(zip(srcs_l, dsts_l)):
+            name = "srcs" if single else f"srcs[{i}]"
+            dname = name.replace("srcs", "dsts")
+            src = self._check_tensor(c, name, src)
+            if src.dtype != torch.float32:
+                c.fail(TypeError, f"{name} must be torch.float32, got {src.dtype}")
+            if src.nbytes % (R * 32):
+                c.fail(ValueError, f"{name} has {src.nbytes} bytes; it must be a multiple of R x 32 = {R * 32} "
+                                   "(R ranks, 32-byte shards)")
+            if dst is not None:
+                dst = self._check_tensor(c, dname, dst)
+                if dst.dtype != torch.float32:
+                    c.fail(TypeError, f"{dname} must have the src's dtype torch.float32, got {dst.dtype}")
+                self._check_contiguous(c, dname, dst)
+                if dst.nbytes * shards_out != src.nbytes:
+                    c.fail(ValueError, f"{dname} must have {src.nbytes // shards_out} bytes, got {dst.nbytes}")
+            n = src.numel() // shards_out
+            stage = None
+            if session is None or self.offset_of(src) is not None:  # in place
+                self._check_contiguous(c, name, src)
+                off = self._in_storage(c, name, src)
+                if off % 32:
+                    c.fail(ValueError, f"{name} starts at storage byte {off}; it must start on a 32-byte boundary")
+                flat = src.view(-1)
+            else:  # stage: derived from an in-storage dst (dst is the rank-th shard), else carved
+                flat, dst_off = None, None if dst is None else self.offset_of(dst)
+                if dst_off is not None:
+                    start = dst_off - (r * dst.nbytes if op == "reduce_scatter" else 0)
+                    if start >= 0 and start + src.nbytes <= self.num_bytes and start % 32 == 0:
+                        flat = self.storage[start:start + src.nbytes].view(torch.float32)
+                flat = session._carve(c, src.nbytes).view(torch.float32) if flat is None else flat
+                stage = flat.view(src.shape)
+            out = flat[r * n:(r + 1) * n] if op == "reduce_scatter" else flat
+            result = out if op == "reduce_scatter" else out.view(src.shape)
+            same = dst is not None and dst.data_ptr() == out.data_ptr()
+            buckets.append(_Bucket(inp=flat, out=out, result=dst if same else result, stage_to=stage,
+                                   stage_from=None if stage is None else src,
+                                   copy_to=dst if dst is not None and not same else None))
+        return self._launch(ctx, call, op, buckets, float(scale), sms, single)
 
     def _reduction_options(self, c, ctx, op: str, comm_precision: str, scale, num_sms) -> int:
         if ctx.num_ranks == 1:
@@ -422,16 +486,25 @@ class BucketBuffer:
             for b in buckets:
                 if b.stage_from is not None:
                     b.stage_to.copy_(b.stage_from)
-            works = []
+            works, parts = [], []
             for b in buckets:
                 if op == "all_gather":
                     works.append(_all_gather(b.out, b.inp, group=ctx.group, async_op=True))
-                elif op == "reduce_scatter":
+                elif op == "reduce_scatter" and cuda:
                     works.append(_reduce_scatter(b.out, b.inp, group=ctx.group, async_op=True))
+                elif op == "reduce_scatter":
+                    # NOTE: gloo's reduce-scatter work never reports completion (torch 2.13), so a bounded wait
+                    # cannot poll it: on CPU move the shards with all_to_all_single and sum in rank order.
+                    parts.append(torch.empty_like(b.inp).view(ctx.num_ranks, -1))
+                    works.append(dist.all_to_all_single(parts[-1], b.inp, group=ctx.group, async_op=True))
                 else:
                     works.append(dist.all_reduce(b.inp, group=ctx.group, async_op=True))
             for w in works:
                 ctx.complete(w, call)
+            for b, part in zip(buckets, parts):
+                b.out.copy_(part[0])
+                for k in range(1, ctx.num_ranks):
+                    b.out.add_(part[k])
             if scale != 1.0:
                 for b in buckets:
                     b.out.mul_(scale)
@@ -452,6 +525,10 @@ class BucketBuffer:
                     out.append(b.result)
             return out[0] if single else out
         return BucketEvent(event, results, num_sms)
+
+
+def _bytes(t: Tensor) -> Tensor:
+    return t.view(-1).view(torch.uint8)
 
 
 def _as_list(c, name: str, xs) -> tuple:

@@ -182,11 +182,16 @@ class CommContext:
             self._announce(call_id)
             time.sleep(min(1.0, self.timeout_s / 4))  # let peers that are waiting too announce themselves
             missing = [r for r in range(self.num_ranks) if r != self.rank and not store.check([self._key(call_id, r)])]
-        who = f"group ranks {missing}" if missing else "a peer (could not tell which)"
+        if missing:
+            who = f"group ranks {missing} did not arrive"
+        elif missing is None:
+            who = "a peer (could not tell which) did not arrive"
+        else:
+            who = "every group rank arrived and the collective still did not finish (mismatched calls or sizes?)"
         self.broken = f"{what} timed out"
         raise TransportTimeout(
             f"{what}: rank {self.rank} waited {self.timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} but "
-            f"{who} did not arrive. Every rank of the group must make the same {self.owner} calls in the same order. "
+            f"{who}. Every rank of the group must make the same {self.owner} calls in the same order. "
             f"The {self.owner} is unusable now: destroy it (and the process group) and restart")
 
     # -- collectives ---------------------------------------------------------------------------------

@@ -300,7 +300,7 @@ def hierarchical_placement(load: Tensor, num_physical_experts: int, *, num_group
     heaviest group first onto the least loaded node with room; (2) each node's `P / N` physical slots hold
     its experts once, and every extra slot goes to the expert with the highest load per copy; (3) each node's
     physical experts (each carrying `load / copies`) go to its GPUs, `P / G` each, heaviest first onto the
-    least loaded GPU with room, avoiding a GPU that already holds the same expert when another has room.
+    least loaded GPU with room (two copies may share a GPU: load-wise that is one copy with both shares).
     When `num_groups` is not a multiple of `num_nodes`, steps (1)-(3) run as one node (global policy).
     Ties go to the lower id. Deterministic, local.
 
@@ -350,18 +350,12 @@ def hierarchical_placement(load: Tensor, num_physical_experts: int, *, num_group
                                  gpu_load=gpu_load)
 
 
-def _pack(weights: list, num_bins: int, per_bin: int, labels=None) -> list:
+def _pack(weights: list, num_bins: int, per_bin: int) -> list:
     """Bin of each item: heaviest first (ties: lower index) onto the least loaded bin with room (ties: lower
-    bin); with `labels`, a bin already holding the item's label is skipped while another bin has room."""
+    bin)."""
     loads, sizes, where = [0.0] * num_bins, [0] * num_bins, [0] * len(weights)
-    held = [set() for _ in range(num_bins)]
     for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        room = [b for b in range(num_bins) if sizes[b] < per_bin]
-        if labels is not None:
-            room = [b for b in room if labels[i] not in held[b]] or room
-        b = min(room, key=lambda b: (loads[b], b))
-        if labels is not None:
-            held[b].add(labels[i])
+        b = min((b for b in range(num_bins) if sizes[b] < per_bin), key=lambda b: (loads[b], b))
         where[i] = b
         loads[b] += weights[i]
         sizes[b] += 1
@@ -384,7 +378,7 @@ def _place_layer(load: list, num_physical: int, num_groups: int, num_nodes: int,
             copies[x] += 1
         items = [x for x in experts for _ in range(copies[x])]
         weights = [load[x] / copies[x] for x in items]
-        gpu_of = _pack(weights, gpus_per_node, per_gpu, labels=items)
+        gpu_of = _pack(weights, gpus_per_node, per_gpu)
         filled = [0] * gpus_per_node
         for i in sorted(range(len(items)), key=lambda i: (-weights[i], i)):  # the packing order
             g = gpu_of[i]

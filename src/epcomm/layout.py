@@ -19,6 +19,15 @@ from torch import Tensor
 from .sizing import align
 
 
+def cumsum_rows(x_NC: Tensor) -> Tensor:
+    """Cumulative sum down the rows of a 2-D tensor, computed as a scan along the last dimension.
+
+    NOTE: `x.cumsum(0)` on a [4096, 3] int64 CUDA tensor took 499 us (2x H200, torch 2.11); the transposed
+    innermost scan takes a few us.
+    """
+    return x_NC.t().contiguous().cumsum(1).t()
+
+
 def dest_rank_of(topk_idx_TK: Tensor, num_local_experts: int) -> Tensor:
     """[T, K] int64: the rank owning each selected expert, -1 where the selection is -1."""
     idx = topk_idx_TK.long()
@@ -52,7 +61,7 @@ def send_layout(topk_idx_TK: Tensor, num_ranks: int, num_local_experts: int) -> 
     is_sent_TR = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.int64, device=dest_TK.device)
     is_sent_TR.scatter_(1, col_TK, 1)
     is_sent_TR = is_sent_TR[:, 1:]
-    token_slot_TR = (is_sent_TR.cumsum(0) - 1).masked_fill(is_sent_TR <= 0, -1)
+    token_slot_TR = (cumsum_rows(is_sent_TR) - 1).masked_fill(is_sent_TR <= 0, -1)
     pos_TK = torch.arange(num_topk, device=dest_TK.device).expand(num_tokens, num_topk)
     last_pos_TR = torch.full((num_tokens, num_ranks + 1), -1, dtype=torch.int64, device=dest_TK.device)
     last_pos_TR.scatter_reduce_(1, col_TK, pos_TK, reduce="amax", include_self=True)
@@ -86,7 +95,7 @@ def pair_slots(topk_idx_TK: Tensor, num_ranks: int, num_local_experts: int) -> t
     onehot = torch.zeros(flat.numel(), num_ranks + 1, dtype=torch.int64, device=flat.device)
     onehot.scatter_(1, (flat + 1).unsqueeze(1), 1)
     onehot = onehot[:, 1:]
-    rank_in_dest = (onehot.cumsum(0) - 1).gather(1, flat.clamp(min=0).unsqueeze(1)).squeeze(1)
+    rank_in_dest = (cumsum_rows(onehot) - 1).gather(1, flat.clamp(min=0).unsqueeze(1)).squeeze(1)
     pair_slot = rank_in_dest.masked_fill(flat < 0, -1).view_as(dest_TK)
     return onehot.sum(0), pair_slot
 
@@ -146,7 +155,7 @@ def recv_layout(
         if num_expanded_rows is None:
             num_expanded_rows = int(aligned_L.sum())
         safe_MK = local_idx_MK.clamp(min=0)
-        rank_in_expert_MK = (onehot_ML.cumsum(0) - 1).gather(1, safe_MK)
+        rank_in_expert_MK = (cumsum_rows(onehot_ML) - 1).gather(1, safe_MK)
         row_ptr_MK = (aligned_start_L[safe_MK] + rank_in_expert_MK).masked_fill(~is_local, -1)
     return RecvLayout(
         local_idx_MK=local_idx_MK,

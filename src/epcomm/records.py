@@ -17,6 +17,9 @@ from torch import Tensor
 from .sizing import align
 
 _FIELD_ALIGN = 16
+# NOTE: records are padded to 64 bytes (as DeepEP's): row strides that are multiples of 16 words let Triton prove
+# 16-byte alignment and emit vector stores in the push kernel.
+_RECORD_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class RecordSpec:
         for f in self.fields:
             self.offsets[f.name] = off
             off += align(f.nbytes, _FIELD_ALIGN)
-        self.nbytes = max(off, _FIELD_ALIGN)
+        self.nbytes = align(max(off, _FIELD_ALIGN), _RECORD_ALIGN)
 
     def pack(self, tensors: dict, src_X: Tensor, holes: bool) -> Tensor:
         """[X, B] uint8: row x is the record of token `src_X[x]` (one gather per field, no staging copy).

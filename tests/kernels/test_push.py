@@ -12,13 +12,13 @@ from epcomm.records import Field, RecordSpec
 
 _CODE = """
 import pickle, sys, torch
-from epcomm.kernels.push import push_rows
+from epcomm.kernels.push import push_rows, region_deltas
 spec_fields, tensors, src_X, cap, rank, areas, off = pickle.load(sys.stdin.buffer)
 tensors["x"] = tensors["x"].view(spec_fields[0].dtype)  # sent as bytes: FP8 tensors do not pickle
 from epcomm.records import RecordSpec
 spec = RecordSpec(spec_fields)
 ptrs = torch.tensor([a.data_ptr() for a in areas], dtype=torch.int64)
-push_rows(ptrs, off, spec, tensors, src_X, cap, rank, num_programs=3)
+push_rows(areas[rank], region_deltas(ptrs, rank), off, spec, tensors, src_X, cap, rank, num_programs=3)
 sys.stdout.buffer.write(pickle.dumps(areas))
 """
 

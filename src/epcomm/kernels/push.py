@@ -10,7 +10,7 @@ Worked example (cap 2, sender rank 1, two ranks, 4-byte records):
     area_0 rows 2..3 = [rec(0), untouched], area_1 rows 2..3 = [rec(2), rec(1)]
 
 The Triton kernel reads each token's row once and stores it into the peer's memory through the pointer table
-(`SymmetricRegion.ptrs`); `push_rows_torch` is its twin for tests and the fallback for rows that are not a whole
+(`SymmetricRegion.ptrs`, as 16-byte offsets from the local region); `push_rows_torch` is its twin for tests and the fallback for rows that are not a whole
 number of 4-byte words.
 """
 
@@ -46,12 +46,20 @@ def push_rows_torch(areas: list, area_offset: int, spec: RecordSpec, tensors: di
         view[rank * cap + rows] = records[block[rows]].to(area.device)
 
 
-def push_rows(ptrs: Tensor, area_offset: int, spec: RecordSpec, tensors: dict, src_X: Tensor, cap: int,
-              rank: int, num_programs: int = 0) -> None:
+def region_deltas(ptrs: Tensor, rank: int) -> Tensor:
+    """[R] int64: each rank's region base relative to `rank`'s, in 16-byte units (bases are 16-byte aligned)."""
+    delta = ptrs - ptrs[rank]
+    assert bool((delta % 16 == 0).all()), "symmetric regions must be 16-byte aligned"
+    return torch.div(delta, 16, rounding_mode="floor")
+
+
+def push_rows(local: Tensor, delta16: Tensor, area_offset: int, spec: RecordSpec, tensors: dict, src_X: Tensor,
+              cap: int, rank: int, num_programs: int = 0) -> None:
     """Launcher: one persistent grid; every record is read once from the sender's tensors.
 
     Args:
-        ptrs: [R] int64 -- base address of every rank's region (device).
+        local: [bytes] uint8 -- this rank's region (peers' regions are addressed relative to it).
+        delta16: [R] int64 -- `region_deltas` of the regions' base addresses (device).
         area_offset: byte offset of the receive area inside each region (a multiple of 16).
         spec: the record layout; its first field is the data row `x`.
         tensors: the fields by name; `x` is [T, H] of any dtype.
@@ -69,7 +77,8 @@ def push_rows(ptrs: Tensor, area_offset: int, spec: RecordSpec, tensors: dict, s
     if num_programs <= 0:
         num_programs = 4 * torch.cuda.get_device_properties(src_X.device).multi_processor_count \
             if src_X.is_cuda else 4
-    _push_triton.launch(ptrs, area_offset, spec.nbytes, data, small, data_bytes, src_X, cap, rank, num_programs)
+    _push_triton.launch(local, delta16, area_offset, spec.nbytes, data, small, data_bytes, src_X, cap, rank,
+                        num_programs)
 
 
 def can_push_words(spec: RecordSpec, tensors: dict) -> bool:

@@ -46,6 +46,7 @@ class NVLinkTransport(Transport):
         self._rows_off = align(self._splits_off + r * r * 8, 1 << 16)
         self.rows_capacity = num_bytes
         self.region = SymmetricRegion(group, self._rows_off + num_bytes, device)
+        self._delta16 = push.region_deltas(self.region.ptrs, self.rank)
         self._timeout_ms = int(gpu_timeout_s * 1000)
 
     def _barrier(self) -> None:
@@ -131,8 +132,8 @@ class NVLinkTransport(Transport):
         self._barrier()  # every peer has copied its previous rows out of its receive area
         if push.can_push_words(spec, tensors):
             with phase("push_kernel"):
-                push.push_rows(self.region.ptrs, self._rows_off, spec, tensors, src_X, cap, self.rank,
-                               num_programs=self.num_programs)
+                push.push_rows(self.region.local, self._delta16, self._rows_off, spec, tensors, src_X, cap,
+                               self.rank, num_programs=self.num_programs)
         else:  # rows that are not whole 4-byte words: pack, then one copy-engine write per destination block
             send_XB = spec.pack(tensors, src_X, holes=True)
             for peer in range(num_ranks):

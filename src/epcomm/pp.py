@@ -1,0 +1,342 @@
+"""`PPBuffer`: pipeline-parallel send/recv between ring neighbours (DeepEP V2.5 behaviour, §16).
+
+Each directed pair of neighbours `s -> d` (`d = s +- 1 mod R`) is one FIFO: the k-th `recv(x, s)` on `d` returns
+the bytes of the k-th `send(y, d)` on `s`. At world 2 both neighbours are the same rank, so there are two FIFOs,
+one per direction.
+
+How it maps onto `torch.distributed`:
+
+* Every FIFO has its own two-rank process group (a *channel*), made at construction. NCCL runs the point-to-point
+  operations of one communicator in order on one stream, so two neighbours sending to each other through one
+  group can deadlock (each send waits for a receive queued behind the other send); one channel per direction
+  cannot. A timeout also breaks only the buffer's own channels, never the caller's group.
+* `send` copies `x` into the next slot of the FIFO's ring (`num_max_inflight_tensors` slots of
+  `num_max_tensor_bytes`) and posts the slot's send. It waits only when every slot is in flight, for the oldest
+  to be received (bounded), so the caller may overwrite `x` as soon as `send` returns (in stream order on CUDA).
+* `recv` receives straight into `x`. On CPU it waits on the host (bounded); on CUDA the current stream waits.
+* On CPU a 32-byte header (sequence number, byte count) travels ahead of each payload: a `recv` whose `x` has
+  another size raises `ValueError` and the FIFO stays in step (gloo aborts the process on a size mismatch).
+  On CUDA the sizes must match (checking would need a host sync), as with NCCL send/recv.
+
+Timeouts: host waits (CPU, `destroy`) are bounded by `num_cpu_timeout_secs` and name the peer; device waits on
+CUDA are bounded by the channels' NCCL timeout, set to `num_gpu_timeout_secs` (the watchdog then aborts).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import sizing
+from .comm import CommContext, new_comm_stream
+from .transport.base import TransportTimeout
+
+__all__ = ["PPBuffer"]
+
+_HEADER_MAGIC = 0x5050  # "PP": marks a header so that a stray message is caught as an internal error
+_TAG_HEADER, _TAG_PAYLOAD = 1, 2
+
+
+@dataclass
+class _Fifo:
+    """One direction to or from one neighbour."""
+
+    peer: int  # the neighbour's rank in the buffer's group
+    channel: dist.ProcessGroup  # the two-rank group that carries this FIFO only
+    channel_peer: int  # the neighbour's rank in `channel`
+    count: int = 0  # messages sent (send side) or received (recv side) so far
+    slots: Optional[Tensor] = None  # send side: [num_max_inflight_tensors, num_max_tensor_bytes] uint8
+    headers: Optional[Tensor] = None  # CPU: [num_max_inflight_tensors, 4] int64 (send) or [1, 4] (recv)
+    works: list = field(default_factory=list)  # send side, per slot: the works of its last message
+
+
+class PPBuffer:
+    """Pipeline send/recv to `(rank +- 1) mod world` with bounded in-flight tensors (collective construction).
+
+    Args:
+        group: the pipeline group (>= 2 ranks); None for the default group. Messages use group ranks.
+        num_max_tensor_bytes: int > 0 -- largest tensor one send may carry (bytes).
+        num_max_inflight_tensors: int > 0 -- sends that may be outstanding per FIFO (per neighbour and
+            direction) before a further send waits for the oldest to be received.
+        sl_idx: RDMA service level; accepted, no effect.
+        num_gpu_timeout_secs: NCCL timeout of the channels (CUDA device waits). Default 100.
+        explicitly_destroy: warn at garbage collection when `destroy()` was not called.
+        num_cpu_timeout_secs: bound on every host wait (epcomm keyword). Default 300.
+
+    Fields:
+        num_bytes: int -- the reference's storage size `align(4 * align(num_max_tensor_bytes, 64) *
+            num_max_inflight_tensors, 2 MiB)`; epcomm allocates the send rings only (receives land in `x`).
+        rank, num_ranks, device: this rank's group rank, the group size, the buffer's device.
+
+    Raises:
+        TypeError: sizes that are not ints.
+        ValueError: sizes <= 0, a one-rank group.
+        TimeoutError: a peer did not construct within `num_cpu_timeout_secs`.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_max_tensor_bytes: int, num_max_inflight_tensors: int,
+                 sl_idx: Optional[int] = None, num_gpu_timeout_secs: float = 100, explicitly_destroy: bool = False,
+                 *, num_cpu_timeout_secs: float = 300):
+        self.explicitly_destroy = explicitly_destroy
+        self._destroyed = True  # until construction succeeds
+        group = group if group is not None else dist.group.WORLD
+        rank, num_ranks = group.rank(), group.size()
+        for name, value in (("num_max_tensor_bytes", num_max_tensor_bytes),
+                            ("num_max_inflight_tensors", num_max_inflight_tensors)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"PPBuffer: rank {rank}: {name} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"PPBuffer: rank {rank}: {name} must be > 0, got {value}")
+        if num_ranks < 2:
+            raise ValueError(f"PPBuffer: rank {rank}: the group has {num_ranks} rank; a pipeline ring needs >= 2")
+        self.num_max_tensor_bytes = num_max_tensor_bytes
+        self.num_max_inflight_tensors = num_max_inflight_tensors
+        self.sl_idx, self.num_gpu_timeout_secs, self.num_cpu_timeout_secs = sl_idx, num_gpu_timeout_secs, \
+            num_cpu_timeout_secs
+        self.num_bytes = sizing.align(4 * sizing.align(num_max_tensor_bytes, 64) * num_max_inflight_tensors,
+                                      sizing.ALLOCATION_ALIGNMENT)
+        self.context = CommContext(group, owner="PPBuffer", num_cpu_timeout_secs=num_cpu_timeout_secs,
+                                   agree={"num_max_tensor_bytes": num_max_tensor_bytes,
+                                          "num_max_inflight_tensors": num_max_inflight_tensors})
+        self.contexts = [self.context]
+        self.rank, self.num_ranks, self.device = rank, num_ranks, self.context.device
+        self.context.comm_stream = new_comm_stream(self.device)
+        self._check_sizes = self.device.type == "cpu"
+        self._warned: set = set()
+        self._send: dict = {}
+        self._recv: dict = {}
+        self._channels: list = []
+        self._make_channels(group)
+        for fifo in self._send.values():
+            fifo.slots = torch.empty(num_max_inflight_tensors, num_max_tensor_bytes, dtype=torch.uint8,
+                                     device=self.device)
+            fifo.works = [[] for _ in range(num_max_inflight_tensors)]
+            if self._check_sizes:
+                fifo.headers = torch.zeros(num_max_inflight_tensors, 4, dtype=torch.int64)
+        for fifo in self._recv.values():
+            if self._check_sizes:
+                fifo.headers = torch.zeros(1, 4, dtype=torch.int64)
+        self._destroyed = False
+
+    def _make_channels(self, group: dist.ProcessGroup) -> None:
+        """One two-rank group per directed neighbour pair, created in one order on every rank (collective)."""
+        R = self.num_ranks
+        pairs = [(s, d) for s in range(R) for d in sorted({(s + 1) % R, (s - 1) % R})]
+        world = group is dist.group.WORLD or group == dist.group.WORLD
+        for s, d in pairs:
+            if not world and self.rank not in (s, d):
+                continue  # only members create a subgroup of a non-default group
+            gs, gd = dist.get_global_rank(group, s), dist.get_global_rank(group, d)
+            kind = "nccl" if self.device.type == "cuda" else "gloo"
+            timeout = self.num_gpu_timeout_secs if kind == "nccl" else self.num_cpu_timeout_secs
+            channel = dist.new_group([gs, gd], timeout=timedelta(seconds=timeout), use_local_synchronization=not world,
+                                     group_desc=f"epcomm_pp_{s}_to_{d}")
+            if self.rank not in (s, d):
+                continue
+            self._channels.append(channel)
+            if self.rank == s:
+                self._send[d] = _Fifo(peer=d, channel=channel, channel_peer=dist.get_group_rank(channel, gd))
+            else:
+                self._recv[s] = _Fifo(peer=s, channel=channel, channel_peer=dist.get_group_rank(channel, gs))
+
+    # -- API -----------------------------------------------------------------------------------------
+    def send(self, x: Tensor, dst_rank_idx: int, num_sms: Optional[int] = None) -> None:
+        """Send `x` to the neighbour `dst_rank_idx`, in FIFO order, on the current stream.
+
+        Returns once `x` is copied into a slot (CPU) or the copy is queued (CUDA); waits first only when
+        `num_max_inflight_tensors` sends to that neighbour are still unreceived. Not collective: the neighbour
+        calls `recv(y, src_rank_idx=rank)` with `y.nbytes == x.nbytes`.
+
+        Args:
+            x: [...] any dtype -- contiguous, non-empty, `x.nbytes <= num_max_tensor_bytes`, on the buffer's device.
+            dst_rank_idx: int -- `(rank + 1) % R` or `(rank - 1) % R` (group ranks).
+            num_sms: None (all SMs) or > 0; no effect on CPU (warns once) or with NCCL.
+
+        Raises:
+            TypeError: x not a tensor. ValueError: not a neighbour, empty / non-contiguous / too large x, device,
+            destroyed buffer. TimeoutError: (CPU) every slot stayed in flight for `num_cpu_timeout_secs`; names
+            the neighbour.
+        """
+        call = "PPBuffer.send"
+        c = self.context.checker(call)
+        self._check_x(c, x)
+        fifo = self._send[self._check_peer(c, "dst_rank_idx", dst_rank_idx)]
+        self._check_sms(c, num_sms)
+        k, n = fifo.count, self.num_max_inflight_tensors
+        slot = k % n
+        deadline = time.monotonic() + self.context.timeout_s
+        for work in fifo.works[slot]:
+            self._wait(work, deadline, lambda: (
+                f"{call}: rank {self.rank}: send #{k} to group rank {fifo.peer} waited {self.context.timeout_s:g} s "
+                f"(num_cpu_timeout_secs) for a free slot: group rank {fifo.peer} has not received send #{k - n} "
+                f"(num_max_inflight_tensors={n} sends may be in flight per neighbour); every send needs a matching "
+                f"recv(x, src_rank_idx={self.rank}) there. The PPBuffer is unusable now: destroy it and restart"))
+        payload = fifo.slots[slot, :x.nbytes]
+        payload.copy_(x.reshape(-1).view(torch.uint8))
+        works = []
+        if self._check_sizes:
+            header = fifo.headers[slot]
+            header.copy_(torch.tensor([_HEADER_MAGIC, k, x.nbytes, 0], dtype=torch.int64))
+            works.append(dist.isend(header, group=fifo.channel, group_dst=fifo.channel_peer, tag=_TAG_HEADER))
+        works.append(dist.isend(payload, group=fifo.channel, group_dst=fifo.channel_peer, tag=_TAG_PAYLOAD))
+        fifo.works[slot] = works
+        fifo.count += 1
+
+    def recv(self, x: Tensor, src_rank_idx: int, num_sms: Optional[int] = None) -> Tensor:
+        """Receive the next tensor from the neighbour `src_rank_idx` into `x` (FIFO order), on the current stream.
+
+        The receiver chooses shape and dtype; the bytes are copied. CPU: returns when the data is in `x`
+        (bounded host wait). CUDA: the current stream waits for the data (bounded by the NCCL timeout).
+
+        Args:
+            x: [...] any dtype -- contiguous, non-empty, `x.nbytes` equal to the matching send's, on the device.
+            src_rank_idx: int -- `(rank + 1) % R` or `(rank - 1) % R` (group ranks).
+            num_sms: None (all SMs) or > 0; no effect on CPU (warns once) or with NCCL.
+
+        Returns:
+            `x`, filled.
+
+        Raises:
+            TypeError: x not a tensor. ValueError: not a neighbour, bad x, (CPU) a size that differs from the
+            send's (the message is consumed). TimeoutError: (CPU) no data within `num_cpu_timeout_secs`.
+        """
+        call = "PPBuffer.recv"
+        c = self.context.checker(call)
+        self._check_x(c, x)
+        fifo = self._recv[self._check_peer(c, "src_rank_idx", src_rank_idx)]
+        self._check_sms(c, num_sms)
+        k = fifo.count
+        deadline = time.monotonic() + self.context.timeout_s
+
+        def late() -> str:
+            return (f"{call}: rank {self.rank}: waited {self.context.timeout_s:g} s (num_cpu_timeout_secs) for send "
+                    f"#{k} from group rank {fifo.peer}; it never came: every recv needs a matching "
+                    f"send(x, dst_rank_idx={self.rank}) there. The PPBuffer is unusable now: destroy it and restart")
+        target = x.reshape(-1).view(torch.uint8)
+        mismatch = None
+        if self._check_sizes:
+            header = fifo.headers[0]
+            self._wait(dist.irecv(header, group=fifo.channel, group_src=fifo.channel_peer, tag=_TAG_HEADER),
+                       deadline, late)
+            magic, seq, nbytes, _ = header.tolist()
+            assert magic == _HEADER_MAGIC and seq == k, f"PPBuffer FIFO out of step: header {header.tolist()}, k={k}"
+            if nbytes != x.nbytes:
+                mismatch, target = nbytes, torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        work = dist.irecv(target, group=fifo.channel, group_src=fifo.channel_peer, tag=_TAG_PAYLOAD)
+        self._wait(work, deadline, late)
+        fifo.count += 1
+        if mismatch is not None:
+            c.fail(ValueError, f"x has {x.nbytes} bytes but send #{k} from group rank {fifo.peer} carried {mismatch}; "
+                               "recv into a tensor of the sent size (shape and dtype may differ). The message was "
+                               "consumed; the FIFO continues with the next send")
+        return x
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The buffer's communication stream (unused by send/recv, which run on the current stream); None on CPU."""
+        return self.context.comm_stream
+
+    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """Barrier over the group (collective; see `epcomm.comm.barrier`)."""
+        self.context.barrier(wait_comm_stream, with_cpu_sync, sequential, call="PPBuffer.barrier")
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Wait for this rank's sends to be received (bounded), then release the buffer (collective).
+
+        Raises:
+            TimeoutError: a neighbour did not receive an outstanding send within `num_cpu_timeout_secs`.
+        """
+        if self._destroyed:
+            return
+        if self.context.broken is None:
+            deadline = time.monotonic() + self.context.timeout_s
+            for fifo in self._send.values():
+                for works in fifo.works:
+                    for work in works:
+                        self._wait(work, deadline, lambda f=fifo: (
+                            f"PPBuffer.destroy: rank {self.rank}: group rank {f.peer} did not receive every send "
+                            f"within {self.context.timeout_s:g} s (num_cpu_timeout_secs); {f.count} were sent"),
+                            host=True)
+            self.context.barrier(call="PPBuffer.destroy", with_cpu_sync=self.device.type == "cuda")
+        for channel in self._channels:
+            dist.destroy_process_group(channel)
+        self._channels, self._send, self._recv = [], {}, {}
+        self.context.destroyed = self._destroyed = True
+
+    def __enter__(self) -> "PPBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.destroy()
+
+    def __del__(self):
+        if getattr(self, "explicitly_destroy", False) and not getattr(self, "_destroyed", True):
+            warnings.warn("PPBuffer was created with explicitly_destroy=True but destroy() was never called",
+                          ResourceWarning, stacklevel=1)
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _check_x(self, c, x) -> None:
+        if not isinstance(x, Tensor):
+            c.fail(TypeError, f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.device.type != self.device.type or (self.device.index is not None and x.device != self.device):
+            c.fail(ValueError, f"x is on {x.device} but the buffer lives on {self.device}; move it there")
+        if not x.is_contiguous():
+            c.fail(ValueError, f"x must be contiguous (got strides {tuple(x.stride())})")
+        if x.numel() == 0:
+            c.fail(ValueError, "x is empty; send/recv move at least one element")
+        if x.nbytes > self.num_max_tensor_bytes:
+            c.fail(ValueError, f"x has {x.nbytes} bytes but num_max_tensor_bytes is {self.num_max_tensor_bytes}; "
+                               "make a PPBuffer with a larger num_max_tensor_bytes")
+
+    def _check_peer(self, c, name: str, peer) -> int:
+        R = self.num_ranks
+        neighbours = sorted({(self.rank + 1) % R, (self.rank - 1) % R})
+        if isinstance(peer, bool) or not isinstance(peer, int) or peer not in neighbours:
+            c.fail(ValueError, f"{name} must be a ring neighbour of rank {self.rank}: (rank + 1) % {R} or "
+                               f"(rank - 1) % {R}, i.e. one of {neighbours}; got {peer}")
+        return peer
+
+    def _check_sms(self, c, num_sms) -> None:
+        if num_sms is None:
+            return
+        if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0:
+            c.fail(ValueError, f"num_sms must be None (all SMs) or > 0, got {num_sms}")
+        if "num_sms" not in self._warned:
+            self._warned.add("num_sms")
+            warnings.warn("epcomm: PPBuffer num_sms has no effect (the collective path uses no SM budget)",
+                          stacklevel=3)
+
+    def _wait(self, work: "dist.Work", deadline: float, late, *, host: bool = False) -> None:
+        """CPU: a host wait until `deadline`; CUDA: the current stream waits, or (`host`) a bounded host poll.
+
+        Raises:
+            TimeoutError: the deadline passed (`late()` is the message); the buffer is broken afterwards.
+        """
+        if self.device.type == "cuda":
+            if not host:
+                work.wait()
+                return
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    self.context.broken = "a wait timed out"
+                    raise TransportTimeout(late())
+                time.sleep(1e-4)
+            return
+        # NOTE: gloo point-to-point works never report is_completed() (torch 2.13), so one timed wait stands in
+        # for polling; a gloo timeout closes the channel, which only this buffer uses.
+        remaining = max(deadline - time.monotonic(), 1e-3)
+        try:
+            work.wait(timeout=timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            self.context.broken = "a wait timed out" if time.monotonic() >= deadline - 0.01 else str(exc)
+            if time.monotonic() >= deadline - 0.01 or "timeout" in str(exc).lower():
+                raise TransportTimeout(late()) from None
+            raise
