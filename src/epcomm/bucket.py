@@ -449,7 +449,7 @@ class BucketBuffer:
                 flat = session._carve(c, src.nbytes).view(torch.float32) if flat is None else flat
                 stage = flat.view(src.shape)
             out = flat[r * n:(r + 1) * n] if op == "reduce_scatter" else flat
-            result = out if op == "reduce_scatter" else out.view(src.shape)
+            result = out if op == "reduce_scatter" else src if stage is None else stage
             same = dst is not None and dst.data_ptr() == out.data_ptr()
             buckets.append(_Bucket(inp=flat, out=out, result=dst if same else result, stage_to=stage,
                                    stage_from=None if stage is None else src,

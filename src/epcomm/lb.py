@@ -47,7 +47,7 @@ from .allocator import BufferAllocator
 from .events import EventHandle, EventOverlap
 from .validate import Checker
 
-__all__ = ["LoadBalancingMixin", "MAX_LB_PAYLOADS", "lb_routes"]
+__all__ = ["MAX_LB_PAYLOADS", "LoadBalancingMixin", "lb_routes"]
 
 MAX_LB_PAYLOADS = 16
 _OP_PREFETCH, _OP_REDUCE = 1, 2
@@ -182,8 +182,8 @@ class LoadBalancingMixin:
             redundancy_mapping: [R, C] int32 (or int64) on the buffer's device or the CPU (no device read) --
                 global expert id `owner * L + local_idx` per slot, -1 = unused; identical on every rank; a rank
                 never hosts its own experts. The host reads it (a sync if it lives on the GPU).
-            num_sms: SM hint; 0 = `lb_get_theoretical_num_sms()`; on CUDA in [0, device SMs] (rounded up to
-                even), ignored by the collective path; on CPU ignored with a warning (once).
+            num_sms: SM hint; 0 = `lb_get_theoretical_num_sms()`. On CUDA it must be in [0, device SMs]; the
+                collective path launches no SM-limited kernels and does not use it. On CPU: ignored, warns once.
             previous_event: `EventHandle` the copies wait for; default: the current stream.
 
         Returns:

@@ -36,7 +36,8 @@ def _push_rows_kernel(
             tl.store(dst + small_off_words + offs, small, mask=mask)
 
 
-def launch(local, delta16, area_offset, rec_bytes, data, small, data_bytes, src_X, cap, rank, num_programs):
+def launch(local, delta16, area_offset, rec_bytes, data, small, data_bytes, src_X, cap, rank, num_programs,
+           block: int = 1024, num_warps: int = 4):
     data_w = data.view(torch.int32)
     small_w = small.view(torch.int32) if small.shape[1] else small.new_zeros(small.shape[0], 4).view(torch.int32)
     small_words = small.shape[1] // 4
@@ -47,6 +48,6 @@ def launch(local, delta16, area_offset, rec_bytes, data, small, data_bytes, src_
         data_w, data_w.stride(0), data_w.shape[1],
         small_w, small_w.stride(0), small_words, data_bytes // 4,
         src_X, num_rows, cap, rank,
-        BLOCK=1024, SMALL_BLOCK=triton.next_power_of_2(max(small_words, 1)),
-        num_warps=4,
+        BLOCK=block, SMALL_BLOCK=triton.next_power_of_2(max(small_words, 1)),
+        num_warps=num_warps,
     )

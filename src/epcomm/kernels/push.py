@@ -54,7 +54,7 @@ def region_deltas(ptrs: Tensor, rank: int) -> Tensor:
 
 
 def push_rows(local: Tensor, delta16: Tensor, area_offset: int, spec: RecordSpec, tensors: dict, src_X: Tensor,
-              cap: int, rank: int, num_programs: int = 0) -> None:
+              cap: int, rank: int, num_programs: int = 0, block: int = 1024, num_warps: int = 4) -> None:
     """Launcher: one persistent grid; every record is read once from the sender's tensors.
 
     Args:
@@ -78,7 +78,7 @@ def push_rows(local: Tensor, delta16: Tensor, area_offset: int, spec: RecordSpec
         num_programs = 4 * torch.cuda.get_device_properties(src_X.device).multi_processor_count \
             if src_X.is_cuda else 4
     _push_triton.launch(local, delta16, area_offset, spec.nbytes, data, small, data_bytes, src_X, cap, rank,
-                        num_programs)
+                        num_programs, block, num_warps)
 
 
 def can_push_words(spec: RecordSpec, tensors: dict) -> bool:
