@@ -170,7 +170,7 @@ class BucketBuffer:
         """
         rank = dist.get_rank()
         if not self.contexts:
-            raise ValueError(f"BucketBuffer: rank {rank}: the buffer was destroyed; create a new BucketBuffer")
+            raise ValueError(f"BucketBuffer: rank {rank}: the BucketBuffer was destroyed; create a new one")
         if group is None:
             if len(self.groups) != 1:
                 raise ValueError(f"BucketBuffer: rank {rank}: group=None is ambiguous with {len(self.groups)} groups "

@@ -3,6 +3,7 @@
 | variable | default | effect |
 | --- | --- | --- |
 | `EPCOMM_DEBUG` | unset | `1`: log sizes, transport choices and per-call counts to stderr (logger `epcomm`) |
+| `EPCOMM_NVLINK_PUSH` | `copy-engine` | how the nvlink transport moves rows: `copy-engine` (pack, then copy-engine writes) or `kernel` (the Triton push kernel) |
 | `EPCOMM_PHASE_TIMES` | unset | `1`: synchronise the device around each phase and sum its wall time (`epcomm.debug.phase_times()`); diagnostics only |
 """
 
@@ -17,3 +18,10 @@ def debug_enabled() -> bool:
 
 def phase_times_enabled() -> bool:
     return os.environ.get("EPCOMM_PHASE_TIMES", "0") not in ("", "0", "false", "False")
+
+
+def nvlink_push() -> str:
+    value = os.environ.get("EPCOMM_NVLINK_PUSH", "copy-engine")
+    if value not in ("copy-engine", "kernel"):
+        raise ValueError(f"EPCOMM_NVLINK_PUSH must be 'copy-engine' or 'kernel', got {value!r}")
+    return value

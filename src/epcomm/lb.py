@@ -19,11 +19,8 @@ Before moving data, one int64 header row per rank ([status, call id, signature, 
 peer through the buffer's transport, bounded by `num_cpu_timeout_secs`: a rank whose own checks failed, or
 ranks that disagree on the mapping or the payload sizes, make every rank raise (DESIGN.md "Errors and timeouts").
 
-Differences from the reference (documented in docs/load_balancing.md): redundant tensors may live anywhere on
-the buffer's device (the reference needs them in the LB region; allocate them from the region with a
-`BufferAllocator` to stay portable to a symmetric-memory path); bytes per expert need not be a multiple of 32;
-`lb_reduce_grads` accepts up to 16 pairs like prefetch and bf16/fp16/fp64 gradients (fp32 accumulation, fp64 for
-fp64); the gradient sum is in ascending (rank, slot) order (the reference's order is unspecified).
+Differences from the reference (redundant tensors anywhere on the device, any bytes per expert, 1-16 gradient
+pairs in any float dtype, a fixed summation order) are listed in docs/load_balancing.md.
 
 Shape legend: R ranks, L local experts per rank, C redundant slots per rank, X rows this rank sends, Y rows it
 receives, B bytes of one row (all payloads of one expert side by side).

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import envs
 from ..debug import phase
 from ..kernels import push
 from ..sizing import align
@@ -130,12 +131,17 @@ class NVLinkTransport(Transport):
                 f"needs {need} ({num_ranks} ranks x {cap} rows x {rec}-byte records); size the buffer with "
                 "EPBuffer.get_buffer_size_hint for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)")
         self._barrier()  # every peer has copied its previous rows out of its receive area
-        if push.can_push_words(spec, tensors):
+        # NOTE: the copy engines beat the Triton push kernel today (2x H200, dsv3 BF16 rows): kernel 409-505 us for
+        # 58.7 MB to the peer (117-144 GB/s over 18 grid/block/warp variants, benchmarks/push_sweep.py) against
+        # 175 us for a copy-engine write of the same bytes plus a local pack. The kernel stays selectable with
+        # EPCOMM_NVLINK_PUSH=kernel until it reaches the link rate.
+        if envs.nvlink_push() == "kernel" and push.can_push_words(spec, tensors):
             with phase("push_kernel"):
                 push.push_rows(self.region.local, self._delta16, self._rows_off, spec, tensors, src_X, cap,
                                self.rank, num_programs=self.num_programs)
-        else:  # rows that are not whole 4-byte words: pack, then one copy-engine write per destination block
-            send_XB = spec.pack(tensors, src_X, holes=True)
+        else:  # pack locally, then one copy-engine write per destination block
+            with phase("pack"):
+                send_XB = spec.pack(tensors, src_X, holes=True)
             for peer in range(num_ranks):
                 block = send_XB[peer * cap: (peer + 1) * cap].reshape(-1)
                 self.region.peer(peer, self._rows_off + self.rank * cap * rec, (block.numel(),),
