@@ -284,8 +284,9 @@ def check_physical_equivalence(rank: int, world: int, *, num_tokens: int = 24, h
     topk_idx[torch.rand(num_tokens, num_topk, generator=gen) < 0.1] = -1
     w = torch.randint(1, 4, (num_tokens, num_topk), generator=gen).float()
     dy = torch.randint(-2, 3, (num_tokens, hidden), generator=gen).float()
-    counts = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).float()
-    dist.all_reduce(counts)
+    counts = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).float().to(dev)
+    dist.all_reduce(counts)  # on the device: NCCL reduces CUDA tensors only
+    counts = counts.cpu()
     plan = plan_redundant_experts(counts[None], world, num_slots)
     weights = torch.stack([(torch.arange(hidden) % 3 + 1 + (rank * num_local + i) % 2).float()
                            for i in range(num_local)])  # W_e: [L, H] small integers
@@ -330,9 +331,9 @@ def check_physical_equivalence(rank: int, world: int, *, num_tokens: int = 24, h
             own = grads[:num_local].to(dev)
             buf.lb_reduce_grads(red_g, own, mapping).current_stream_wait()
             grads = own.cpu()
-        loads = torch.bincount(idx[idx >= 0] // per_rank, minlength=world).float()
+        loads = torch.bincount(idx[idx >= 0] // per_rank, minlength=world).float().to(dev)
         dist.all_reduce(loads)
-        out[name] = (combined.cpu(), grads, loads.tolist())
+        out[name] = (combined.cpu(), grads, loads.cpu().tolist())
     buf.destroy()
     assert torch.equal(out["logical"][0], out["physical"][0]), f"rank {rank}: combined outputs differ"
     assert torch.equal(out["logical"][1], out["physical"][1]), f"rank {rank}: summed weight gradients differ"

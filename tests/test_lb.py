@@ -3,10 +3,10 @@ end to end (DeepEP V2.5 behaviour, §13; DESIGN.md "LB gradient reduction", "Err
 
 import re
 
+import lb_cases
 import pytest
 import torch
 
-import lb_cases
 from epcomm.lb import lb_routes
 from epcomm.testing import run_in_fresh_world
 
@@ -61,13 +61,13 @@ def test_reduce_dtypes_and_payloads(run_ranks):
 
 
 def test_lb_num_sms_hint(run_ranks):
-    assert run_ranks(1, _num_sms) == [10]
+    assert run_ranks(2, _num_sms) == [10, 10]
 
 
 def _num_sms(rank, world):
     buf = lb_cases.make_buffer()
     with pytest.warns(UserWarning, match="num_sms has no effect on CPU"):
-        buf.lb_prefetch_weights(torch.zeros(0, 4), torch.ones(1, 4), torch.zeros(1, 0, dtype=torch.int32),
+        buf.lb_prefetch_weights(torch.zeros(0, 4), torch.ones(1, 4), torch.zeros(world, 0, dtype=torch.int32),
                                 num_sms=8)
     value = buf.lb_get_theoretical_num_sms()
     buf.destroy()
@@ -173,9 +173,11 @@ def test_physical_ids_give_the_same_output_and_gradients(run_ranks, do_expand):
 # ----------------------------------------------------------------------------------------------------------
 # GPU (NCCL): the same checks on CUDA tensors
 # ----------------------------------------------------------------------------------------------------------
-gpu = [pytest.mark.multigpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
+@pytest.mark.multigpu
+@two_gpus
 @pytest.mark.parametrize("pattern", ["random", "spread"])
 @pytest.mark.parametrize("payload", PAYLOADS, ids=[str(p[0]) for p in PAYLOADS])
 def test_prefetch_on_gpu(pools, pattern, payload):
@@ -183,6 +185,8 @@ def test_prefetch_on_gpu(pools, pattern, payload):
                              use_event=True)
 
 
+@pytest.mark.multigpu
+@two_gpus
 @pytest.mark.parametrize("hidden", [24, 3072, 1 << 18])
 def test_reduce_on_gpu(pools, hidden):
     for random in (False, True):
@@ -190,11 +194,8 @@ def test_reduce_on_gpu(pools, hidden):
                                  random=random, device="cuda")
 
 
+@pytest.mark.multigpu
+@two_gpus
 @pytest.mark.parametrize("do_expand", [True, False])
 def test_physical_ids_on_gpu(pools, do_expand):
     pools.get(2, "nccl").run(lb_cases.check_physical_equivalence, do_expand=do_expand, device="cuda")
-
-
-for _name in ("test_prefetch_on_gpu", "test_reduce_on_gpu", "test_physical_ids_on_gpu"):
-    for _mark in gpu:
-        globals()[_name] = _mark(globals()[_name])

@@ -2,7 +2,9 @@
 
 import torch
 
+from . import eplb
 from ._version import __version__
+from .allocator import BufferAllocator
 from .autograd import TokenDispatcher
 from .buffer import EPBuffer
 from .events import EventHandle, EventOverlap
@@ -10,4 +12,5 @@ from .handle import EPHandle
 
 topk_idx_t = torch.int64
 
-__all__ = ["EPBuffer", "EPHandle", "EventHandle", "EventOverlap", "TokenDispatcher", "__version__", "topk_idx_t"]
+__all__ = ["BufferAllocator", "EPBuffer", "EPHandle", "EventHandle", "EventOverlap", "TokenDispatcher", "__version__",
+           "eplb", "topk_idx_t"]

@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import agreement, debug, pipeline, sizing
+from .allocator import BufferAllocator
 from .events import EventHandle, EventOverlap
 from .handle import EPHandle
+from .lb import LoadBalancingMixin
 from .transport import resolve_transport
 from .transport import symm
 from .transport.collective import CollectiveTransport
@@ -37,7 +39,7 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-class EPBuffer:
+class EPBuffer(LoadBalancingMixin):
     """Expert-parallel dispatch/combine buffer for one process group (collective: every rank constructs it).
 
     Args:
@@ -49,7 +51,10 @@ class EPBuffer:
         hidden: hidden size used for sizing (with `num_bytes=None`, must be > 0).
         num_topk: top-k used for sizing; 0 sizes for 32.
         use_fp8_dispatch: size dispatch records for FP8 data + scales.
-        lb_allocation_plan_or_num_bytes: bytes of the load-balancing region, a multiple of 2 MiB (>= 0).
+        lb_allocation_plan_or_num_bytes: the load-balancing region (reference §6-7): a byte count (a multiple of
+            2 MiB, >= 0), or an `epcomm.BufferAllocator` plan, not yet materialized, whose tensors become views
+            of the region. The buffer allocates it as `lb_storage` ([num_lb_bytes] uint8, zero-filled, on its
+            device) and materializes the plan on it; see docs/load_balancing.md.
         deterministic: accepted; epcomm is always deterministic (DESIGN.md decision 4).
         allow_hybrid_mode: accepted; epcomm reports one logical domain `(1, world)`.
         allow_multiple_reduction: expand-layout combine sums each rank's rows before sending them back
@@ -66,7 +71,8 @@ class EPBuffer:
             more bytes. epcomm keyword.
 
     Raises:
-        ValueError: bad sizes, a transport that cannot run here.
+        TypeError: `lb_allocation_plan_or_num_bytes` is neither an int nor a `BufferAllocator`.
+        ValueError: bad sizes, a materialized plan, a transport that cannot run here.
         TimeoutError: a peer did not construct its buffer within `num_cpu_timeout_secs`.
     """
 
@@ -78,7 +84,7 @@ class EPBuffer:
         hidden: int = 0,
         num_topk: int = 0,
         use_fp8_dispatch: bool = False,
-        lb_allocation_plan_or_num_bytes: int = 0,
+        lb_allocation_plan_or_num_bytes: Union[int, BufferAllocator] = 0,
         deterministic: bool = False,
         allow_hybrid_mode: bool = True,
         allow_multiple_reduction: bool = True,
@@ -115,15 +121,9 @@ class EPBuffer:
                                                   dtype=dtype)
         c.require(isinstance(num_bytes, int) and num_bytes > 0 and num_bytes % sizing.ALLOCATION_ALIGNMENT == 0,
                   f"num_bytes must be a positive multiple of 2 MiB ({sizing.ALLOCATION_ALIGNMENT}), got {num_bytes}")
-        if not isinstance(lb_allocation_plan_or_num_bytes, int):
-            c.fail(TypeError, "lb_allocation_plan_or_num_bytes: allocation plans are not supported yet; pass a byte "
-                              f"count (got {type(lb_allocation_plan_or_num_bytes).__name__})")
-        c.require(lb_allocation_plan_or_num_bytes >= 0
-                  and lb_allocation_plan_or_num_bytes % sizing.ALLOCATION_ALIGNMENT == 0,
-                  f"lb_allocation_plan_or_num_bytes must be a multiple of 2 MiB >= 0, got "
-                  f"{lb_allocation_plan_or_num_bytes}")
+        # Sets num_lb_bytes, lb_allocation_plan and lb_storage; materializes a plan (local, lb.py).
+        self._init_lb_region(lb_allocation_plan_or_num_bytes)
         self.num_bytes = num_bytes
-        self.num_lb_bytes = lb_allocation_plan_or_num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         # Collective construction: agree on a buffer id, learn which ranks share a host and whether every rank

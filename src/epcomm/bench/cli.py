@@ -39,7 +39,8 @@ TASK_TIMEOUT_S = 600.0
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="epcomm-bench", description=__doc__.split("\n\n")[0],
-        epilog="epcomm-bench --check ARGS... runs epcomm.check with ARGS instead. Method: BENCHMARKS.md.")
+        epilog="epcomm-bench --check ARGS... runs epcomm.check with ARGS instead; epcomm-bench --eplb ARGS... the "
+               "load-balancing benchmark. Method: BENCHMARKS.md.")
     p.add_argument("--preset", default="dsv3",
                    help=f"preset name(s), comma-separated, or 'all' ({', '.join(PRESETS)}); default dsv3")
     p.add_argument("--tokens", default=None,
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="plot median time against tokens per rank (sweep with --tokens a,b,c); needs matplotlib")
     p.add_argument("--check", action="store_true", help="run epcomm.check with the remaining arguments")
+    p.add_argument("--eplb", action="store_true",
+                   help="load per rank and dispatch+combine time before/after redundant-expert balancing "
+                        "(epcomm-bench --eplb --help for its options)")
     p.add_argument("--inject-fault", choices=runner.FAULTS, default=None, help=argparse.SUPPRESS)  # gate self-test
     return p
 
@@ -376,6 +380,12 @@ def main(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None) -> i
         rest = list(argv)
         rest.remove("--check")
         return _run_check(rest)
+    if "--eplb" in argv:
+        from .eplb import run_eplb
+
+        rest = list(argv)
+        rest.remove("--eplb")
+        return run_eplb(rest, pool=pool)
     parser = build_parser()
     opts = parser.parse_args(argv)
     try:
