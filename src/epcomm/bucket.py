@@ -127,7 +127,7 @@ class BucketBuffer:
         self._destroyed = False
         groups = [dist.group.WORLD] if group_or_groups is None else group_or_groups
         groups = list(groups) if isinstance(groups, (list, tuple)) else [groups]
-        rank = dist.get_rank()
+        rank = groups[0].rank() if groups and isinstance(groups[0], dist.ProcessGroup) else dist.get_rank()
         name = "BucketBuffer"
         if not 1 <= len(groups) <= MAX_GROUPS:
             raise ValueError(f"{name}: rank {rank}: group_or_groups must hold 1 to {MAX_GROUPS} groups, got "
@@ -168,7 +168,7 @@ class BucketBuffer:
         Raises:
             ValueError: `group` is None with several groups, or not one of this buffer's groups.
         """
-        rank = dist.get_rank()
+        rank = self.contexts[0].rank if self.contexts else dist.get_rank()
         if not self.contexts:
             raise ValueError(f"BucketBuffer: rank {rank}: the BucketBuffer was destroyed; create a new one")
         if group is None:
@@ -208,7 +208,11 @@ class BucketBuffer:
 
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
                 group: Optional[dist.ProcessGroup] = None) -> None:
-        """Barrier over `group` (collective over it; reference §17.1, see `epcomm.comm.barrier`).
+        """Barrier over `group` on the current stream (collective over it; reference §17.1).
+
+        Args:
+            wait_comm_stream, with_cpu_sync, sequential: as `epcomm.comm.barrier`.
+            group: one of `groups`; None when one group is registered.
 
         Raises:
             ValueError: unknown group, destroyed buffer. TimeoutError: a peer did not arrive.

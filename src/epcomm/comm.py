@@ -254,6 +254,9 @@ def barrier(buffer, wait_comm_stream: bool = True, with_cpu_sync: bool = False, 
         context_idx: which of the buffer's contexts (`buffer.contexts[i]`, one per group of a `BucketBuffer`);
             None = the first. An `EPBuffer` has one context (0).
 
+    Returns:
+        None. Host-blocking on CPU (bounded); on CUDA only with `with_cpu_sync`.
+
     Raises:
         TypeError: `buffer` is not an epcomm buffer.
         ValueError: `context_idx` out of range; the buffer was destroyed.
@@ -284,6 +287,9 @@ def get_comm_stream(buffer) -> Optional["torch.cuda.Stream"]:
 
     Args:
         buffer: an `EPBuffer`, `BucketBuffer`, `PPBuffer` or `EngramBuffer`.
+
+    Returns:
+        `torch.cuda.Stream` or None (CPU).
 
     Raises:
         TypeError: `buffer` is not an epcomm buffer.
