@@ -60,3 +60,14 @@ def test_combine_of_ones_counts_destinations(run_ranks):
 def test_blocked_layout_matches_reference(run_ranks, mode):
     """The layout the nvlink transport uses (rows in per-sender blocks, also with CPU sync), checked on CPU."""
     run_ranks(2, ep_cases.check_mode, seed=3, force_blocked=True, **mode)
+
+
+def test_eight_ranks(pools):
+    """EP8 logic on 8 gloo ranks (the shape of an 8-GPU node), both layouts, with an empty rank."""
+    pool = pools.get(8)
+    try:
+        for expand in (False, True):
+            pool.run(ep_cases.check_mode, seed=8, tokens=(7, 0, 12, 3, 9, 1, 5, 11), num_experts=32, num_topk=6,
+                     hidden=32, do_expand=expand, expert_alignment=4, num_bias=2, timeout=240)
+    finally:
+        pool.close()  # eight processes are heavy on a 2-core machine: do not keep them for later tests
