@@ -3,6 +3,9 @@
 The buffer resolves and validates arguments, runs the stream/event protocol, and drives the data path of
 `pipeline.py` (layout -> transport -> epilogue). It lives on one device, fixed at construction from the group's
 backend: CPU with gloo, the current CUDA device with NCCL (DESIGN.md decision 2).
+
+Argument checks live in `resolve.py`, the stream protocol in `streams.py`, the data path in `pipeline.py`; this
+file is over the ~500-line guide only because dispatch and combine document every argument (STYLE rule 7).
 """
 
 from __future__ import annotations
@@ -11,23 +14,21 @@ import random
 import socket
 import warnings
 import zlib
-from contextlib import contextmanager
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, debug, pipeline, sizing
+from . import agreement, debug, pipeline, resolve, sizing, streams
 from .allocator import BufferAllocator
-from .events import EventHandle, EventOverlap
+from .events import EventHandle
 from .handle import EPHandle
 from .lb import LoadBalancingMixin
 from .transport import resolve_transport
 from .transport import symm
 from .transport.collective import CollectiveTransport
-from .validate import Checker, check_capacity, check_event_options, check_topk_idx, check_topk_values, check_x
-from .validate import weights_dtype
+from .validate import Checker, check_event_options
 
 DEFAULT_DTYPE = torch.bfloat16
 
@@ -432,8 +433,8 @@ class EPBuffer(LoadBalancingMixin):
             check_event_options(c, previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
                                 async_with_compute_stream=async_with_compute_stream, defer_epilogue=defer_epilogue)
             with debug.phase("resolve"):
-                call = self._resolve_dispatch(
-                    c, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
+                call = resolve.resolve_dispatch(
+                    self, c, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
                     num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, handle, do_handle_copy,
                     do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf)
         except (TypeError, ValueError) as e:
@@ -463,87 +464,6 @@ class EPBuffer(LoadBalancingMixin):
             return result
         (recv_x, recv_topk_idx, recv_w, out_handle), event = result
         return recv_x, recv_topk_idx, recv_w, out_handle, event
-
-    def _resolve_dispatch(self, c, x, topk_idx, topk_weights, stats, num_experts, n, expert_alignment, num_sms,
-                          num_qps, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids,
-                          col_major_sf) -> pipeline.DispatchCall:
-        """Reference §9.1-9.2 in order, as amended by DESIGN.md."""
-        c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
-        if do_expand is None:
-            do_expand = handle.do_expand if isinstance(handle, EPHandle) else False
-        do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
-        xs = check_x(c, x, allow_fp8=True)
-        if handle is not None:
-            if not isinstance(handle, EPHandle):
-                c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
-            c.require(handle._buffer_uid == self.uid, "handle comes from another EPBuffer; use the handle returned "
-                                                      "by this buffer's dispatch")
-            c.require(topk_idx is None, "topk_idx must be None when handle is given (the handle holds the routing)")
-            c.require(not do_cpu_sync, f"do_cpu_sync must be None or False with handle (cached dispatch reuses the "
-                                       f"handle's sizes), got {do_cpu_sync}")
-            c.require(stats is None, "cumulative_local_expert_recv_stats must be None with handle (counted once, "
-                                     "by the non-cached dispatch)")
-            c.require(not emit_expert_ids, "emit_expert_ids needs a non-cached dispatch (the ids are in the handle)")
-            for arg, value, want in (("num_experts", num_experts, handle.num_experts),
-                                     ("num_max_tokens_per_rank", n, handle.num_max_tokens_per_rank),
-                                     ("expert_alignment", expert_alignment, handle.expert_alignment),
-                                     ("do_expand", do_expand, handle.do_expand)):
-                c.require(value is None or value == want, f"{arg}={value} does not match the handle's {arg}={want}; "
-                                                          "pass the values of the dispatch that made the handle")
-            try:
-                topk_idx = handle.topk_idx
-            except ValueError as e:
-                c.fail(ValueError, str(e))
-            num_experts, n, expert_alignment = handle.num_experts, handle.num_max_tokens_per_rank, \
-                handle.expert_alignment
-            do_cpu_sync = False
-            c.require(xs.num_tokens == topk_idx.shape[0], f"x has {xs.num_tokens} tokens but the handle's dispatch "
-                                                          f"had {topk_idx.shape[0]}")
-        else:
-            if num_experts is None:
-                c.fail(ValueError, "num_experts is required for a non-cached dispatch")
-            c.positive_int("num_experts", num_experts)
-            c.require(num_experts % self.num_ranks == 0, f"num_experts={num_experts} must be a multiple of the group "
-                                                         f"size {self.num_ranks}")
-            n = self.num_max_tokens_per_rank if n is None else n
-            c.require(isinstance(n, int) and n > 0, f"num_max_tokens_per_rank must be > 0 (pass it to dispatch or "
-                                                    f"EPBuffer), got {n}")
-            expert_alignment = 1 if expert_alignment is None else expert_alignment
-            c.positive_int("expert_alignment", expert_alignment)
-            do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
-            topk_idx = check_topk_idx(c, topk_idx, xs.num_tokens)
-            if do_cpu_sync or self.device.type == "cpu":
-                check_topk_values(c, topk_idx, num_experts)
-        c.require(not do_zero_padding or do_expand, "do_zero_padding=True requires do_expand=True")
-        c.require(not emit_expert_ids or do_expand, "emit_expert_ids=True requires do_expand=True")
-        num_topk = topk_idx.shape[1]
-        if topk_weights is not None:
-            c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(weights_dtype(xs),), shape=(xs.num_tokens, num_topk))
-        if stats is not None:
-            c.tensor("cumulative_local_expert_recv_stats", stats, ndim=1, dtypes=(torch.int32,),
-                     shape=(num_experts // self.num_ranks,))
-        elem = 2 if xs.is_fp8 else xs.data.dtype.itemsize
-        check_capacity(c, self, num_tokens=xs.num_tokens, hidden=xs.hidden, num_topk=num_topk, is_fp8=xs.is_fp8,
-                       elem_size=elem, n=n, which="dispatch")
-        num_sms = self._resolve_sms(c, num_sms, num_qps, num_experts, num_topk)
-        return pipeline.DispatchCall(
-            x=xs, topk_idx=topk_idx, topk_weights=topk_weights, stats=stats, num_experts=num_experts, n=n,
-            expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
-            do_zero_padding=do_zero_padding, emit_expert_ids=emit_expert_ids, col_major_sf=col_major_sf,
-            num_sms=num_sms, handle=handle)
-
-    def _resolve_sms(self, c, num_sms: int, num_qps: int, num_experts: int, num_topk: int) -> int:
-        c.require(num_qps <= self.num_allocated_qps,
-                  f"num_qps={num_qps} exceeds num_allocated_qps={self.num_allocated_qps}")
-        if self.device.type == "cpu":
-            if num_sms:
-                self._warn_once("num_sms", "epcomm: num_sms has no effect on CPU; it is ignored")
-            return num_sms or self.get_theoretical_num_sms(num_experts, num_topk)
-        device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        if num_sms == 0:
-            return self.get_theoretical_num_sms(num_experts, num_topk)
-        c.require(0 < num_sms <= device_sms, f"num_sms={num_sms} must be in [1, {device_sms}] on {self.device}")
-        return num_sms + num_sms % 2
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(
@@ -596,7 +516,7 @@ class EPBuffer(LoadBalancingMixin):
         try:
             check_event_options(c, previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
                                 async_with_compute_stream=async_with_compute_stream, defer_epilogue=defer_epilogue)
-            call = self._resolve_combine(c, x, handle, topk_weights, bias, num_sms, num_qps)
+            call = resolve.resolve_combine(self, c, x, handle, topk_weights, bias, num_sms, num_qps)
         except (TypeError, ValueError) as e:
             err = e
         try:
@@ -617,64 +537,12 @@ class EPBuffer(LoadBalancingMixin):
         (combined_x, combined_w), event = result
         return combined_x, combined_w, event
 
-    def _resolve_combine(self, c, x, handle, topk_weights, bias, num_sms, num_qps) -> pipeline.CombineCall:
-        """Reference §11.1 as amended by DESIGN.md."""
-        if not isinstance(handle, EPHandle):
-            c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
-        c.require(handle._buffer_uid == self.uid, "handle comes from another EPBuffer; combine with the buffer "
-                                                  "that dispatched")
-        try:
-            topk_idx = handle.topk_idx
-        except ValueError as e:
-            c.fail(ValueError, str(e))
-        x = check_x(c, x, allow_fp8=False).data
-        rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
-        layout_name = "expand" if handle.do_expand else "non-expand"
-        c.require(x.shape[0] == rows, f"x has {x.shape[0]} rows but the handle's {layout_name} layout has {rows} "
-                                      f"({'handle.num_expanded_tokens' if handle.do_expand else 'received rows'})")
-        per_pair = handle.do_expand and not self.allow_multiple_reduction
-        if topk_weights is not None:
-            c.require(not per_pair, "topk_weights must be None for an expand-layout combine when the buffer has "
-                                    "allow_multiple_reduction=False (reference §11.1)")
-            shape = (rows,) if handle.do_expand else (rows, handle.num_topk)
-            c.tensor("topk_weights", topk_weights, ndim=len(shape), dtypes=(weights_dtype(_Plain(x)),), shape=shape)
-        if bias is None:
-            biases = ()
-        elif isinstance(bias, Tensor):
-            biases = (bias,)
-        elif isinstance(bias, (tuple, list)):
-            c.require(len(bias) == 2, f"bias as a tuple must be (bias_0, bias_1), got {len(bias)} elements")
-            biases = tuple(bias)
-        else:
-            c.fail(TypeError, f"bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
-        for i, b in enumerate(biases):
-            c.tensor(f"bias[{i}]" if len(biases) == 2 else "bias", b, ndim=2, dtypes=(x.dtype,),
-                     shape=(topk_idx.shape[0], x.shape[1]))
-        check_capacity(c, self, num_tokens=topk_idx.shape[0], hidden=x.shape[1], num_topk=handle.num_topk,
-                       is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank,
-                       which="combine")
-        self._resolve_sms(c, num_sms, num_qps, handle.num_experts, handle.num_topk)
-        biases = biases + (None,) * (2 - len(biases))
-        return pipeline.CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias_0=biases[0],
-                                    bias_1=biases[1], per_pair=per_pair)
-
-    # -- streams -------------------------------------------------------------------------------------
-    @contextmanager
+    # -- streams (reference §3.4-3.5; streams.py) --------------------------------------------------------
     def _on_comm_stream(self, previous_event: Optional[EventHandle]):
-        """Run the enclosed launch on the comm stream after `previous_event` (or the current stream)."""
-        if self.device.type != "cuda":
-            yield
-            return
-        compute = torch.cuda.current_stream(self.device)
-        if previous_event is not None and getattr(previous_event, "event", None) is not None:
-            self._comm_stream.wait_event(previous_event.event)
-        else:
-            self._comm_stream.wait_stream(compute)
-        with torch.cuda.stream(self._comm_stream):
-            yield
+        return streams.on_comm_stream(self.device, self._comm_stream, previous_event)
 
     def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool):
-        """Run or defer the epilogue and build the event per reference §3.4-3.5."""
+        """Run or defer the epilogue; a deferred one marks the buffer busy until its first wait."""
         if defer:
             self._pending_deferred = True
             inner = epilogue
@@ -682,27 +550,7 @@ class EPBuffer(LoadBalancingMixin):
             def epilogue():
                 self._pending_deferred = False
                 return inner()
-        if self.device.type != "cuda":
-            if defer:
-                return EventOverlap(EventHandle(), hook_after_wait=epilogue)
-            return epilogue(), EventOverlap(EventHandle() if async_op else None)
-        compute = torch.cuda.current_stream(self.device)
-        for t in inputs:
-            if t is not None:
-                t.record_stream(self._comm_stream)
-        if defer:
-            event = EventHandle(stream=self._comm_stream)
-
-            def hook():
-                return _record_outputs(epilogue(), compute)
-            return EventOverlap(event, hook_after_wait=hook)
-        with torch.cuda.stream(self._comm_stream):
-            outputs = _record_outputs(epilogue(), compute)
-        event = EventHandle(stream=self._comm_stream)
-        if not async_op:
-            compute.wait_stream(self._comm_stream)
-            return outputs, EventOverlap(None)
-        return outputs, EventOverlap(event)
+        return streams.finish(self.device, self._comm_stream, epilogue, inputs, async_op, defer)
 
 
 def _nvlink_ready(device: torch.device) -> bool:
@@ -711,22 +559,3 @@ def _nvlink_ready(device: torch.device) -> bool:
         return False
     return all(torch.cuda.can_device_access_peer(device.index, d)
                for d in range(torch.cuda.device_count()) if d != device.index)
-
-
-class _Plain:
-    """Adapter so `weights_dtype` can take a plain tensor."""
-
-    def __init__(self, t: Tensor):
-        self.data = t
-
-
-def _record_outputs(outputs, stream: "torch.cuda.Stream"):
-    """Outputs made on the comm stream are used on `stream`: tell the caching allocator."""
-    def visit(o):
-        if isinstance(o, Tensor):
-            o.record_stream(stream)
-        elif isinstance(o, (tuple, list)):
-            for i in o:
-                visit(i)
-    visit(outputs)
-    return outputs

@@ -95,9 +95,9 @@ def check_x(c: Checker, x, *, allow_fp8: bool) -> XSpec:
     return XSpec(data, None)
 
 
-def weights_dtype(x: XSpec) -> torch.dtype:
+def weights_dtype(x_dtype: torch.dtype) -> torch.dtype:
     """topk_weights are fp32, or fp64 when x is fp64 (DESIGN.md decision 3)."""
-    return torch.float64 if x.data.dtype == torch.float64 else torch.float32
+    return torch.float64 if x_dtype == torch.float64 else torch.float32
 
 
 def check_topk_idx(c: Checker, topk_idx, num_tokens: int) -> Tensor:

@@ -1,0 +1,138 @@
+"""Argument resolution of dispatch and combine: reference §9.1-9.2 and §11.1 as amended by DESIGN.md.
+
+Every check runs here, once, before any data moves; the results are the `DispatchCall` / `CombineCall` the data
+path (`pipeline.py`) consumes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import pipeline
+from .handle import EPHandle
+from .validate import Checker, check_capacity, check_topk_idx, check_topk_values, check_x, weights_dtype
+
+
+def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_experts, n, expert_alignment, num_sms,
+                      num_qps, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids,
+                      col_major_sf) -> pipeline.DispatchCall:
+    """Reference §9.1-9.2 in order, as amended by DESIGN.md."""
+    c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
+    if do_expand is None:
+        do_expand = handle.do_expand if isinstance(handle, EPHandle) else False
+    do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
+    xs = check_x(c, x, allow_fp8=True)
+    if handle is not None:
+        if not isinstance(handle, EPHandle):
+            c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
+        c.require(handle._buffer_uid == buf.uid, "handle comes from another EPBuffer; use the handle returned "
+                                                  "by this buffer's dispatch")
+        c.require(topk_idx is None, "topk_idx must be None when handle is given (the handle holds the routing)")
+        c.require(not do_cpu_sync, f"do_cpu_sync must be None or False with handle (cached dispatch reuses the "
+                                   f"handle's sizes), got {do_cpu_sync}")
+        c.require(stats is None, "cumulative_local_expert_recv_stats must be None with handle (counted once, "
+                                 "by the non-cached dispatch)")
+        c.require(not emit_expert_ids, "emit_expert_ids needs a non-cached dispatch (the ids are in the handle)")
+        for arg, value, want in (("num_experts", num_experts, handle.num_experts),
+                                 ("num_max_tokens_per_rank", n, handle.num_max_tokens_per_rank),
+                                 ("expert_alignment", expert_alignment, handle.expert_alignment),
+                                 ("do_expand", do_expand, handle.do_expand)):
+            c.require(value is None or value == want, f"{arg}={value} does not match the handle's {arg}={want}; "
+                                                      "pass the values of the dispatch that made the handle")
+        try:
+            topk_idx = handle.topk_idx
+        except ValueError as e:
+            c.fail(ValueError, str(e))
+        num_experts, n, expert_alignment = handle.num_experts, handle.num_max_tokens_per_rank, \
+            handle.expert_alignment
+        do_cpu_sync = False
+        c.require(xs.num_tokens == topk_idx.shape[0], f"x has {xs.num_tokens} tokens but the handle's dispatch "
+                                                      f"had {topk_idx.shape[0]}")
+    else:
+        if num_experts is None:
+            c.fail(ValueError, "num_experts is required for a non-cached dispatch")
+        c.positive_int("num_experts", num_experts)
+        c.require(num_experts % buf.num_ranks == 0, f"num_experts={num_experts} must be a multiple of the group "
+                                                     f"size {buf.num_ranks}")
+        n = buf.num_max_tokens_per_rank if n is None else n
+        c.require(isinstance(n, int) and n > 0, f"num_max_tokens_per_rank must be > 0 (pass it to dispatch or "
+                                                f"EPBuffer), got {n}")
+        expert_alignment = 1 if expert_alignment is None else expert_alignment
+        c.positive_int("expert_alignment", expert_alignment)
+        do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+        topk_idx = check_topk_idx(c, topk_idx, xs.num_tokens)
+        if do_cpu_sync or buf.device.type == "cpu":
+            check_topk_values(c, topk_idx, num_experts)
+    c.require(not do_zero_padding or do_expand, "do_zero_padding=True requires do_expand=True")
+    c.require(not emit_expert_ids or do_expand, "emit_expert_ids=True requires do_expand=True")
+    num_topk = topk_idx.shape[1]
+    if topk_weights is not None:
+        c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(weights_dtype(xs.data.dtype),),
+                 shape=(xs.num_tokens, num_topk))
+    if stats is not None:
+        c.tensor("cumulative_local_expert_recv_stats", stats, ndim=1, dtypes=(torch.int32,),
+                 shape=(num_experts // buf.num_ranks,))
+    elem = 2 if xs.is_fp8 else xs.data.dtype.itemsize
+    check_capacity(c, buf, num_tokens=xs.num_tokens, hidden=xs.hidden, num_topk=num_topk, is_fp8=xs.is_fp8,
+                   elem_size=elem, n=n, which="dispatch")
+    num_sms = resolve_sms(buf, c, num_sms, num_qps, num_experts, num_topk)
+    return pipeline.DispatchCall(
+        x=xs, topk_idx=topk_idx, topk_weights=topk_weights, stats=stats, num_experts=num_experts, n=n,
+        expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
+        do_zero_padding=do_zero_padding, emit_expert_ids=emit_expert_ids, col_major_sf=col_major_sf,
+        num_sms=num_sms, handle=handle)
+
+def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, num_topk: int) -> int:
+    c.require(num_qps <= buf.num_allocated_qps,
+              f"num_qps={num_qps} exceeds num_allocated_qps={buf.num_allocated_qps}")
+    if buf.device.type == "cpu":
+        if num_sms:
+            buf._warn_once("num_sms", "epcomm: num_sms has no effect on CPU; it is ignored")
+        return num_sms or buf.get_theoretical_num_sms(num_experts, num_topk)
+    device_sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
+    if num_sms == 0:
+        return buf.get_theoretical_num_sms(num_experts, num_topk)
+    c.require(0 < num_sms <= device_sms, f"num_sms={num_sms} must be in [1, {device_sms}] on {buf.device}")
+    return num_sms + num_sms % 2
+
+def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num_qps) -> pipeline.CombineCall:
+    """Reference §11.1 as amended by DESIGN.md."""
+    if not isinstance(handle, EPHandle):
+        c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
+    c.require(handle._buffer_uid == buf.uid, "handle comes from another EPBuffer; combine with the buffer "
+                                              "that dispatched")
+    try:
+        topk_idx = handle.topk_idx
+    except ValueError as e:
+        c.fail(ValueError, str(e))
+    x = check_x(c, x, allow_fp8=False).data
+    rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
+    layout_name = "expand" if handle.do_expand else "non-expand"
+    c.require(x.shape[0] == rows, f"x has {x.shape[0]} rows but the handle's {layout_name} layout has {rows} "
+                                  f"({'handle.num_expanded_tokens' if handle.do_expand else 'received rows'})")
+    per_pair = handle.do_expand and not buf.allow_multiple_reduction
+    if topk_weights is not None:
+        c.require(not per_pair, "topk_weights must be None for an expand-layout combine when the buffer has "
+                                "allow_multiple_reduction=False (reference §11.1)")
+        shape = (rows,) if handle.do_expand else (rows, handle.num_topk)
+        c.tensor("topk_weights", topk_weights, ndim=len(shape), dtypes=(weights_dtype(x.dtype),), shape=shape)
+    if bias is None:
+        biases = ()
+    elif isinstance(bias, Tensor):
+        biases = (bias,)
+    elif isinstance(bias, (tuple, list)):
+        c.require(len(bias) == 2, f"bias as a tuple must be (bias_0, bias_1), got {len(bias)} elements")
+        biases = tuple(bias)
+    else:
+        c.fail(TypeError, f"bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
+    for i, b in enumerate(biases):
+        c.tensor(f"bias[{i}]" if len(biases) == 2 else "bias", b, ndim=2, dtypes=(x.dtype,),
+                 shape=(topk_idx.shape[0], x.shape[1]))
+    check_capacity(c, buf, num_tokens=topk_idx.shape[0], hidden=x.shape[1], num_topk=handle.num_topk,
+                   is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank,
+                   which="combine")
+    resolve_sms(buf, c, num_sms, num_qps, handle.num_experts, handle.num_topk)
+    biases = biases + (None,) * (2 - len(biases))
+    return pipeline.CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias_0=biases[0],
+                                bias_1=biases[1], per_pair=per_pair)

@@ -1,0 +1,74 @@
+"""The stream and event protocol of dispatch/combine (DeepEP V2.5 EPBuffer behaviour, §3.4-3.5).
+
+On CUDA a call's communication runs on the buffer's high-priority comm stream after `previous_event` (or the
+current stream); its epilogue runs there too, or on the current stream at wait time when deferred. Tensors that
+cross streams are recorded with the caching allocator. On CPU everything is synchronous and the events are
+completed markers (DESIGN.md "Events on CPU").
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .events import EventHandle, EventOverlap
+
+
+@contextmanager
+def on_comm_stream(device: torch.device, comm: Optional["torch.cuda.Stream"], previous_event: Optional[EventHandle]):
+    """Run the enclosed launch on `comm` after `previous_event` (or after the current stream)."""
+    if device.type != "cuda":
+        yield
+        return
+    compute = torch.cuda.current_stream(device)
+    if previous_event is not None and getattr(previous_event, "event", None) is not None:
+        comm.wait_event(previous_event.event)
+    else:
+        comm.wait_stream(compute)
+    with torch.cuda.stream(comm):
+        yield
+
+
+def finish(device: torch.device, comm: Optional["torch.cuda.Stream"], epilogue: Callable, inputs: list,
+           async_op: bool, defer: bool):
+    """Run or defer `epilogue` and build the event.
+
+    Returns:
+        `(outputs, EventOverlap)`; or, when `defer`, an `EventOverlap` whose first wait returns the outputs.
+    """
+    if device.type != "cuda":
+        if defer:
+            return EventOverlap(EventHandle(), hook_after_wait=epilogue)
+        return epilogue(), EventOverlap(EventHandle() if async_op else None)
+    compute = torch.cuda.current_stream(device)
+    for t in inputs:
+        if t is not None:
+            t.record_stream(comm)
+    if defer:
+        event = EventHandle(stream=comm)
+
+        def hook():
+            return _record_outputs(epilogue(), compute)
+        return EventOverlap(event, hook_after_wait=hook)
+    with torch.cuda.stream(comm):
+        outputs = _record_outputs(epilogue(), compute)
+    event = EventHandle(stream=comm)
+    if not async_op:
+        compute.wait_stream(comm)
+        return outputs, EventOverlap(None)
+    return outputs, EventOverlap(event)
+
+
+def _record_outputs(outputs, stream: "torch.cuda.Stream"):
+    """Outputs made on the comm stream are used on `stream`: tell the caching allocator."""
+    def visit(o):
+        if isinstance(o, Tensor):
+            o.record_stream(stream)
+        elif isinstance(o, (tuple, list)):
+            for i in o:
+                visit(i)
+    visit(outputs)
+    return outputs
