@@ -76,14 +76,16 @@ def check_mode(
     device: str = "cpu",
     transport: str = "auto",
     force_blocked: bool = False,
+    group=None,
 ):
     """Dispatch, cached dispatch and combine against the reference in one mode; returns counts.
 
     `groups`: lists of world ranks; every rank creates every group and runs in the one that holds it (as its
-    group rank). `buffer`: reuse this buffer instead of making (and destroying) one.
+    group rank). `group`: an existing process group to run in instead (this rank must belong to it). `buffer`: reuse this buffer instead of making (and destroying) one.
     """
-    group = None
-    if groups is not None:
+    if group is not None:
+        rank, world = group.rank(), group.size()
+    elif groups is not None:
         made = [dist.new_group(g) for g in groups]
         group = next(grp for grp, g in zip(made, groups) if rank in g)
         rank, world = group.rank(), group.size()

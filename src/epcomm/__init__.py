@@ -2,15 +2,19 @@
 
 import torch
 
-from . import eplb
+from . import comm, eplb
 from ._version import __version__
 from .allocator import BufferAllocator
 from .autograd import TokenDispatcher
+from .bucket import BucketBuffer, BucketSession
 from .buffer import EPBuffer
+from .engram import EngramBuffer
 from .events import EventHandle, EventOverlap
 from .handle import EPHandle
+from .pp import PPBuffer
 
 topk_idx_t = torch.int64
 
-__all__ = ["BufferAllocator", "EPBuffer", "EPHandle", "EventHandle", "EventOverlap", "TokenDispatcher", "__version__",
-           "eplb", "topk_idx_t"]
+__all__ = ["BucketBuffer", "BucketSession", "BufferAllocator", "EPBuffer", "EPHandle", "EngramBuffer",
+           "EventHandle", "EventOverlap", "PPBuffer", "TokenDispatcher", "__version__", "comm", "eplb",
+           "topk_idx_t"]

@@ -41,7 +41,7 @@ def new_comm_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     return torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
 
 
-def _default_store() -> Optional["dist.Store"]:
+def default_store() -> Optional["dist.Store"]:
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # some init methods expose no store; then the missing ranks cannot be named
@@ -171,12 +171,12 @@ class CommContext:
         return f"epcomm/{self.uid}/{call_id}/{rank}"
 
     def _announce(self, call_id: int) -> None:
-        store = _default_store()
+        store = default_store()
         if store is not None:
             store.set(self._key(call_id, self.rank), "1")
 
     def _raise_timeout(self, what: str, call_id: int) -> None:
-        store = _default_store()
+        store = default_store()
         missing: Optional[list] = None
         if store is not None:
             self._announce(call_id)

@@ -310,22 +310,22 @@ class EngramBuffer:
                                    "otherwise")
             if fp8 and (not isinstance(sfs, (list, tuple)) or len(sfs) != len(storages)):
                 c.fail(ValueError, f"sfs must be a list of {len(storages)} tensors (one per layer)")
-            for l, (t, n) in enumerate(zip(storages, cfg["entries"])):
-                self._check_tensor(c, f"storages[{l}]", t, (cfg["dtype"],), (n, cfg["hidden"]))
+            for layer, (t, n) in enumerate(zip(storages, cfg["entries"])):
+                self._check_tensor(c, f"storages[{layer}]", t, (cfg["dtype"],), (n, cfg["hidden"]))
                 if fp8:
-                    self._check_tensor(c, f"sfs[{l}]", sfs[l], (torch.float32, torch.int32),
+                    self._check_tensor(c, f"sfs[{layer}]", sfs[layer], (torch.float32, torch.int32),
                                        (self.num_ranks * n, cfg["packs"]))
         except (TypeError, ValueError) as e:
             err = e
         self._agree(call, 2, err, [], ())
         offsets = cfg["offsets"]
-        for l, t in enumerate(storages):
-            self._table[offsets[l]:offsets[l + 1]].copy_(t.reshape(t.shape[0], -1).view(torch.uint8))
+        for layer, t in enumerate(storages):
+            self._table[offsets[layer]:offsets[layer + 1]].copy_(t.contiguous().view(torch.uint8))
             if sfs is not None:
-                n = cfg["entries"][l]
-                mine = sfs[l][self.rank * n:(self.rank + 1) * n].contiguous()
-                self._scales[offsets[l]:offsets[l + 1]].copy_(mine.view(torch.uint8))
-                self._sf_dtype = sfs[l].dtype
+                n = cfg["entries"][layer]
+                mine = sfs[layer][self.rank * n:(self.rank + 1) * n].contiguous()
+                self._scales[offsets[layer]:offsets[layer + 1]].copy_(mine.view(torch.uint8))
+                self._sf_dtype = sfs[layer].dtype
         self._written = True
         self.context.barrier(call=call)
 
@@ -396,17 +396,19 @@ class EngramBuffer:
         L, E = len(cfg["entries"]), cfg["num_entries_per_token"]
         per_layer = num_tokens * E
 
-        def hook(l: int):
+        def hook(layer: int):
             if event is not None:
                 event.current_stream_wait()
                 if sf is not None:  # made on the comm stream, read on this one
                     sf.record_stream(torch.cuda.current_stream(self.device))
-            data = area[l * per_layer:(l + 1) * per_layer].view(cfg["dtype"]).view(num_tokens, E * cfg["hidden"])
+            data = area[layer * per_layer:(layer + 1) * per_layer].view(cfg["dtype"]).view(num_tokens,
+                                                                                            E * cfg["hidden"])
             if sf is None:
                 return data
-            scales = sf[l * per_layer:(l + 1) * per_layer].view(self._sf_dtype).view(num_tokens, E * cfg["packs"])
+            scales = sf[layer * per_layer:(layer + 1) * per_layer].view(self._sf_dtype).view(num_tokens,
+                                                                                              E * cfg["packs"])
             return data, place_sf(scales, use_tma_aligned_col_major_sf)
-        return [lambda l=l: hook(l) for l in range(L)]
+        return [lambda layer=layer: hook(layer) for layer in range(L)]
 
     def _plan(self, c, cfg: dict, indices) -> tuple:
         """Owner and owner-local table row of every (layer, token, entry), flat; reads the indices (host)."""
@@ -420,9 +422,9 @@ class EngramBuffer:
         n_L = torch.tensor(cfg["entries"], dtype=torch.int64, device=self.device).view(L, 1, 1)
         bad = (idx < 0) | (idx >= n_L * self.num_ranks)
         if num_tokens and bool(bad.any()):
-            l, t, e = (int(v) for v in bad.nonzero()[0])
-            c.fail(ValueError, f"indices[{l}, {t}, {e}] = {int(idx[l, t, e])} is outside layer {l}'s global index "
-                               f"space [0, {self.num_ranks * cfg['entries'][l]}) (R x num_entries_per_layer[{l}])")
+            lt, t, e = (int(v) for v in bad.nonzero()[0])
+            c.fail(ValueError, f"indices[{lt}, {t}, {e}] = {int(idx[lt, t, e])} is outside layer {lt}'s global index "
+                               f"space [0, {self.num_ranks * cfg['entries'][lt]}) (R x num_entries_per_layer[{lt}])")
         offset_L = torch.tensor(cfg["offsets"][:-1], dtype=torch.int64, device=self.device).view(L, 1, 1)
         return (idx // n_L).reshape(-1), (idx % n_L + offset_L).reshape(-1), num_tokens
 

@@ -6,10 +6,11 @@ one per direction.
 
 How it maps onto `torch.distributed`:
 
-* Every FIFO has its own two-rank process group (a *channel*), made at construction. NCCL runs the point-to-point
-  operations of one communicator in order on one stream, so two neighbours sending to each other through one
-  group can deadlock (each send waits for a receive queued behind the other send); one channel per direction
-  cannot. A timeout also breaks only the buffer's own channels, never the caller's group.
+* Every FIFO has its own two-rank backend (a *channel*, `ProcessGroupGloo` or `ProcessGroupNCCL` on the default
+  store under a prefix named by the buffer's id), made at construction and used once in a global order. NCCL
+  runs the point-to-point operations of one communicator in order on one stream, so two neighbours sending to
+  each other through one group can deadlock (each send waits for a receive queued behind the other send); one
+  channel per direction cannot. A timeout also breaks only the buffer's own channels, never the caller's group.
 * `send` copies `x` into the next slot of the FIFO's ring (`num_max_inflight_tensors` slots of
   `num_max_tensor_bytes`) and posts the slot's send. It waits only when every slot is in flight, for the oldest
   to be received (bounded), so the caller may overwrite `x` as soon as `send` returns (in stream order on CUDA).
@@ -36,13 +37,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
-from .comm import CommContext, new_comm_stream
+from .comm import CommContext, default_store, new_comm_stream
 from .transport.base import TransportTimeout
 
 __all__ = ["PPBuffer"]
 
 _HEADER_MAGIC, _CLOSE_MAGIC = 0x5050, 0x5043  # "PP" marks a message header, "PC" the last header at destroy
-_TAG_HEADER, _TAG_PAYLOAD = 1, 2
+_TAG_HEADER, _TAG_PAYLOAD, _TAG_WARMUP = 1, 2, 3
 
 
 @dataclass
@@ -50,8 +51,8 @@ class _Fifo:
     """One direction to or from one neighbour."""
 
     peer: int  # the neighbour's rank in the buffer's group
-    channel: dist.ProcessGroup  # the two-rank group that carries this FIFO only
-    channel_peer: int  # the neighbour's rank in `channel`
+    channel: object  # the two-rank backend (ProcessGroupGloo / ProcessGroupNCCL) that carries this FIFO only
+    channel_peer: int  # the neighbour's rank in `channel` (the sender is 0, the receiver 1)
     count: int = 0  # messages sent (send side) or received (recv side) so far
     slots: Optional[Tensor] = None  # send side: [num_max_inflight_tensors, num_max_tensor_bytes] uint8
     headers: Optional[Tensor] = None  # CPU: [num_max_inflight_tensors, 4] int64 (send) or [1, 4] (recv)
@@ -115,7 +116,8 @@ class PPBuffer:
         self._send: dict = {}
         self._recv: dict = {}
         self._channels: list = []
-        self._make_channels(group)
+        self._make_channels()
+        self._warm_up_channels()
         for fifo in self._send.values():
             fifo.slots = torch.empty(num_max_inflight_tensors, num_max_tensor_bytes, dtype=torch.uint8,
                                      device=self.device)
@@ -128,26 +130,53 @@ class PPBuffer:
                 self._post_header(fifo)
         self._destroyed = False
 
-    def _make_channels(self, group: dist.ProcessGroup) -> None:
-        """One two-rank group per directed neighbour pair, created in one order on every rank (collective)."""
-        R = self.num_ranks
-        pairs = [(s, d) for s in range(R) for d in sorted({(s + 1) % R, (s - 1) % R})]
-        world = group is dist.group.WORLD or group == dist.group.WORLD
-        for s, d in pairs:
-            if not world and self.rank not in (s, d):
-                continue  # only members create a subgroup of a non-default group
-            gs, gd = dist.get_global_rank(group, s), dist.get_global_rank(group, d)
-            kind = "nccl" if self.device.type == "cuda" else "gloo"
-            timeout = self.num_gpu_timeout_secs if kind == "nccl" else self.num_cpu_timeout_secs
-            channel = dist.new_group([gs, gd], timeout=timedelta(seconds=timeout), use_local_synchronization=not world,
-                                     group_desc=f"epcomm_pp_{s}_to_{d}")
+    def _make_channels(self) -> None:
+        """One two-rank backend per directed neighbour pair this rank is in (sender = channel rank 0).
+
+        The channels are standalone backends (`ProcessGroupGloo` / `ProcessGroupNCCL`) on the default store under
+        a prefix named by the buffer's id, not `dist.new_group` groups: those are named from a per-process group
+        counter (or, with local synchronisation, from the number of groups a process holds), which ranks of
+        different pipeline groups, or processes with different group histories, do not share.
+        """
+        store = default_store()
+        if store is None:
+            raise ValueError(f"PPBuffer: rank {self.rank}: the default process group exposes no store; initialise "
+                             "torch.distributed with an init_method or a store")
+        R, cuda = self.num_ranks, self.device.type == "cuda"
+        for s, d in sorted({(s, (s + o) % R) for s in range(R) for o in (1, -1)}):
             if self.rank not in (s, d):
                 continue
-            self._channels.append(channel)
-            if self.rank == s:
-                self._send[d] = _Fifo(peer=d, channel=channel, channel_peer=dist.get_group_rank(channel, gd))
+            prefix = dist.PrefixStore(f"epcomm/pp/{self.context.uid}/{s}-{d}/", store)
+            rank = 0 if self.rank == s else 1
+            if cuda:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts.is_high_priority_stream = False
+                opts._timeout = timedelta(seconds=self.num_gpu_timeout_secs)  # the watchdog bounds device waits
+                channel = dist.ProcessGroupNCCL(prefix, rank, 2, opts)
             else:
-                self._recv[s] = _Fifo(peer=s, channel=channel, channel_peer=dist.get_group_rank(channel, gs))
+                channel = dist.ProcessGroupGloo(prefix, rank, 2, timedelta(seconds=self.num_cpu_timeout_secs))
+            self._channels.append(channel)
+            if rank == 0:
+                self._send[d] = _Fifo(peer=d, channel=channel, channel_peer=1)
+            else:
+                self._recv[s] = _Fifo(peer=s, channel=channel, channel_peer=0)
+
+    def _warm_up_channels(self) -> None:
+        """One message per channel, channel by channel in the one order every rank uses (collective).
+
+        NCCL creates a point-to-point communicator at its first use and blocks the host until the peer uses it
+        too; two neighbours whose first calls are sends to each other would wait for each other forever. Every
+        channel is used once here, in a global order, so later sends and receives never block the host.
+        """
+        deadline = time.monotonic() + self.context.timeout_s
+        token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for s, d in sorted([(self.rank, f.peer) for f in self._send.values()]
+                           + [(f.peer, self.rank) for f in self._recv.values()]):
+            fifo = self._send[d] if s == self.rank else self._recv[s]
+            op = fifo.channel.send if s == self.rank else fifo.channel.recv
+            self._wait(op([token], fifo.channel_peer, _TAG_WARMUP), deadline, lambda s=s, d=d: (
+                f"PPBuffer: rank {self.rank}: group rank {d if s == self.rank else s} did not open channel {s} -> {d} "
+                f"within {self.context.timeout_s:g} s (num_cpu_timeout_secs)"), host=True)
 
     # -- API -----------------------------------------------------------------------------------------
     def send(self, x: Tensor, dst_rank_idx: int, num_sms: Optional[int] = None) -> None:
@@ -166,6 +195,9 @@ class PPBuffer:
             TypeError: x not a tensor. ValueError: not a neighbour, empty / non-contiguous / too large x, device,
             destroyed buffer. TimeoutError: (CPU) every slot stayed in flight for `num_cpu_timeout_secs`; names
             the neighbour.
+
+        Returns:
+            None.
         """
         call = "PPBuffer.send"
         c = self.context.checker(call)
@@ -187,8 +219,8 @@ class PPBuffer:
         if self._check_sizes:
             header = fifo.headers[slot]
             header.copy_(torch.tensor([_HEADER_MAGIC, k, x.nbytes, 0], dtype=torch.int64))
-            works.append(dist.isend(header, group=fifo.channel, group_dst=fifo.channel_peer, tag=_TAG_HEADER))
-        works.append(dist.isend(payload, group=fifo.channel, group_dst=fifo.channel_peer, tag=_TAG_PAYLOAD))
+            works.append(fifo.channel.send([header], fifo.channel_peer, _TAG_HEADER))
+        works.append(fifo.channel.send([payload], fifo.channel_peer, _TAG_PAYLOAD))
         fifo.works[slot] = works
         fifo.count += 1
 
@@ -231,7 +263,7 @@ class PPBuffer:
             self._post_header(fifo)
             if nbytes != x.nbytes:
                 mismatch, target = nbytes, torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        work = dist.irecv(target, group=fifo.channel, group_src=fifo.channel_peer, tag=_TAG_PAYLOAD)
+        work = fifo.channel.recv([target], fifo.channel_peer, _TAG_PAYLOAD)
         self._wait(work, deadline, late)
         fifo.count += 1
         if mismatch is not None:
@@ -277,7 +309,7 @@ class PPBuffer:
                 self._close_headers(deadline)
             self.context.barrier(call="PPBuffer.destroy", with_cpu_sync=self.device.type == "cuda")
         for channel in self._channels:
-            dist.destroy_process_group(channel)
+            channel.shutdown()
         self._channels, self._send, self._recv = [], {}, {}
         self.context.destroyed = self._destroyed = True
 
@@ -298,13 +330,12 @@ class PPBuffer:
         """CPU: post the receive of the next header now, so that it arrives while the caller works."""
         # NOTE: a header received on demand costs one more gloo rendezvous per message: 4.6 ms per 1 MiB
         # send+recv pair, 3.5 ms with the header posted ahead, 2.6 ms without headers (2 gloo ranks, 2 cores).
-        fifo.pending = dist.irecv(fifo.headers[0], group=fifo.channel, group_src=fifo.channel_peer, tag=_TAG_HEADER)
+        fifo.pending = fifo.channel.recv([fifo.headers[0]], fifo.channel_peer, _TAG_HEADER)
 
     def _close_headers(self, deadline: float) -> None:
         """Destroy on CPU: answer every header receive posted ahead with a closing header."""
         close = torch.tensor([_CLOSE_MAGIC, 0, 0, 0], dtype=torch.int64)
-        works = [dist.isend(close, group=f.channel, group_dst=f.channel_peer, tag=_TAG_HEADER)
-                 for f in self._send.values()]
+        works = [f.channel.send([close], f.channel_peer, _TAG_HEADER) for f in self._send.values()]
         for f in self._recv.values():
             self._wait(f.pending, deadline, lambda f=f: (
                 f"PPBuffer.destroy: rank {self.rank}: group rank {f.peer} did not reach destroy within "

@@ -386,6 +386,10 @@ def main(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None) -> i
         rest = list(argv)
         rest.remove("--eplb")
         return run_eplb(rest, pool=pool)
+    if "--suite" in argv or any(a.startswith("--suite=") for a in argv):
+        from .collectives import run_suite  # checks --suite itself (only "collectives"); 2 on usage errors
+
+        return run_suite(argv, pool=pool)
     parser = build_parser()
     opts = parser.parse_args(argv)
     try:

@@ -1,0 +1,272 @@
+"""`epcomm-bench --suite collectives`: the barrier, bucket collectives, PP send/recv and Engram fetch, each timed
+against its `torch.distributed` equivalent (NCCL on GPU, gloo on CPU) in the same run.
+
+| op | epcomm | equivalent | bytes (for GB/s) |
+| --- | --- | --- | --- |
+| barrier | `epcomm.comm.barrier(bucket_buffer)` | `dist.barrier()` | - |
+| all_gather | `BucketBuffer.all_gather(shard)`, in place | `dist.all_gather_into_tensor` | gathered tensor |
+| reduce_scatter | `BucketBuffer.reduce_scatter(bucket)`, in place | `dist.reduce_scatter_tensor` | input bucket |
+| all_reduce | `BucketBuffer.all_reduce(bucket)`, in place | `dist.all_reduce` | bucket |
+| pp | `PPBuffer.send` to next + `recv` from previous | `dist.batch_isend_irecv` of the same pair | tensor |
+| engram | `EngramBuffer.fetch` of random rows (one layer) | `dist.all_to_all_single` of the same rows | rows fetched |
+
+Before any number is printed every op is checked bitwise against its equivalent on small-integer data (rows of
+a table every rank rebuilds, for Engram); a mismatch prints FAILED and the exit status is 1. Times are the
+slowest rank's per call (`bench.timing`: a barrier before each call; on GPU also an L2 flush and CUDA events);
+"vs torch" = epcomm p50 / equivalent p50 (below 1: faster). The table is the last thing printed on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ..bucket import BucketBuffer
+from ..comm import barrier
+from ..engram import EngramBuffer
+from ..pp import PPBuffer
+from ..sizing import ALLOCATION_ALIGNMENT, align
+from ..testing import RankFailure, WatchdogTimeout, WorkerPool
+from .runner import device_info, first_mismatch
+from .timing import Timer, combine_ranks, quantile
+
+OPS = ("barrier", "all_gather", "reduce_scatter", "all_reduce", "pp", "engram")
+CPU_DEFAULTS = dict(ranks=2, size_mib=4.0, iters=10, warmup=2)
+GPU_DEFAULTS = dict(size_mib=256.0, iters=30, warmup=5)
+ENGRAM_HIDDEN, ENGRAM_ENTRIES = 256, 8  # bf16 rows of 512 B, 8 rows per token
+TASK_TIMEOUT_S = 600.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epcomm-bench --suite collectives", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", default="collectives", choices=("collectives",), help="this suite (collectives)")
+    p.add_argument("--ranks", type=int, default=None, help="ranks to spawn; default one per visible GPU, else 2")
+    p.add_argument("--size-mib", type=float, default=None, help="bytes per op in MiB (default 4 CPU, 256 GPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 10 CPU, 30 GPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2 CPU, 5 GPU)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--json", metavar="FILE", default=None, help="write every figure and the environment")
+    return p
+
+
+def _device() -> torch.device:
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _small_ints(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 8, (n,), generator=gen).float().to(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rank side: one task per op, returning {"check": mismatch or None, "times": {provider: [s]}, "bytes": int}
+# ----------------------------------------------------------------------------------------------------------
+def measure_op(rank: int, world: int, op: str, size: int, iters: int, warmup: int) -> dict:
+    """Check then time one op and its equivalent on this rank (collective: every rank runs the same op)."""
+    device = _device()
+    timer = Timer(dist.group.WORLD, device, iters, warmup)
+    n = max(world * 8, size // 4 // (world * 8) * (world * 8))  # fp32 elements, a multiple of R * 8
+    if op in ("barrier", "all_gather", "reduce_scatter", "all_reduce"):
+        return _bucket_op(rank, world, op, n, device, timer)
+    if op == "pp":
+        return _pp_op(rank, world, n, device, timer)
+    return _engram_op(rank, world, size, device, timer)
+
+
+def _timed(timer: Timer, epcomm_fn: Callable, torch_fn: Callable) -> dict:
+    return {"epcomm": timer.measure(epcomm_fn), "torch": timer.measure(torch_fn)}
+
+
+def _bucket_op(rank: int, world: int, op: str, n: int, device, timer: Timer) -> dict:
+    buf = BucketBuffer(None, align(max(n * 4, 1), ALLOCATION_ALIGNMENT), explicitly_destroy=True)
+    try:
+        if op == "barrier":
+            kw = dict(device_ids=[device.index]) if device.type == "cuda" else {}
+            return dict(check=None, bytes=0, times=_timed(timer, lambda: barrier(buf),
+                                                          lambda: dist.barrier(**kw)))
+        data = _small_ints(n, rank, device)
+        bucket = buf.storage[:n * 4].view(torch.float32)
+        shard = bucket[rank * (n // world):(rank + 1) * (n // world)]
+        if op == "all_gather":
+            src = data[:n // world].contiguous()
+            shard.copy_(src)
+            want = torch.empty(n, device=device)
+            dist.all_gather_into_tensor(want, src)
+            check = first_mismatch(op, buf.all_gather(shard).wait().reshape(-1), want)
+            out = torch.empty(n, device=device)
+            times = _timed(timer, lambda: buf.all_gather(shard).wait(),
+                           lambda: dist.all_gather_into_tensor(out, src))
+        elif op == "reduce_scatter":
+            bucket.copy_(data)
+            want = torch.empty(n // world, device=device)
+            dist.reduce_scatter_tensor(want, data.clone())
+            check = first_mismatch(op, buf.reduce_scatter(bucket).wait(), want)
+            out = torch.empty(n // world, device=device)
+            times = _timed(timer, lambda: buf.reduce_scatter(bucket).wait(),
+                           lambda: dist.reduce_scatter_tensor(out, data))
+        else:
+            bucket.copy_(data)
+            want = data.clone()
+            dist.all_reduce(want)
+            check = first_mismatch(op, buf.all_reduce(bucket).wait().reshape(-1), want)
+            other = data.clone()
+            times = _timed(timer, lambda: buf.all_reduce(bucket).wait(), lambda: dist.all_reduce(other))
+        return dict(check=check, bytes=n * 4, times=times)
+    finally:
+        buf.destroy()
+
+
+def _pp_op(rank: int, world: int, n: int, device, timer: Timer) -> dict:
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    pp = PPBuffer(None, n * 4, 2, explicitly_destroy=True)
+    try:
+        x, y = _small_ints(n, rank, device), torch.empty(n, device=device)
+        pp.send(x, nxt)
+        pp.recv(y, prv)
+        check = first_mismatch("pp recv", y, _small_ints(n, prv, device))
+
+        def ours():
+            pp.send(x, nxt)
+            pp.recv(y, prv)
+
+        def theirs():
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, y, prv)]):
+                work.wait()
+        return dict(check=check, bytes=n * 4, times=_timed(timer, ours, theirs))
+    finally:
+        pp.destroy()
+
+
+def _engram_op(rank: int, world: int, size: int, device, timer: Timer) -> dict:
+    row = ENGRAM_HIDDEN * 2
+    tokens = max(1, size // row // ENGRAM_ENTRIES)
+    entries = max(1024, tokens * ENGRAM_ENTRIES // world)
+    gpu, storage = EngramBuffer.get_storage_size_hint(world, [entries], ENGRAM_HIDDEN, tokens, ENGRAM_ENTRIES)
+    buf = EngramBuffer(None, gpu, storage, explicitly_destroy=True)
+    try:
+        buf.set_config([entries], ENGRAM_HIDDEN, tokens, ENGRAM_ENTRIES)
+        shard = torch.arange(entries * ENGRAM_HIDDEN, device=device).view(entries, -1).add_(rank * entries *
+                                                                                           ENGRAM_HIDDEN)
+        buf.write([(shard % 251).bfloat16()])  # every rank rebuilds the global table from the row id
+        gen = torch.Generator().manual_seed(rank)
+        idx = torch.randint(0, world * entries, (1, tokens, ENGRAM_ENTRIES), generator=gen).to(device)
+        got = buf.fetch(idx)[0]()
+        rows = idx.reshape(-1, 1) * ENGRAM_HIDDEN + torch.arange(ENGRAM_HIDDEN, device=device)
+        check = first_mismatch("engram rows", got, (rows % 251).bfloat16().view(tokens, -1))
+        num_rows = tokens * ENGRAM_ENTRIES
+        send = torch.empty(num_rows, row, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+        return dict(check=check, bytes=num_rows * row, times=_timed(
+            timer, lambda: buf.fetch(idx)[0](), lambda: dist.all_to_all_single(recv, send)))
+    finally:
+        buf.destroy()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parent: plan, run, table
+# ----------------------------------------------------------------------------------------------------------
+def _plan(opts) -> dict:
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    defaults = GPU_DEFAULTS if num_gpus else CPU_DEFAULTS
+    ranks = opts.ranks if opts.ranks is not None else (num_gpus or CPU_DEFAULTS["ranks"])
+    if ranks < 2:
+        raise ValueError(f"--ranks must be >= 2 (collectives need peers), got {ranks}")
+    if num_gpus and ranks > num_gpus:
+        raise ValueError(f"--ranks {ranks}: only {num_gpus} GPUs are visible (one rank per GPU)")
+    ops = [o.strip() for o in opts.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad or not ops:
+        raise ValueError(f"--ops: unknown {bad or 'empty list'}; valid: {','.join(OPS)}")
+    size_mib = opts.size_mib if opts.size_mib is not None else defaults["size_mib"]
+    iters = opts.iters if opts.iters is not None else defaults["iters"]
+    warmup = opts.warmup if opts.warmup is not None else defaults["warmup"]
+    if size_mib <= 0 or iters < 1 or warmup < 0:
+        raise ValueError(f"--size-mib must be > 0, --iters >= 1, --warmup >= 0; got {size_mib}, {iters}, {warmup}")
+    return dict(backend="nccl" if num_gpus else "gloo", ranks=ranks, ops=ops, size=int(size_mib * (1 << 20)),
+                iters=iters, warmup=warmup, json=opts.json)
+
+
+def _row(op: str, provider: str, times: list, nbytes: int, base: Optional[float]) -> dict:
+    p50 = quantile(times, 0.5)
+    return dict(op=op, provider=provider, bytes=nbytes, p20_us=quantile(times, 0.2) * 1e6, p50_us=p50 * 1e6,
+                p80_us=quantile(times, 0.8) * 1e6, gbps=nbytes / p50 / 1e9 if nbytes and p50 > 0 else None,
+                vs_torch=p50 / base if base else None)
+
+
+def _table(rows: list) -> str:
+    head = ["op", "MiB", "provider", "p50 us", "p20 us", "p80 us", "GB/s", "vs torch"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["op"], f"{r['bytes'] / (1 << 20):.2f}" if r["bytes"] else "-", r["provider"],
+                 f"{r['p50_us']:.1f}", f"{r['p20_us']:.1f}", f"{r['p80_us']:.1f}",
+                 f"{r['gbps']:.2f}" if r["gbps"] else "-", f"{r['vs_torch']:.2f}" if r["vs_torch"] else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_suite(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None) -> int:
+    """Run the collectives suite; returns the exit status (0 ok, 1 a check failed or the run aborted, 2 usage).
+
+    Args:
+        argv: command-line arguments after `epcomm-bench` (a `--suite collectives` among them is accepted).
+        pool: an existing `WorkerPool` of the right size and backend (tests); default: spawn one.
+    """
+    parser = build_parser()
+    try:
+        opts = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # argparse printed the usage error (or --help)
+        return int(exc.code or 0)
+    try:
+        plan = _plan(opts)
+    except ValueError as exc:
+        print(f"epcomm-bench --suite collectives: error: {exc}", file=sys.stderr)
+        return 2
+    own = pool is None
+    pool = pool or WorkerPool(plan["ranks"], plan["backend"], start_timeout=300.0)
+    rows, failures, aborted = [], [], None
+    try:
+        info = pool.run(device_info, timeout=TASK_TIMEOUT_S)[0]
+        for op in plan["ops"]:
+            print(f"epcomm-bench: {op}", file=sys.stderr)
+            per_rank = pool.run(measure_op, op, plan["size"], plan["iters"], plan["warmup"], timeout=TASK_TIMEOUT_S)
+            msg = next((f"rank {r}: {p['check']}" for r, p in enumerate(per_rank) if p["check"]), None)
+            if msg:
+                failures.append(f"FAILED {op}: {msg}")
+                continue
+            times = {k: combine_ranks([p["times"][k] for p in per_rank]) for k in ("epcomm", "torch")}
+            base = quantile(times["torch"], 0.5)
+            rows.append(_row(op, "epcomm", times["epcomm"], per_rank[0]["bytes"], base))
+            rows.append(_row(op, f"torch-{plan['backend']}", times["torch"], per_rank[0]["bytes"], None))
+    except (RankFailure, WatchdogTimeout) as exc:
+        aborted = str(exc).splitlines()[0]
+        info = locals().get("info", {})
+    finally:
+        if own:
+            pool.close()
+    env = dict(epcomm=__version__, torch=torch.__version__, python=platform.python_version(),
+               backend=plan["backend"], ranks=plan["ranks"], **info)
+    if plan["json"]:
+        with open(plan["json"], "w") as f:
+            json.dump(dict(schema="epcomm-bench-collectives/1", environment=env, records=rows, failures=failures,
+                           aborted=aborted), f, indent=1)
+    print(f"epcomm-bench {__version__} --suite collectives: {plan['ranks']} {plan['backend']} ranks on "
+          f"{env.get('device', '?')}, torch {torch.__version__}; {plan['iters']} timed calls after {plan['warmup']} "
+          f"warm-up; times are the slowest rank's per call; vs torch = p50 / torch p50 (below 1: faster)")
+    for line in failures + ([f"ABORTED: {aborted}"] if aborted else []):
+        print(line)
+    print()
+    print(_table(rows), flush=True)
+    return 1 if failures or aborted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_suite())

@@ -1,0 +1,424 @@
+"""Rank-side bodies of the bucket / PP / Engram / barrier tests (importable by the worker processes).
+
+Each function runs on every rank as `fn(rank, world_size, ...)`, compares epcomm with plain `torch.distributed`
+or with a table every rank can rebuild from the seed, and returns a small summary or raises. Reference §14.4,
+§15, §16, §17 test shapes, scaled down for CPU.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from epcomm import comm
+from epcomm.bucket import BucketBuffer
+from epcomm.engram import EngramBuffer
+from epcomm.fp8 import per_token_cast_to_fp8
+from epcomm.pp import PPBuffer
+
+MIB = 1 << 20
+GUARD = 0xA5
+
+
+def outcome(fn, *args, **kwargs) -> tuple:
+    """(exception class name, message) of `fn(*args, **kwargs)`, or None when it returned."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- the caller pins the class and message
+        return type(e).__name__, str(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# buckets
+# ---------------------------------------------------------------------------------------------------------
+def small_ints(gen, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values in [-8, 8): sums and power-of-two scales are exact in fp32, so comparisons can be bitwise."""
+    return torch.randint(-8, 8, (n,), generator=gen).to(dtype)
+
+
+def carve(buf: BucketBuffer, rng: random.Random, sizes: list, align: int = 64) -> list:
+    """Byte ranges `(start, nbytes)` for `sizes`, each after a random guard gap; the storage is filled with GUARD."""
+    buf.storage.fill_(GUARD)
+    out, pos = [], 0
+    for n in sizes:
+        pos += rng.randrange(1, 4) * align
+        out.append((pos, n))
+        pos = (pos + n + align - 1) // align * align
+    assert pos + align <= buf.num_bytes, f"buckets need {pos} bytes"
+    return out
+
+
+def check_guards(buf: BucketBuffer, used: list) -> None:
+    mask = torch.ones(buf.num_bytes, dtype=torch.bool)
+    for start, n in used:
+        mask[start:start + n] = False
+    bad = (buf.storage.cpu()[mask] != GUARD).nonzero()
+    assert len(bad) == 0, f"{len(bad)} guard bytes changed, first at {int(mask.nonzero()[bad[0]])}"
+
+
+def bucket_all_gather(rank: int, world: int, seed: int, with_dsts: bool, dtype_name: str = "fp32",
+                      device: str = "cpu"):
+    """20 random-size buckets gathered two per call, in place or into dsts; pointer rule, bitwise, guards."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int32": torch.int32, "uint8": torch.uint8}[dtype_name]
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed * 31 + rank)
+    buf = BucketBuffer(None, 4 * MIB, explicitly_destroy=True, num_cpu_timeout_secs=60)
+    shards = [rng.randint(1, 1 << 10) * 8 for _ in range(20)]
+    ranges = carve(buf, rng, [world * n * dtype.itemsize for n in shards])
+    for pair in range(0, 20, 2):
+        srcs, dsts, expected, starts = [], [], [], []
+        for (start, nbytes), n in zip(ranges[pair:pair + 2], shards[pair:pair + 2]):
+            region = buf.storage[start:start + nbytes].view(dtype)
+            shard = small_ints(gen, n, dtype).to(device)
+            expected.append(torch.empty(world * n, dtype=dtype, device=device))
+            dist.all_gather_into_tensor(expected[-1], shard)
+            if with_dsts:
+                srcs.append(shard if pair % 4 else region[rank * n:(rank + 1) * n].copy_(shard))
+                dsts.append(region)
+            else:
+                srcs.append(region[rank * n:(rank + 1) * n].copy_(shard))
+            starts.append(buf.storage.data_ptr() + start)
+        event = buf.all_gather(srcs, dsts if with_dsts else None)
+        assert event.num_sms == 0
+        results = event.wait()
+        assert event.wait() is None, "a second wait returns None"
+        for got, want, ptr in zip(results, expected, starts):
+            assert got.data_ptr() == ptr, "the result starts at the gathered tensor"
+            assert got.dtype == dtype and torch.equal(got.view(-1), want), "all_gather differs from torch"
+    check_guards(buf, ranges)
+    buf.destroy()
+    return len(ranges)
+
+
+def bucket_reduce(rank: int, world: int, seed: int, op: str, scale: float, exact: bool, device: str = "cpu"):
+    """Buckets of R*4096 and R*(3*1024+8) fp32 elements: pointer rule, values vs torch, guards."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed * 17 + rank)
+    buf = BucketBuffer(None, 2 * MIB, explicitly_destroy=True, num_cpu_timeout_secs=60)
+    sizes = [world * 4096, world * (3 * 1024 + 8)]
+    ranges = carve(buf, rng, [n * 4 for n in sizes])
+    srcs, expected = [], []
+    for (start, nbytes), n in zip(ranges, sizes):
+        data = (small_ints(gen, n, torch.float32) if exact else torch.randn(n, generator=gen)).to(device)
+        srcs.append(buf.storage[start:start + nbytes].view(torch.float32).view(world, -1).copy_(data.view(world, -1)))
+        want = data.clone()
+        if op == "reduce_scatter":
+            out = torch.empty(n // world, device=device)
+            dist.reduce_scatter_tensor(out, want)
+            want = out
+        else:
+            dist.all_reduce(want)
+        expected.append(want * scale)
+    event = getattr(buf, op)(srcs, scale=scale)
+    assert event.num_sms == buf.get_theoretical_num_sms(op), "num_sms=None gives the model's value"
+    for got, want, src in zip(event.wait(), expected, srcs):
+        if op == "reduce_scatter":
+            assert got.data_ptr() == src.data_ptr() + rank * got.nbytes, "the shard is in place in src"
+        else:
+            assert got is src
+        assert torch.equal(got.reshape(-1), want) if exact else torch.allclose(got.reshape(-1), want, 1e-5, 1e-5)
+    check_guards(buf, ranges)
+    buf.destroy()
+    return True
+
+
+def bucket_session(rank: int, world: int, seed: int, device: str = "cpu"):
+    """Sessions: external sources and destinations for all three ops, in-place tensors from allocate, errors."""
+    gen = torch.Generator().manual_seed(seed + rank)
+    buf = BucketBuffer(None, 2 * MIB, explicitly_destroy=True, num_cpu_timeout_secs=60)
+    x = small_ints(gen, 96, torch.bfloat16).to(device)
+    y = small_ints(gen, world * 40, torch.float32).view(world, 40).to(device)
+    gathered = torch.empty(world * 96, dtype=torch.bfloat16, device=device)
+    dist.all_gather_into_tensor(gathered, x)
+    summed = y.clone()
+    dist.all_reduce(summed)
+    with buf.session() as s:
+        assert buf.all_gather.__self__ is s, "the session shadows the buffer's collectives"
+        got = buf.all_gather(x).wait()  # staged; the staging view comes back
+        assert torch.equal(got, gathered) and buf.offset_of(got) is not None
+        dst = torch.empty(world * 96, dtype=torch.bfloat16, device=device)
+        assert buf.all_gather([x], [dst]).wait()[0] is dst and torch.equal(dst, gathered)
+        in_storage_dst = s.allocate(world * 96, torch.bfloat16)
+        assert buf.all_gather(x.view(8, 12), in_storage_dst).wait() is in_storage_dst
+        assert torch.equal(in_storage_dst, gathered)
+        shard = torch.empty(40, device=device)
+        assert s.reduce_scatter(y, dsts=shard, scale=0.5).wait() is shard
+        assert torch.equal(shard, summed[rank] * 0.5)
+        out = s.all_reduce(y.t(), scale=2.0).wait()  # a non-contiguous external source is staged too
+        assert torch.equal(out, (summed * 2.0).t())
+        a, b = s.allocate([(world, 8), (world * 16,)])
+        a.copy_(y[:, :8])
+        b.copy_(y.reshape(-1)[:world * 16])
+        ra, rb = s.all_reduce([a, b]).wait()
+        assert ra is a and rb is b and torch.equal(a, summed[:, :8])
+        errors = {
+            "nested": outcome(lambda: buf.session().__enter__()),
+            "out_of_storage": outcome(s.allocate, (MIB,)),
+            "dst_dtype": outcome(s.all_gather, x, torch.empty(world * 96, device=device)),
+        }
+    assert "all_gather" not in buf.__dict__, "exit restores the buffer's methods"
+    errors["outside"] = outcome(buf.all_gather, x)
+    errors["closed"] = outcome(s.allocate, 4)
+    buf.destroy()
+    return errors
+
+
+def bucket_mixed(rank: int, world: int, seed: int, rounds: int = 12, device: str = "cpu"):
+    """Randomised schedule over two groups, ops, dtypes and scales; sessions every 3rd round; guards intact."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed * 7 + rank)
+    dup = dist.new_group(list(range(world)))
+    buf = BucketBuffer([dist.group.WORLD, dup], 2 * MIB, explicitly_destroy=bool(seed % 2), num_cpu_timeout_secs=60)
+    assert buf.get_context_idx(dup) == 1 and len(buf.contexts) == 2
+    for r in range(rounds):
+        group = rng.choice(buf.groups)
+        op = rng.choice(["all_reduce", "reduce_scatter", "all_gather", "rs_ag"])
+        n = world * 8 * rng.randint(1, 64)
+        scale = rng.choice([1.0, 0.0, 0.25, -0.5, 2.0])
+        if r % 3 == 2:
+            with buf.session() as s:
+                data = small_ints(gen, n, torch.float32).to(device)
+                want = data.clone()
+                dist.all_reduce(want, group=group)
+                assert torch.equal(s.all_reduce(data, scale=scale, group=group).wait(), want * scale)
+            continue
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int32, torch.uint8]) if op == "all_gather" \
+            else torch.float32
+        ranges = carve(buf, rng, [n * dtype.itemsize])
+        region = buf.storage[ranges[0][0]:ranges[0][0] + n * dtype.itemsize].view(dtype)
+        data = small_ints(gen, n, dtype) if dtype != torch.uint8 else torch.randint(0, 255, (n,), generator=gen,
+                                                                                  dtype=torch.uint8)
+        data = data.to(device)
+        region.copy_(data)
+        if op == "all_gather":
+            m = n // world
+            want = torch.empty(n, dtype=dtype, device=device)
+            dist.all_gather_into_tensor(want, data[rank * m:(rank + 1) * m].clone(), group=group)
+            got = buf.all_gather(region[rank * m:(rank + 1) * m], group=group).wait()
+        elif op == "all_reduce":
+            want = data.clone()
+            dist.all_reduce(want, group=group)
+            want, got = want * scale, buf.all_reduce(region, scale, group).wait()
+        else:
+            want = torch.empty(n // world, device=device)
+            dist.reduce_scatter_tensor(want, data.clone(), group=group)
+            want, got = want * scale, buf.reduce_scatter(region, scale=scale, group=group).wait()
+            if op == "rs_ag":
+                full = torch.empty(n, device=device)
+                dist.all_gather_into_tensor(full, want, group=group)
+                want, got = full, buf.all_gather(got, group=group).wait()
+        assert torch.equal(got.reshape(-1), want), f"round {r}: {op} differs from torch"
+        check_guards(buf, ranges)
+        buf.barrier(group=group)
+    comm.barrier(buf, context_idx=1)
+    if buf.explicitly_destroy:
+        buf.destroy()
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pipeline send/recv
+# ---------------------------------------------------------------------------------------------------------
+def _message(seed: int, s: int, d: int, k: int, max_bytes: int) -> torch.Tensor:
+    """The k-th message s -> d as int32 words (every rank can rebuild it)."""
+    gen = torch.Generator().manual_seed(hash((seed, s, d, k)) & 0xFFFFFFFF)
+    n = int(torch.randint(1, max_bytes // 4 + 1, (1,), generator=gen))
+    return torch.randint(-2**31, 2**31 - 1, (n,), generator=gen, dtype=torch.int32)
+
+
+def pp_schedule(seed: int, world: int, inflight: int, steps: int) -> list:
+    """A global script of (action, src, dst) that keeps every FIFO within `inflight` and ends drained."""
+    rng = random.Random(seed)
+    pairs = sorted({(s, (s + o) % world) for s in range(world) for o in (1, -1)})
+    pending = {p: 0 for p in pairs}
+    script = []
+    for _ in range(steps):
+        p = rng.choice(pairs)
+        if pending[p] < inflight and (pending[p] == 0 or rng.random() < 0.5):
+            script.append(("send", *p))
+            pending[p] += 1
+        elif pending[p]:
+            script.append(("recv", *p))
+            pending[p] -= 1
+    script += [("recv", *p) for p, n in pending.items() for _ in range(n)]
+    return script
+
+
+def pp_random_schedule(rank: int, world: int, seed: int, inflight: int, steps: int = 120, max_bytes: int = 4096,
+                       device: str = "cpu"):
+    """Every rank runs its part of one script; every recv equals its send bitwise (FIFO per directed pair)."""
+    pp = PPBuffer(None, max_bytes, inflight, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    counts: dict = {}
+    for action, s, d in pp_schedule(seed, world, inflight, steps):
+        k = counts.get((action, s, d), 0)
+        counts[(action, s, d)] = k + 1
+        if action == "send" and s == rank:
+            x = _message(seed, s, d, k, max_bytes).to(device)
+            pp.send(x.view(torch.float32) if k % 2 else x, d)
+            x.fill_(-1)  # the sender may reuse x at once
+        elif action == "recv" and d == rank:
+            want = _message(seed, s, d, k, max_bytes).to(device)
+            y = torch.empty(want.nbytes, dtype=torch.uint8, device=device) if k % 3 == 0 else torch.empty_like(want)
+            got = pp.recv(y, s)
+            assert got is y and torch.equal(y.view(torch.int32), want), f"recv #{k} {s}->{d} differs"
+    pp.destroy()
+    return sum(n for (a, s, _), n in counts.items() if a == "send" and s == rank)
+
+
+def pp_subgroup(rank: int, world: int, members=(1, 2)):
+    """A PPBuffer on a group that is not the default one (its channels are made by the members only)."""
+    sub = dist.new_group(list(members))
+    if rank not in members:
+        return None
+    pp = PPBuffer(sub, 256, 2, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    me, peer = sub.rank(), 1 - sub.rank()
+    for k in range(5):
+        pp.send(torch.full((8,), float(10 * me + k)), peer)
+        got = pp.recv(torch.empty(8), peer)
+        assert torch.equal(got, torch.full((8,), float(10 * peer + k))), got
+    pp.destroy()
+    return me
+
+
+def pp_errors(rank: int, world: int):
+    pp = PPBuffer(None, 64, 2, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    peer = (rank + 1) % world
+    out = {
+        "not_neighbour": outcome(pp.send, torch.ones(4), rank),
+        "too_large": outcome(pp.send, torch.ones(17), peer),
+        "empty": outcome(pp.recv, torch.ones(0), peer),
+        "non_contiguous": outcome(pp.send, torch.ones(4, 2).t(), peer),
+        "not_tensor": outcome(pp.send, [1.0], peer),
+        "bad_sizes": outcome(PPBuffer, None, 0, 2),
+    }
+    pp.send(torch.arange(8, dtype=torch.int32), peer)
+    out["size_mismatch"] = outcome(pp.recv, torch.empty(4, dtype=torch.int32), (rank - 1) % world)
+    pp.send(torch.full((3,), 7.0), peer)
+    out["after_mismatch"] = pp.recv(torch.empty(3), (rank - 1) % world).tolist()
+    pp.destroy()
+    out["destroyed"] = outcome(pp.send, torch.ones(4), peer)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Engram
+# ---------------------------------------------------------------------------------------------------------
+def engram_table(seed: int, world: int, entries: list, hidden: int, fp8: bool):
+    """Global tables (and, for FP8, the replicated int32 scale tables) every rank can rebuild."""
+    gen = torch.Generator().manual_seed(seed)
+    tables, sfs = [], []
+    for n in entries:
+        x = torch.randn(world * n, hidden, generator=gen)
+        if fp8:
+            data, scales = per_token_cast_to_fp8(x, use_ue8m0=True)
+            tables.append(data)
+            sfs.append(scales)
+        else:
+            tables.append(x.bfloat16())
+    return tables, (sfs if fp8 else None)
+
+
+def engram_fetch(rank: int, world: int, seed: int, fp8: bool, entries=(1000, 1021), hidden: int = 256,
+                 tokens: int = 64, per_token: int = 24, device: str = "cpu"):
+    """Rows fetched equal global_table[indices] bitwise, hooks in forward and reverse order, two fetches."""
+    entries = list(entries)
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    tables, sfs = engram_table(seed, world, entries, hidden, fp8)
+    tables = [t.to(device) for t in tables]
+    sfs = None if sfs is None else [t.to(device) for t in sfs]
+    packs = sfs[0].shape[1] if fp8 else 0
+    gpu, storage = EngramBuffer.get_storage_size_hint(None, entries, hidden, tokens, per_token, dtype, packs)
+    qps, depth, _ = EngramBuffer.get_theoretical_config(None, len(entries), tokens, per_token)
+    buf = EngramBuffer(None, gpu, storage, False, qps, depth, explicitly_destroy=True, num_cpu_timeout_secs=60)
+    buf.set_config(entries, hidden, tokens, per_token, dtype, packs)
+    buf.write([t[rank * n:(rank + 1) * n] for t, n in zip(tables, entries)],
+              None if sfs is None else [s.clone() for s in sfs])
+    gen = torch.Generator().manual_seed(seed * 13 + rank)
+    for order, num_tokens in (("forward", tokens - 3 * rank), ("reverse", 0 if rank == 1 else tokens)):
+        idx = torch.stack([torch.randint(0, world * n, (num_tokens, per_token), generator=gen) for n in entries])
+        idx = idx.to(device)
+        hooks = buf.fetch(idx.int(), use_tma_aligned_col_major_sf=order == "reverse")
+        layers = range(len(entries)) if order == "forward" else reversed(range(len(entries)))
+        for layer in layers:
+            got, rows = hooks[layer](), idx[layer].reshape(-1)
+            want = tables[layer][rows].view(num_tokens, per_token * hidden)
+            if fp8:
+                data, scales = got
+                assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)), f"layer {layer} data differs"
+                want_sf = sfs[layer][rows].view(num_tokens, per_token * packs)
+                assert torch.equal(scales, want_sf), f"layer {layer} scales differ"
+                if order == "reverse":
+                    assert scales.stride() == (1, (num_tokens + 3) // 4 * 4), scales.stride()
+            else:
+                assert torch.equal(got, want), f"layer {layer} ({order}) differs"
+    buf.destroy()
+    return True
+
+
+def engram_errors(rank: int, world: int):
+    entries, hidden = [16, 8], 64
+    gpu, storage = EngramBuffer.get_storage_size_hint(None, entries, hidden, 4, 2)
+    buf = EngramBuffer(None, gpu, storage, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    out = {"fetch_before_config": outcome(buf.fetch, torch.zeros(2, 1, 2, dtype=torch.int32))}
+    out["capacity"] = outcome(buf.set_config, entries, hidden, 4 * 1024 * 1024, 2)
+    out["disagree"] = outcome(buf.set_config, entries, hidden * (1 + rank), 4, 2)
+    buf.set_config(entries, hidden, 4, 2)
+    out["fetch_before_write"] = outcome(buf.fetch, torch.zeros(2, 1, 2, dtype=torch.int32))
+    out["write_shape"] = outcome(buf.write, [torch.zeros(16, hidden + rank, dtype=torch.bfloat16),
+                                             torch.zeros(8, hidden, dtype=torch.bfloat16)])
+    buf.write([torch.zeros(n, hidden, dtype=torch.bfloat16) for n in entries])
+    idx = torch.zeros(2, 3, 2, dtype=torch.int32)
+    if rank == 1:
+        idx[1, 2, 1] = world * 8
+    out["out_of_range"] = outcome(buf.fetch, idx)
+    out["float_indices"] = outcome(buf.fetch, torch.zeros(2, 3, 2))
+    out["too_many_tokens"] = outcome(buf.fetch, torch.zeros(2, 5, 2, dtype=torch.int32))
+    out["alias_both"] = outcome(EngramBuffer, None, gpu, storage, num_rdma_storage_size=storage)
+    buf.destroy()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# barrier and timeouts
+# ---------------------------------------------------------------------------------------------------------
+def barriers(rank: int, world: int, device: str = "cpu"):
+    """comm.barrier / get_comm_stream on every buffer kind, every option."""
+    import epcomm
+    ep = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=64, explicitly_destroy=True)
+    dup = dist.new_group(list(range(world)))
+    bucket = BucketBuffer([dist.group.WORLD, dup], 2 * MIB, explicitly_destroy=True)
+    pp = PPBuffer(None, 64, 1, explicitly_destroy=True)
+    engram = EngramBuffer(None, 2 * MIB, 2 * MIB, explicitly_destroy=True)
+    for buf in (ep, bucket, pp, engram):
+        assert (comm.get_comm_stream(buf) is None) == (device == "cpu")
+        for wait, sync, seq in ((True, False, True), (False, True, False), (True, True, True)):
+            comm.barrier(buf, wait, sync, seq)
+    comm.barrier(bucket, context_idx=1)
+    errors = {"ep_context": outcome(comm.barrier, ep, True, False, True, 1),
+              "bucket_context": outcome(comm.barrier, bucket, True, False, True, 2),
+              "not_buffer": outcome(comm.barrier, object()),
+              "ambiguous_group": outcome(bucket.barrier)}
+    for buf in (ep, bucket, pp, engram):
+        buf.destroy()
+    errors["destroyed"] = outcome(comm.barrier, bucket)
+    return errors
+
+
+def timeouts(rank: int, world: int, timeout_s: float):
+    """Bounded waits: an unreceived PP send, a PP recv with no send, a barrier a peer skips. Rank 1 skips."""
+    a = PPBuffer(None, 64, 1, num_cpu_timeout_secs=timeout_s)
+    b = PPBuffer(None, 64, 1, num_cpu_timeout_secs=timeout_s)
+    bucket = BucketBuffer(None, 2 * MIB, num_cpu_timeout_secs=timeout_s)
+    start = time.monotonic()
+    if rank == 1:
+        msg = outcome(a.recv, torch.empty(4), 0)  # rank 0 never sends on `a`
+        elapsed = time.monotonic() - start
+        time.sleep(2 * timeout_s + 2)  # stay away from the barrier until rank 0 gave up on it
+        return msg, elapsed, None
+    b.send(torch.ones(4), 1)
+    msg = outcome(b.send, torch.ones(4), 1)  # the one slot is still in flight: rank 1 never receives
+    elapsed = time.monotonic() - start
+    barrier_msg = outcome(bucket.barrier)  # rank 1 never arrives
+    after = outcome(b.send, torch.ones(4), 1)
+    return msg, elapsed, (barrier_msg, after)

@@ -1,0 +1,186 @@
+"""`BucketBuffer` / `BucketSession` (reference §14): placement rules, equality with torch.distributed, guard bytes,
+sessions, several groups, every user mistake pinned. Rank-side bodies live in collective_cases.py."""
+
+import re
+
+import pytest
+import torch
+
+import collective_cases as cc
+from epcomm.bucket import BucketBuffer, SessionOutOfStorage, _theoretical_num_sms
+
+
+@pytest.mark.parametrize("with_dsts", [False, True], ids=["in-place", "dsts"])
+def test_all_gather_random_buckets_match_torch(run_ranks, with_dsts):
+    assert run_ranks(2, cc.bucket_all_gather, 3, with_dsts) == [20, 20]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int32", "uint8"])
+def test_all_gather_any_dtype(run_ranks, dtype):
+    run_ranks(2, cc.bucket_all_gather, 4, False, dtype)
+
+
+@pytest.mark.parametrize("op,scale", [("reduce_scatter", 1.0), ("reduce_scatter", -0.5), ("all_reduce", 0.25)])
+@pytest.mark.parametrize("exact", [True, False], ids=["small-ints-bitwise", "randn-fp32"])
+def test_reductions_in_place_match_torch(run_ranks, op, scale, exact):
+    assert all(run_ranks(2, cc.bucket_reduce, 5, op, scale, exact))
+
+
+def test_session_external_tensors_and_allocate(run_ranks):
+    for rank, errors in enumerate(run_ranks(2, cc.bucket_session, 6)):
+        assert errors["nested"][0] == "ValueError" and "sessions do not nest" in errors["nested"][1]
+        cls, msg = errors["out_of_storage"]
+        assert cls == "SessionOutOfStorage" and re.search(r"session out of storage: staging needs 4194304 bytes", msg)
+        assert errors["dst_dtype"][0] == "TypeError" and "dsts must have the src's dtype torch.bfloat16" in \
+            errors["dst_dtype"][1]
+        assert re.search(rf"rank {rank}: srcs must belong to this BucketBuffer", errors["outside"][1])
+        assert "the session is closed" in errors["closed"][1]
+
+
+def test_out_of_storage_is_value_and_runtime_error():
+    assert issubclass(SessionOutOfStorage, ValueError) and issubclass(SessionOutOfStorage, RuntimeError)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mixed_schedule_two_groups(run_ranks, seed):
+    assert all(run_ranks(2, cc.bucket_mixed, seed))
+
+
+def test_theoretical_num_sms_model():
+    h200 = 0.9 * 18 * 26.5625  # 430.3 GB/s
+    assert _theoretical_num_sms("all_gather", 8, 1, h200, 45.0) == 0
+    # NVLink only: g = 430.3 / 8 = 53.8 -> ceil(53.8 / 45) = 2 -> max(6, 2) = 6
+    assert _theoretical_num_sms("reduce_scatter", 8, 1, h200, 45.0) == 6
+    # 2 ranks per host: g = 215.2 -> 215.2 / 45 = 4.78 -> max(6, 4.78) = 6
+    assert _theoretical_num_sms("reduce_scatter", 2, 1, h200, 45.0) == 6
+    assert _theoretical_num_sms("all_reduce", 1, 1, h200, 45.0) == 10  # ceil(430.3 / 45) = 10
+    # hybrid: g = min(53.8, 45 * 2 / 1 = 90) = 53.8 -> 1.2 * 2g / 45 = 2.87 -> 8
+    assert _theoretical_num_sms("reduce_scatter", 8, 2, h200, 45.0) == 8
+    # RDMA only, 4 hosts: a = 45 * 4 / 3 = 60 -> max(60/180, 60/4/45) < 1 -> 6
+    assert _theoretical_num_sms("all_reduce", 1, 4, h200, 45.0) == 6
+
+
+EXPECTED = {
+    "not_in_storage": ("ValueError", r"srcs must belong to this BucketBuffer"),
+    "gather_out_of_bounds": ("ValueError", r"srcs must be the rank-th \(rank \d\) shard of a gathered tensor inside "
+                                           r"the storage: the gathered bytes would span \[-?\d+, \d+\)"),
+    "overlap_not_shard": ("ValueError", r"srcs overlaps dsts but is not its rank-th"),
+    "dst_size": ("ValueError", r"dsts must have 2 x srcs.nbytes = 16 bytes, got 32"),
+    "dst_outside": ("ValueError", r"dsts must belong to this BucketBuffer"),
+    "dsts_len": ("ValueError", r"dsts must be a list of 2 tensors \(one per src\), got a list of 1"),
+    "empty_list": ("ValueError", r"srcs is an empty list"),
+    "not_tensor": ("TypeError", r"srcs must be a tensor or a list of tensors, got int"),
+    "gather_num_sms": ("ValueError", r"num_sms must be None or 0 for all_gather"),
+    "rs_dtype": ("TypeError", r"srcs must be torch.float32, got torch.bfloat16"),
+    "rs_size": ("ValueError", r"srcs has 32 bytes; it must be a multiple of R x 32 = 64"),
+    "rs_misaligned": ("ValueError", r"srcs starts at storage byte 16; it must start on a 32-byte boundary"),
+    "rs_precision": ("ValueError", r"comm_precision must be 'fp32', got 'bf16'"),
+    "rs_num_sms": ("ValueError", r"num_sms must be > 0 or None"),
+    "ar_non_contiguous": ("ValueError", r"srcs must be contiguous"),
+    "ar_list_index": ("TypeError", r"srcs\[1\] must be torch.float32"),
+    "scale_type": ("TypeError", r"scale must be a float, got str"),
+    "ambiguous_group": ("ValueError", r"group=None is ambiguous with 2 groups registered; pass the group"),
+    "unknown_group": ("ValueError", r"the group is not registered with this buffer"),
+    "session_mixed_groups": ("ValueError", r"all collectives of one session must use the same group"),
+    "bad_op": ("ValueError", r"op must be 'all_gather', 'reduce_scatter' or 'all_reduce', got 'broadcast'"),
+    "num_bytes": ("ValueError", r"allocation_plan_or_num_bytes must be a positive multiple of 2 MiB"),
+    "plan": ("TypeError", r"allocation plans are not supported yet"),
+    "too_many_groups": ("ValueError", r"group_or_groups must hold 1 to 8 groups, got 9"),
+    "group_twice": ("ValueError", r"group_or_groups lists a group twice"),
+    "group_count_disagree": ("ValueError", r"group ranks disagree on the number of groups \(rank 0: 1, rank 1: 2\)"),
+    "destroyed": ("ValueError", r"the BucketBuffer was destroyed"),
+}
+
+
+@pytest.fixture(scope="module")
+def bucket_errors(pools):
+    return pools.get(2).run(bucket_error_cases, timeout=120)
+
+
+def test_every_bucket_error_is_pinned(bucket_errors):
+    assert set(bucket_errors[0]) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bucket_error(bucket_errors, name):
+    cls, pattern = EXPECTED[name]
+    for rank, out in enumerate(bucket_errors):
+        assert out[name] is not None, f"{name}: rank {rank} raised nothing"
+        got_cls, msg = out[name]
+        assert got_cls == cls and re.search(pattern, msg), (got_cls, msg)
+        assert f"rank {rank}" in msg, msg
+        with pytest.raises(getattr(__builtins__, cls, None) or Exception, match=pattern):
+            raise {"ValueError": ValueError, "TypeError": TypeError}[cls](msg)
+
+
+def bucket_error_cases(rank, world):
+    import torch.distributed as dist
+    out = cc.outcome
+    buf = BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    st = buf.storage
+    f32 = st[64:64 + 256].view(torch.float32)
+    dup = dist.new_group([0, 1])
+    two = BucketBuffer([dist.group.WORLD, dup], 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    r = {
+        "not_in_storage": out(buf.all_gather, torch.ones(4)),
+        "gather_out_of_bounds": out(buf.all_gather, st[:16].view(torch.float32) if rank else
+                                    st[-16:].view(torch.float32)),
+        "overlap_not_shard": out(buf.all_gather, st[64 + 8:64 + 40], st[64:128]),
+        "dst_size": out(buf.all_gather, torch.ones(8, dtype=torch.uint8).view(torch.float32), st[0:32]),
+        "dst_outside": out(buf.all_gather, st[0:8], torch.empty(16, dtype=torch.uint8)),
+        "dsts_len": out(buf.all_gather, [st[0:8], st[8:16]], [st[64:80]]),
+        "empty_list": out(buf.all_gather, []),
+        "not_tensor": out(buf.all_gather, 3),
+        "gather_num_sms": out(buf.all_gather, st[0:8], None, None, 4),
+        "rs_dtype": out(buf.reduce_scatter, st[0:64].view(torch.bfloat16)),
+        "rs_size": out(buf.reduce_scatter, f32[:8]),
+        "rs_misaligned": out(buf.reduce_scatter, st[16:16 + 64].view(torch.float32)),
+        "rs_precision": out(buf.reduce_scatter, f32, "bf16"),
+        "rs_num_sms": out(buf.reduce_scatter, f32, "fp32", 1.0, None, 0),
+        "ar_non_contiguous": out(buf.all_reduce, f32.view(8, 8).t()),
+        "ar_list_index": out(buf.all_reduce, [f32, st[0:64].view(torch.int32)]),
+        "scale_type": out(buf.all_reduce, f32, "2"),
+        "ambiguous_group": out(two.all_reduce, two.storage[:64].view(torch.float32)),
+        "unknown_group": out(buf.all_reduce, f32, 1.0, dup),
+        "bad_op": out(buf.get_theoretical_num_sms, "broadcast"),
+        "num_bytes": out(BucketBuffer, None, 3 << 20),
+        "plan": out(BucketBuffer, None, [1, 2]),
+        "too_many_groups": out(BucketBuffer, [dist.group.WORLD] * 9, 2 << 20),
+        "group_twice": out(BucketBuffer, [dist.group.WORLD, dist.group.WORLD], 2 << 20),
+        "group_count_disagree": out(BucketBuffer, [dist.group.WORLD] + [dup] * rank, 2 << 20),
+    }
+    with two.session() as s:
+        s.all_reduce(torch.ones(16), group=dup).wait()
+        r["session_mixed_groups"] = out(s.all_reduce, torch.ones(16), 1.0, dist.group.WORLD)
+    two.destroy()
+    buf.destroy()
+    r["destroyed"] = out(buf.all_reduce, f32)
+    return r
+
+
+# -- the same checks with NCCL on CUDA (pytest -m multigpu on a machine with >= 2 GPUs) ---------------------
+
+
+@pytest.mark.parametrize("with_dsts", [False, True], ids=["in-place", "dsts"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "uint8"])
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_all_gather_on_gpu(pools, with_dsts, dtype):
+    pools.get(2, "nccl").run(cc.bucket_all_gather, 3, with_dsts, dtype, device="cuda")
+
+
+@pytest.mark.parametrize("op,scale", [("reduce_scatter", 1.0), ("reduce_scatter", -0.5), ("all_reduce", 0.25)])
+@pytest.mark.parametrize("exact", [True, False], ids=["small-ints-bitwise", "randn-fp32"])
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_reductions_on_gpu(pools, op, scale, exact):
+    pools.get(2, "nccl").run(cc.bucket_reduce, 5, op, scale, exact, device="cuda")
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_session_and_mixed_schedule_on_gpu(pools):
+    nccl = pools.get(2, "nccl")
+    nccl.run(cc.bucket_session, 6, device="cuda")
+    for seed in (1, 2):
+        nccl.run(cc.bucket_mixed, seed, device="cuda")

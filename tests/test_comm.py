@@ -1,0 +1,74 @@
+"""`epcomm.comm.barrier` / `get_comm_stream` on every buffer kind (reference §17.1), and the public docstrings of
+the collectives API (STYLE rule 7)."""
+
+import inspect
+import re
+
+import pytest
+
+import collective_cases as cc
+from epcomm import bucket, comm, engram, pp
+
+
+def test_barrier_on_every_buffer(run_ranks):
+    for rank, errors in enumerate(run_ranks(2, cc.barriers)):
+        assert errors["ep_context"][0] == "ValueError" and "context_idx must be None or 0, got 1" in \
+            errors["ep_context"][1]
+        assert re.search(r"context_idx must be None or in \[0, 2\) \(the BucketBuffer has 2 contexts\), got 2",
+                         errors["bucket_context"][1])
+        assert errors["not_buffer"][0] == "TypeError" and "must be an epcomm buffer" in errors["not_buffer"][1]
+        assert f"rank {rank}: group=None is ambiguous" in errors["ambiguous_group"][1]
+        assert "the BucketBuffer was destroyed" in errors["destroyed"][1]
+
+
+PUBLIC = [
+    comm.barrier, comm.get_comm_stream, comm.CommContext.__init__,
+    bucket.BucketBuffer.__init__, bucket.BucketBuffer.all_gather, bucket.BucketBuffer.reduce_scatter,
+    bucket.BucketBuffer.all_reduce, bucket.BucketBuffer.get_theoretical_num_sms, bucket.BucketSession.allocate,
+    pp.PPBuffer.__init__, pp.PPBuffer.send, pp.PPBuffer.recv,
+    engram.EngramBuffer.__init__, engram.EngramBuffer.get_storage_size_hint,
+    engram.EngramBuffer.get_theoretical_config, engram.EngramBuffer.write, engram.EngramBuffer.fetch,
+]
+
+
+@pytest.mark.parametrize("fn", PUBLIC, ids=lambda f: f.__qualname__)
+def test_docstring_names_every_argument(fn):
+    owner = fn.__qualname__.split(".")[0]
+    module = inspect.getmodule(fn)
+    doc = inspect.getdoc(getattr(module, owner) if fn.__name__ == "__init__" else fn) or ""
+    params = [p for p in inspect.signature(fn).parameters if p not in ("self", "args", "kwargs")]
+    missing = [p for p in params if not re.search(rf"\b{re.escape(p)}\b", doc)]
+    assert not missing, f"{fn.__qualname__}: docstring does not describe {missing}"
+    assert "Raises" in doc, f"{fn.__qualname__}: no Raises section"
+    if fn.__name__ != "__init__" and fn not in (engram.EngramBuffer.write,):
+        assert "Returns" in doc, f"{fn.__qualname__}: no Returns section"
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_barrier_on_every_buffer_on_gpu(pools):
+    pools.get(2, "nccl").run(cc.barriers, device="cuda")
+
+
+def test_bench_suite_collectives(pools, capsys, tmp_path, monkeypatch):
+    """`epcomm-bench --suite collectives` end to end on the session's gloo pool: gate, table, JSON, ratios."""
+    import json
+
+    import torch
+
+    from epcomm.bench.collectives import OPS, run_suite
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # plan for CPU even where CUDA is present
+    out_json = tmp_path / "collectives.json"
+    rc = run_suite(["--suite", "collectives", "--size-mib", "0.25", "--iters", "2", "--warmup", "0",
+                    "--json", str(out_json)], pool=pools.get(2))
+    out = capsys.readouterr().out
+    assert rc == 0 and "FAILED" not in out, out
+    for op in OPS:
+        for provider in ("epcomm", "torch-gloo"):
+            assert re.search(rf"\| {op} \| [-\d.]+ \| {provider} \|", out), out
+    records = json.loads(out_json.read_text())["records"]
+    assert {r["op"] for r in records} == set(OPS)
+    assert all(r["vs_torch"] > 0 for r in records if r["provider"] == "epcomm")
+    assert all(r["gbps"] > 0 for r in records if r["op"] != "barrier")
+    assert run_suite(["--ops", "broadcast"]) == 2
+    assert "unknown ['broadcast']" in capsys.readouterr().err

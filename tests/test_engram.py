@@ -1,0 +1,88 @@
+"""`EngramBuffer` (reference §15): sizing hints, write, fetch bitwise equal to global_table[indices] in forward and
+reverse layer order, BF16 and FP8 with replicated scales, errors on every rank."""
+
+import re
+
+import pytest
+import torch
+
+import collective_cases as cc
+from epcomm.engram import EngramBuffer
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fetch_matches_global_table(run_ranks, fp8):
+    assert all(run_ranks(2, cc.engram_fetch, 11, fp8))
+
+
+def test_storage_size_hint_worked_example():
+    # 2 layers of 1000 and 1021 rows per rank, hidden 256 bf16, 64 tokens x 24 entries:
+    # receive area 2 * 64 * 24 * 512 B = 1.5 MiB -> 2 MiB; table 2021 * 512 B = 0.99 MiB -> 2 MiB.
+    assert EngramBuffer.get_storage_size_hint(2, [1000, 1021], 256, 64, 24) == (2 * MIB, 2 * MIB)
+    # FP8 with 2 packs: area 0.75 MiB -> 2 MiB, + scales 2021 * 2 * 4 B -> 2 MiB; table 2021 * 256 B -> 2 MiB.
+    assert EngramBuffer.get_storage_size_hint(2, [1000, 1021], 256, 64, 24, torch.float8_e4m3fn, 2) == \
+        (4 * MIB, 2 * MIB)
+    # The reference's test shape: 524288 + 524309 rows, hidden 256, 512 tokens x 24 entries.
+    gpu, storage = EngramBuffer.get_storage_size_hint(4, [524288, 524309], 256, 512, 24)
+    assert gpu == 12 * MIB and storage == 514 * MIB  # 1048597 rows x 512 B = 512.01 MiB
+
+
+@pytest.mark.parametrize("args,exc,pattern", [
+    (([0], 256, 1, 1), ValueError, r"num_entries_per_layer must list at least one layer, each > 0"),
+    ((8, 256, 1, 1), TypeError, r"num_entries_per_layer must be a list of ints"),
+    (([8], 30, 1, 1), ValueError, r"hidden \* element size must be a multiple of 64 bytes, got 30 x 2"),
+    (([8], 256, 1, 1, torch.float8_e4m3fn), ValueError, r"num_sf_packs must be > 0 for FP8 tables"),
+    (([8], 256, 1, 1, torch.int8), TypeError, r"dtype must be one of"),
+    (([8], 256, 0, 1), ValueError, r"num_max_tokens must be an int > 0, got 0"),
+])
+def test_storage_size_hint_errors(args, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        EngramBuffer.get_storage_size_hint(2, *args)
+
+
+def test_theoretical_config():
+    # 90 Mpps x 10 us = 900 reads in flight / 16 per QP / 3 peers -> 19 QPs; 2*512*24 reads / 57 -> 1024 deep.
+    assert EngramBuffer.get_theoretical_config(4, 2, 512, 24) == (19, 1024, False)
+    # Beyond 32768 slots per QP the depth saturates and relaxed ordering is requested.
+    qps, depth, restrict = EngramBuffer.get_theoretical_config(2, 64, 65536, 64)
+    assert (depth, restrict) == (32768, True) and qps == int(-(-64 * 65536 * 64 // 32768) * 1.05)
+    with pytest.raises(ValueError, match=r"num_layers must be an int > 0, got 0"):
+        EngramBuffer.get_theoretical_config(2, 0, 1, 1)
+
+
+ENGRAM_ERRORS = {
+    "fetch_before_config": ("ValueError", r"call set_config\(\.\.\.\) first", None),
+    "capacity": ("ValueError", r"the table needs num_gpu_bytes >= \d+ .* but the buffer has 2097152 and 2097152; "
+                               r"size it with EngramBuffer.get_storage_size_hint", None),
+    "disagree": ("ValueError", r"ranks disagree on hidden \(rank 0: 64, rank 1: 128\)", None),
+    "fetch_before_write": ("ValueError", r"the table was never written", None),
+    "write_shape": ("ValueError", r"storages\[0\] must have shape \[16, 64\], got \(16, 65\)", 1),
+    "out_of_range": ("ValueError", r"indices\[1, 2, 1\] = 16 is outside layer 1's global index space \[0, 16\)", 1),
+    "float_indices": ("TypeError", r"indices must have dtype in \(torch.int32, torch.int64\), got torch.float32", None),
+    "too_many_tokens": ("ValueError", r"indices has 5 tokens but num_max_tokens is 4", None),
+    "alias_both": ("TypeError", r"pass num_rdma_storage_bytes or its legacy alias num_rdma_storage_size, not both",
+                   None),
+}
+
+
+def test_engram_errors_on_every_rank(run_ranks):
+    """`offender` None: every rank makes the mistake; else the other rank names the offending group rank."""
+    outs = run_ranks(2, cc.engram_errors)
+    for name, (cls, pattern, offender) in ENGRAM_ERRORS.items():
+        for rank, out in enumerate(outs):
+            got = out[name]
+            assert got is not None and got[0] == cls, (name, rank, got)
+            if offender is None or rank == offender:
+                with pytest.raises({"ValueError": ValueError, "TypeError": TypeError}[cls], match=pattern):
+                    raise ValueError(got[1]) if cls == "ValueError" else TypeError(got[1])
+            else:
+                assert re.search(rf"rank {rank}: group rank {offender} rejected the call", got[1]), got[1]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fetch_on_gpu(pools, fp8):
+    pools.get(2, "nccl").run(cc.engram_fetch, 11, fp8, (65536, 65557), 256, 512, 24, device="cuda")

@@ -1,0 +1,79 @@
+"""`PPBuffer` (reference §16): FIFO per directed neighbour pair, randomised schedules within the in-flight limit,
+bitwise payloads, clear errors, bounded waits."""
+
+import re
+
+import pytest
+
+import collective_cases as cc
+from epcomm.testing import run_in_fresh_world
+
+
+@pytest.mark.parametrize("world,inflight,seed", [(2, 1, 0), (2, 3, 1), (3, 2, 2)])
+def test_random_schedule_respecting_inflight(run_ranks, world, inflight, seed):
+    sent = run_ranks(world, cc.pp_random_schedule, seed, inflight)
+    assert sum(sent) > 20
+
+
+def test_pp_on_a_subgroup(run_ranks):
+    assert run_ranks(3, cc.pp_subgroup) == [None, 0, 1]
+
+
+def test_schedule_generator_respects_limit():
+    for seed in range(5):
+        pending: dict = {}
+        for action, s, d in cc.pp_schedule(seed, 3, 2, 200):
+            pending[(s, d)] = pending.get((s, d), 0) + (1 if action == "send" else -1)
+            assert 0 <= pending[(s, d)] <= 2
+            assert d in ((s + 1) % 3, (s - 1) % 3)
+        assert not any(pending.values())
+
+
+PP_ERRORS = {
+    "not_neighbour": ("ValueError", r"dst_rank_idx must be a ring neighbour of rank (\d): \(rank \+ 1\) % 2 or "
+                                    r"\(rank - 1\) % 2, i.e. one of \[\d\]; got \1"),
+    "too_large": ("ValueError", r"x has 68 bytes but num_max_tensor_bytes is 64"),
+    "empty": ("ValueError", r"x is empty"),
+    "non_contiguous": ("ValueError", r"x must be contiguous"),
+    "not_tensor": ("TypeError", r"x must be a torch.Tensor, got list"),
+    "bad_sizes": ("ValueError", r"num_max_tensor_bytes must be > 0, got 0"),
+    "size_mismatch": ("ValueError", r"x has 16 bytes but send #0 from group rank \d carried 32; recv into a tensor "
+                                    r"of the sent size"),
+    "destroyed": ("ValueError", r"the PPBuffer was destroyed"),
+}
+
+
+def test_pp_errors(run_ranks):
+    for rank, out in enumerate(run_ranks(2, cc.pp_errors)):
+        assert out["after_mismatch"] == [7.0, 7.0, 7.0], "the FIFO stays in step after a size mismatch"
+        for name, (cls, pattern) in PP_ERRORS.items():
+            assert out[name] is not None and out[name][0] == cls, (name, out[name])
+            with pytest.raises({"ValueError": ValueError, "TypeError": TypeError}[cls], match=pattern):
+                raise {"ValueError": ValueError, "TypeError": TypeError}[cls](out[name][1])
+            assert f"rank {rank}" in out[name][1]
+
+
+def test_waits_are_bounded_and_name_the_peer():
+    """Rank 0: a send with no free slot, then a barrier rank 1 skips; rank 1: a recv nothing feeds."""
+    timeout_s = 2.0
+    results = run_in_fresh_world(2, cc.timeouts, timeout_s, timeout=60)
+    (cls0, msg0), elapsed0, (barrier, after) = results[0]
+    assert cls0 == "TransportTimeout" and re.search(
+        r"PPBuffer.send: rank 0: send #1 to group rank 1 waited 2 s .* group rank 1 has not received send #0 "
+        r"\(num_max_inflight_tensors=1", msg0), msg0
+    assert elapsed0 < timeout_s + 3
+    assert barrier[0] == "TransportTimeout" and re.search(r"BucketBuffer.barrier: rank 0 waited 2 s .* group ranks "
+                                                          r"\[1\] did not arrive", barrier[1]), barrier
+    assert after[0] == "ValueError" and "unusable after an earlier failure" in after[1]
+    (cls1, msg1), elapsed1, _ = results[1]
+    assert elapsed1 < timeout_s + 3
+    assert cls1 == "TransportTimeout" and re.search(r"PPBuffer.recv: rank 1: waited 2 s .* for send #0 from group "
+                                                    r"rank 0", msg1), msg1
+    assert issubclass(__import__("epcomm.transport.base", fromlist=["x"]).TransportTimeout, TimeoutError)
+
+
+@pytest.mark.parametrize("inflight,seed", [(1, 0), (3, 1)])
+@pytest.mark.multigpu
+@pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_random_schedule_on_gpu(pools, inflight, seed):
+    pools.get(2, "nccl").run(cc.pp_random_schedule, seed, inflight, 200, 1 << 20, device="cuda")
