@@ -366,3 +366,13 @@ def transport_name(rank: int, world: int):
     name = buf.transport.name
     buf.destroy()
     return name
+
+
+def handle_recv_topk_idx(rank: int, world: int):
+    """handle.recv_topk_idx equals the non-expand dispatch's recv_topk_idx."""
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = random_routing(gen, 11, 8, 3)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=11, hidden=8)
+    out = buf.dispatch(torch.randn(11, 8, generator=gen), idx, w, num_experts=8)
+    assert torch.equal(out[3].recv_topk_idx, out[1])
+    return True

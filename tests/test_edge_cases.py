@@ -87,3 +87,7 @@ def test_random_routings(run_ranks, seed, tokens, num_topk, experts_per_rank, ma
               num_experts=num_experts, masked_ratio=masked_ratio, do_expand=do_expand,
               expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, num_bias=seed % 3,
               allow_multiple_reduction=allow_multiple_reduction, hidden=24)
+
+
+def test_handle_exposes_recv_topk_idx(run_ranks):
+    assert all(run_ranks(2, ep_cases.handle_recv_topk_idx))

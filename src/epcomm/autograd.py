@@ -185,7 +185,8 @@ class TokenDispatcher:
                 rows (aligned; padding rows are zero); non-expand: one row per received token, ascending token key.
             recv_topk_weights: [S] (expand) or [M, K] (non-expand; 0 in non-local columns), topk_weights' dtype
                 -- the weight of each row's selection; None when `topk_weights` is None.
-            handle: `EPHandle` -- the routing; pass it to `combine`.
+            handle: `EPHandle` -- the routing; pass it to `combine`. In the non-expand layout
+                `handle.recv_topk_idx` ([M, K]) gives each row's local expert ids (-1 where not local).
 
         Raises:
             TypeError: wrong types or dtypes (on every rank).

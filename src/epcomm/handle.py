@@ -86,6 +86,12 @@ class EPHandle:
         return self._topk_idx
 
     @property
+    def recv_topk_idx(self) -> Tensor:
+        """[M, K] -- local expert id of each column of each received row, -1 where not local (epcomm addition:
+        what non-expand dispatch returns as `recv_topk_idx`, kept for callers such as `TokenDispatcher`)."""
+        return self._plan.recv.local_idx_MK.to(self._topk_idx.dtype)
+
+    @property
     def num_topk(self) -> int:
         return self._topk_idx.shape[1]
 
