@@ -190,3 +190,44 @@ def missing_peer(rank: int, world: int, timeout_s: float):
             after = str(e2)
         return str(e), elapsed, after
     return None
+
+
+def construct_one_bad(rank: int, world: int, kind: str):
+    """Rank 1 passes a bad constructor argument (or another transport): every rank must raise."""
+    kwargs = dict(num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
+    if rank == 1:
+        kwargs.update({"num_bytes": dict(num_bytes=1000), "timeout": dict(num_cpu_timeout_secs=-1),
+                       "timeout_type": dict(num_cpu_timeout_secs="5"), "dtype": dict(dtype=torch.int8),
+                       "transport": dict(transport="collective")}[kind])
+    if rank == 0 and kind == "transport":
+        kwargs["transport"] = "auto"
+    start = time.monotonic()
+    try:
+        epcomm.EPBuffer(None, **kwargs)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None
+
+
+def barrier_vs_dispatch(rank: int, world: int):
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
+    x, idx, w = _inputs(rank)
+    try:
+        if rank == 0:
+            buf.barrier()
+        else:
+            buf.dispatch(x, idx, w, num_experts=E)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def grad_warning(rank: int, world: int):
+    import warnings
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+    x, idx, w = _inputs(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buf.dispatch(x.float().requires_grad_(), idx, w, num_experts=E)
+    buf.destroy()
+    return [str(c.message) for c in caught]

@@ -110,7 +110,7 @@ def test_handle_from_another_buffer_and_use_after_destroy(run_ranks):
 def test_missing_peer_times_out_naming_it():
     results = run_in_fresh_world(2, error_cases.missing_peer, 3.0, timeout=60)
     msg, elapsed, after = results[0]
-    assert re.search(r"rank 0 waited 3 s .* group ranks \[1\] did not arrive", msg), msg
+    assert re.search(r"^EPBuffer.dispatch: count exchange: rank 0 waited 3 s .* group ranks \[1\] did not arrive.*os._exit", msg), msg
     assert elapsed < 3.0 + 5.0, elapsed
     assert "unusable after an earlier failure" in after
     assert results[1] == "skipped"
@@ -126,3 +126,31 @@ def test_constructor_checks(run_ranks):
 
 def _construct_bad(rank, world):
     epcomm.EPBuffer(None, num_bytes=3 * 1024 * 1024)
+
+
+@pytest.mark.parametrize("kind,exc,pattern", [
+    ("num_bytes", ValueError, r"num_bytes must be a positive multiple of 2 MiB .* got 1000"),
+    ("timeout", ValueError, r"num_cpu_timeout_secs must be > 0 seconds, got -1"),
+    ("timeout_type", TypeError, r"num_cpu_timeout_secs must be a number of seconds, got str"),
+    ("dtype", TypeError, r"dtype must be a float dtype .* got torch.int8"),
+])
+def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind, exc, pattern):
+    out = run_ranks(2, error_cases.construct_one_bad, kind)
+    assert out[1][0] == exc.__name__ and re.search(pattern, out[1][1]), out[1]
+    assert out[0][0] == exc.__name__ and "group rank 1 rejected the construction" in out[0][1], out[0]
+    assert re.search(pattern, out[0][1]) and out[0][2] < 10, out[0]  # promptly, not after the timeout
+
+
+def test_constructor_transport_disagreement(run_ranks):
+    for name, msg, elapsed in run_ranks(2, error_cases.construct_one_bad, "transport"):
+        assert name == "ValueError" and "ranks disagree on transport (rank 0: 'auto', rank 1: 'collective')" in msg
+
+
+def test_barrier_while_peer_dispatches(run_ranks):
+    for msg in run_ranks(2, error_cases.barrier_vs_dispatch):
+        assert msg is not None and "ranks disagree on op (rank 0: barrier, rank 1: dispatch)" in msg, msg
+
+
+def test_inputs_requiring_grad_warn(run_ranks):
+    for caught in run_ranks(2, error_cases.grad_warning):
+        assert any("not recorded by autograd; use epcomm.TokenDispatcher" in m for m in caught), caught

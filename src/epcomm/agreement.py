@@ -17,7 +17,8 @@ STATUS_OK, STATUS_TYPE, STATUS_VALUE = 0, 1, 2
 _EXC = {STATUS_TYPE: TypeError, STATUS_VALUE: ValueError}
 _STATUS = {TypeError: STATUS_TYPE, ValueError: STATUS_VALUE}
 
-OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
+OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "barrier", 5: "destroy"}
+OP_BARRIER, OP_DESTROY = 4, 5
 SIGNATURE_FIELDS = (
     "op", "hidden", "num_topk", "dtype", "num_experts", "do_expand", "expert_alignment", "fp8",
     "num_sf_packs", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync",

@@ -25,12 +25,13 @@ from .allocator import BufferAllocator
 from .events import EventHandle
 from .handle import EPHandle
 from .lb import LoadBalancingMixin
-from .transport import resolve_transport
+from .transport import TransportTimeout, resolve_transport
 from .transport import symm
 from .transport.collective import CollectiveTransport
 from .validate import Checker, check_event_options
 
 DEFAULT_DTYPE = torch.bfloat16
+_TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
@@ -99,6 +100,9 @@ class EPBuffer(LoadBalancingMixin):
         transport: str = "auto",
         dtype: torch.dtype = DEFAULT_DTYPE,
     ):
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"EPBuffer: group must be a torch.distributed ProcessGroup or None, got "
+                            f"{type(group).__name__}")
         self.group = group if group is not None else dist.group.WORLD
         self.rank_idx = self.rank = self.group.rank()
         self.num_ranks = self.group.size()
@@ -112,25 +116,43 @@ class EPBuffer(LoadBalancingMixin):
         self.num_gpu_timeout_secs = num_gpu_timeout_secs
         self.explicitly_destroy = explicitly_destroy
         self.dtype = dtype
+        self._destroyed = False
         c = Checker("EPBuffer", self.rank, self.device)
-        if num_bytes is None:
-            c.require(num_max_tokens_per_rank > 0 and hidden > 0,
-                      f"num_bytes=None sizes the buffer from the MoE shape: num_max_tokens_per_rank (got "
-                      f"{num_max_tokens_per_rank}) and hidden (got {hidden}) must be > 0")
-            num_bytes = self.get_buffer_size_hint(self.group, num_max_tokens_per_rank, hidden, num_topk,
-                                                  use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
-                                                  dtype=dtype)
-        c.require(isinstance(num_bytes, int) and num_bytes > 0 and num_bytes % sizing.ALLOCATION_ALIGNMENT == 0,
-                  f"num_bytes must be a positive multiple of 2 MiB ({sizing.ALLOCATION_ALIGNMENT}), got {num_bytes}")
-        # Sets num_lb_bytes, lb_allocation_plan and lb_storage; materializes a plan (local, lb.py).
-        self._init_lb_region(lb_allocation_plan_or_num_bytes)
+        err = None
+        try:  # local checks; the rendezvous below makes every rank raise together
+            for arg, value in (("num_cpu_timeout_secs", num_cpu_timeout_secs),
+                               ("num_gpu_timeout_secs", num_gpu_timeout_secs)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    c.fail(TypeError, f"{arg} must be a number of seconds, got {type(value).__name__}")
+                c.require(value > 0, f"{arg} must be > 0 seconds, got {value}")
+            if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+                c.fail(TypeError, f"dtype must be a float dtype the buffer is sized for (bf16, fp16, fp32, fp64), "
+                                  f"got {dtype}")
+            c.require(transport in _TRANSPORT_CODES, f"transport={transport!r} is unknown; expected one of "
+                                                     f"{sorted(_TRANSPORT_CODES)}")
+            if num_bytes is None:
+                c.require(num_max_tokens_per_rank > 0 and hidden > 0,
+                          f"num_bytes=None sizes the buffer from the MoE shape: num_max_tokens_per_rank (got "
+                          f"{num_max_tokens_per_rank}) and hidden (got {hidden}) must be > 0")
+                num_bytes = self.get_buffer_size_hint(self.group, num_max_tokens_per_rank, hidden, num_topk,
+                                                      use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
+                                                      dtype=dtype)
+            c.require(isinstance(num_bytes, int) and num_bytes > 0
+                      and num_bytes % sizing.ALLOCATION_ALIGNMENT == 0,
+                      f"num_bytes must be a positive multiple of 2 MiB ({sizing.ALLOCATION_ALIGNMENT}), got "
+                      f"{num_bytes}")
+            # Sets num_lb_bytes, lb_allocation_plan and lb_storage; materializes a plan (local, lb.py).
+            self._init_lb_region(lb_allocation_plan_or_num_bytes)
+        except (TypeError, ValueError) as e:
+            err = e
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         # Collective construction: agree on a buffer id, learn which ranks share a host and whether every rank
         # can reach every other over NVLink, then pick the transport (every rank decides from the same rows).
-        self.transport = CollectiveTransport(self.group, self.device, num_cpu_timeout_secs, uid=0)
-        self.uid, rows = self._rendezvous()
+        timeout = num_cpu_timeout_secs if err is None else 300
+        self.transport = CollectiveTransport(self.group, self.device, timeout, uid=0)
+        self.uid, rows = self._rendezvous(err, _TRANSPORT_CODES.get(transport, -1))
         self.transport.uid = self.uid
         hosts = [row[1] for row in rows]
         self.num_nvlink_ranks = sum(1 for h in hosts if h == hosts[self.rank])
@@ -154,7 +176,6 @@ class EPBuffer(LoadBalancingMixin):
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
         self._call_id = 0
-        self._destroyed = False
         self._pending_deferred = False
         self._broken: Optional[str] = None
         self._warned: set = set()
@@ -163,15 +184,35 @@ class EPBuffer(LoadBalancingMixin):
                   f"num_bytes={num_bytes}, num_max_tokens_per_rank={num_max_tokens_per_rank}, dtype={dtype}")
 
     # -- construction helpers ------------------------------------------------------------------------
-    def _rendezvous(self) -> tuple:
-        """One bounded exchange: rank 0's random draw names the buffer; each rank reports its host, device and
-        whether it can reach every other GPU of the host (peer access and symmetric memory)."""
+    def _rendezvous(self, err: Optional[BaseException], transport_code: int) -> tuple:
+        """One bounded exchange: rank 0's random draw names the buffer; each rank reports its host, device,
+        whether it can reach every other GPU of the host (peer access and symmetric memory), its own check
+        result and the transport it asked for. Every rank raises when one failed or they disagree."""
         host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
         dev = self.device.index if self.device.type == "cuda" else -1
-        mine = torch.tensor([random.getrandbits(62), host, dev, int(_nvlink_ready(self.device))], dtype=torch.int64,
+        status = agreement.status_of(err)
+        ready = int(err is None and _nvlink_ready(self.device))
+        mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code], dtype=torch.int64,
                             device=self.device)
-        rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 4).contiguous(), wait=True, call_id=0)
+        rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 6).contiguous(), wait=True, call_id=0)
         rows = rows.tolist()
+        failed = [s for s, row in enumerate(rows) if row[4] != agreement.STATUS_OK]
+        if failed:
+            messages = [None] * self.num_ranks
+            dist.all_gather_object(messages, str(err) if err is not None else "", group=self.group)
+            self._destroyed = True
+            if err is not None:
+                raise err
+            exc = TypeError if rows[failed[0]][4] == agreement.STATUS_TYPE else ValueError
+            raise exc(f"EPBuffer: rank {self.rank}: group rank {failed[0]} rejected the construction: "
+                      f"{messages[failed[0]]}")
+        asked = [row[5] for row in rows]
+        if len(set(asked)) > 1:
+            self._destroyed = True
+            names = {v: k for k, v in _TRANSPORT_CODES.items()}
+            desc = ", ".join(f"rank {s}: {names.get(a, '?')!r}" for s, a in enumerate(asked))
+            raise ValueError(f"EPBuffer: rank {self.rank}: ranks disagree on transport ({desc}); every rank must "
+                             "pass the same transport")
         return rows[0][0], rows
 
     # -- sizing and hints ----------------------------------------------------------------------------
@@ -268,14 +309,46 @@ class EPBuffer(LoadBalancingMixin):
 
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
                 context_idx: Optional[int] = None) -> None:
-        """Barrier over the group, bounded by `num_cpu_timeout_secs` (collective; reference §17.1)."""
-        self._check_alive("EPBuffer.barrier")
-        if self.device.type == "cuda" and (with_cpu_sync or wait_comm_stream):
+        """Barrier over the group (collective; reference §17.1). Blocks the host, at most `num_cpu_timeout_secs`.
+
+        The barrier is a header exchange like dispatch's, so a rank that is in another call (dispatch, combine,
+        destroy) makes every rank raise `ValueError` naming the disagreement instead of waiting.
+
+        Args:
+            wait_comm_stream: order the comm stream with the current stream on both sides of the barrier (CUDA).
+            with_cpu_sync: synchronise the device before and after.
+            sequential, context_idx: accepted for API compatibility (one context, one domain).
+
+        Raises:
+            ValueError: use after destroy; ranks in different calls.
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+        """
+        self._barrier("EPBuffer.barrier", agreement.OP_BARRIER, wait_comm_stream, with_cpu_sync)
+
+    def _barrier(self, name: str, op: int, wait_comm_stream: bool = True, with_cpu_sync: bool = False) -> None:
+        self._check_alive(name)
+        cuda = self.device.type == "cuda"
+        if cuda and with_cpu_sync:
+            torch.cuda.synchronize(self.device)
+        if cuda and wait_comm_stream:
             torch.cuda.current_stream().wait_stream(self._comm_stream)
-        work = dist.all_reduce(torch.zeros(1, device=self.device), group=self.group, async_op=True)
-        self.transport.wait(work, "EPBuffer.barrier", self._next_call_id())
-        if self.device.type == "cuda" and wait_comm_stream:
+        call_id = self._next_call_id()
+        head = agreement.header(agreement.STATUS_OK, call_id, {"op": op})
+        try:
+            recv = self.transport.exchange_counts(agreement.pack(head, None, self.num_ranks, self.device),
+                                                  wait=True, call_id=call_id)
+        except TimeoutError as e:
+            self._mark_broken(name, e)
+        self.agree(name, recv.tolist(), None)
+        if cuda and wait_comm_stream:
             self._comm_stream.wait_stream(torch.cuda.current_stream())
+        if cuda and with_cpu_sync:
+            torch.cuda.synchronize(self.device)
+
+    def _mark_broken(self, name: str, e: TimeoutError) -> None:
+        """After a timeout the group holds an unmatched collective: the buffer cannot be used again."""
+        self._broken = f"{name} timed out"
+        raise TransportTimeout(f"{name}: {e}") from e
 
     def print_memory_usage(self) -> None:
         """Print the buffer's accounted sizes (GiB)."""
@@ -290,7 +363,7 @@ class EPBuffer(LoadBalancingMixin):
         if self._destroyed:
             return
         if self._broken is None:
-            self.barrier()
+            self._barrier("EPBuffer.destroy", agreement.OP_DESTROY)
         self.transport.destroy()
         self._destroyed = True
 
@@ -300,7 +373,8 @@ class EPBuffer(LoadBalancingMixin):
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.destroy()
-        else:  # an exception is propagating: peers may not reach a collective destroy
+        else:  # an exception is propagating: peers may not reach a collective destroy; free local resources
+            self.transport.destroy()
             self._destroyed = True
 
     def __del__(self):
@@ -451,8 +525,7 @@ class EPBuffer(LoadBalancingMixin):
                     launched = pipeline.dispatch_launch(self, call, call_id, err)
                     finish = pipeline.dispatch_finish
         except TimeoutError as e:
-            self._broken = str(e).split(":")[0] + " timed out"
-            raise
+            self._mark_broken(name, e)
         debug.log_dispatch(self, call, launched)
         inputs = [call.x.data, call.x.sf, call.topk_idx, call.topk_weights]
 
@@ -524,8 +597,7 @@ class EPBuffer(LoadBalancingMixin):
                 self._exchange_header(name, call_id, call.signature() if call else {}, err)
                 launched = pipeline.combine_launch(self, call, call_id)
         except TimeoutError as e:
-            self._broken = str(e).split(":")[0] + " timed out"
-            raise
+            self._mark_broken(name, e)
         inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]
 
         def epilogue():

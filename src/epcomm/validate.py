@@ -83,7 +83,7 @@ class XSpec:
 
 def check_x(c: Checker, x, *, allow_fp8: bool) -> XSpec:
     """`x` as a float tensor [T, H] or, when allowed, an FP8 tuple `(data [T, H] e4m3, scales [T, P])`."""
-    if isinstance(x, (tuple, list)):
+    if isinstance(x, tuple):
         if not allow_fp8:
             c.fail(TypeError, "x must be a float tensor here; FP8 (data, scales) tuples are dispatch-only")
         if len(x) != 2:

@@ -128,7 +128,9 @@ class Transport(ABC):
         raise TransportTimeout(
             f"{what}: rank {self.rank} waited {self.timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} "
             f"but {who} did not arrive. Every rank of the group must make the same dispatch/combine calls in the "
-            "same order. The buffer is unusable now: destroy it (and the process group) and restart"
+            "same order. The buffer and its process group are unusable now (an unmatched collective is pending): "
+            "end the job; while the missing rank is alive the process cannot exit cleanly, so exit with "
+            "os._exit(1) or let the launcher kill it"
         )
 
 
