@@ -3,7 +3,7 @@
 Each rank sends every peer one int64 row: `[status, call_id, signature..., count]`. `status` is 0, or the code
 of the exception the rank's own checks raised; the signature names what all ranks must agree on (operation,
 hidden, top-k, dtype, experts, layout, alignment, FP8, ...). After the exchange every rank sees every header
-and raises the same exception class, naming the offending group rank (DESIGN.md "Errors and timeouts").
+and raises the same exception class, naming the offending group rank (docs/decisions.md "Errors and timeouts").
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class BufferAllocator:
 
         Args:
             storage: [num_bytes] uint8 contiguous -- the region, on any real device (CPU for a CPU buffer, the
-                buffer's GPU for a CUDA buffer; DESIGN.md decision 2). It must stay alive as long as the
+                buffer's GPU for a CUDA buffer; docs/decisions.md decision 2). It must stay alive as long as the
                 tensors are used (the views keep it alive).
 
         Raises:

@@ -1,4 +1,4 @@
-"""`TokenDispatcher`: differentiable dispatch and combine (DESIGN.md "Autograd").
+"""`TokenDispatcher`: differentiable dispatch and combine (docs/decisions.md "Autograd").
 
 Each direction is a `torch.autograd.Function` whose backward is the other direction on the same handle:
 
@@ -98,7 +98,7 @@ class _CombineFunction(torch.autograd.Function):
 
 
 class TokenDispatcher:
-    """Differentiable dispatch and combine over an `EPBuffer` (DESIGN.md "Autograd"). Collective.
+    """Differentiable dispatch and combine over an `EPBuffer` (docs/decisions.md "Autograd"). Collective.
 
     `dispatch` sends tokens (and their router weights) to the ranks owning their experts and `combine` sums the
     expert outputs back per token, unweighted; gradients flow to `x`, `topk_weights`, `expert_out` and `bias`.

@@ -2,7 +2,7 @@
 
 The buffer resolves and validates arguments, runs the stream/event protocol, and drives the data path of
 `pipeline.py` (layout -> transport -> epilogue). It lives on one device, fixed at construction from the group's
-backend: CPU with gloo, the current CUDA device with NCCL (DESIGN.md decision 2).
+backend: CPU with gloo, the current CUDA device with NCCL (docs/decisions.md decision 2).
 
 Argument checks live in `resolve.py`, the stream protocol in `streams.py`, the data path in `pipeline.py`; this
 file is over the ~500-line guide only because dispatch and combine document every argument (STYLE rule 7).
@@ -57,7 +57,7 @@ class EPBuffer(LoadBalancingMixin):
             2 MiB, >= 0), or an `epcomm.BufferAllocator` plan, not yet materialized, whose tensors become views
             of the region. The buffer allocates it as `lb_storage` ([num_lb_bytes] uint8, zero-filled, on its
             device) and materializes the plan on it; see docs/load_balancing.md.
-        deterministic: accepted; epcomm is always deterministic (DESIGN.md decision 4).
+        deterministic: accepted; epcomm is always deterministic (docs/decisions.md decision 4).
         allow_hybrid_mode: accepted; epcomm reports one logical domain `(1, world)`.
         allow_multiple_reduction: expand-layout combine sums each rank's rows before sending them back
             (default); False sends every row back and reduces once at the origin.
@@ -294,7 +294,7 @@ class EPBuffer(LoadBalancingMixin):
         return self.num_rdma_ranks, self.num_nvlink_ranks
 
     def get_logical_domain_size(self, allow_hybrid_mode: Optional[bool] = None) -> tuple:
-        """Always `(1, world)`: one logical domain, the canonical order (DESIGN.md decision 4)."""
+        """Always `(1, world)`: one logical domain, the canonical order (docs/decisions.md decision 4)."""
         return 1, self.num_ranks
 
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
@@ -450,7 +450,7 @@ class EPBuffer(LoadBalancingMixin):
         """Send each token to the ranks owning its top-k experts (collective; reference §9).
 
         Rows arrive in token-key order: non-expand rows ascending `g = src_rank * N + src_token`; expand rows
-        grouped by local expert, ascending `g` in each segment (DESIGN.md decision 4).
+        grouped by local expert, ascending `g` in each segment (docs/decisions.md decision 4).
 
         Args:
             x: [T, H] bf16/fp16/fp32/fp64, or the FP8 tuple `(data [T, H] float8_e4m3fn, scales [T, P] fp32 or
@@ -495,7 +495,7 @@ class EPBuffer(LoadBalancingMixin):
         Raises:
             TypeError: an argument of the wrong type or dtype (on every rank when counts are exchanged).
             ValueError: wrong shape, value, device, capacity, or inconsistent options; ranks that disagree on
-                the call (every rank; see DESIGN.md "Errors and timeouts").
+                the call (every rank; see docs/decisions.md "Errors and timeouts").
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
         """
         name = "EPBuffer.dispatch"
@@ -554,7 +554,7 @@ class EPBuffer(LoadBalancingMixin):
     ):
         """Bring expert outputs back to their tokens and sum them, unweighted (collective; reference §11).
 
-        The sum is the canonical order (DESIGN.md decision 4): `acc = 0 (+ bias_0) (+ bias_1)`, then the item
+        The sum is the canonical order (docs/decisions.md decision 4): `acc = 0 (+ bias_0) (+ bias_1)`, then the item
         of each top-k position in ascending order; items are one row per rank (non-expand: the rank's row,
         expand with multiple reduction: the rank's partial sum) at the rank's largest position, or every
         (token, expert) row at its own position (expand without multiple reduction). fp32 accumulation (fp64

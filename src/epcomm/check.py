@@ -148,7 +148,7 @@ def check_constraints(r: Report, a) -> tuple:
             "this epcomm build cannot construct it; EPBuffer raises ValueError")
     a.chosen = chosen
 
-    r.head("dispatch (reference §9.2 as amended by DESIGN.md)")
+    r.head("dispatch (reference §9.2 as amended by docs/decisions.md)")
     ok_e = r.check(E > 0, f"num_experts > 0: {E}")
     ok_div = ok_e and r.check(E % R == 0, f"num_experts % ranks == 0: {E} % {R} = {E % R}"
                               + (f" ({E // R} experts per rank)" if E % R == 0 else ""),
@@ -166,7 +166,7 @@ def check_constraints(r: Report, a) -> tuple:
         r.line("NOTE", f"hidden % 128 == 0 is NOT required by epcomm: {H} % 128 = {H % 128}"
                        + (" (whole blocks)" if H % 128 == 0 else f" (the last block holds {H % 128} columns)"))
     else:
-        r.line("PASS", f"x dtype {a.dtype} is one of bf16, fp16, fp32, fp64 (DESIGN.md decision 3)")
+        r.line("PASS", f"x dtype {a.dtype} is one of bf16, fp16, fp32, fp64 (docs/decisions.md decision 3)")
     r.line("NOTE", f"topk_weights [T, {K}] {'float64' if dt == torch.float64 and not a.fp8 else 'float32'}; "
                    f"topk_idx [T, {K}] int64 or int32, ids in [-1, {E}), no expert twice in a row (checked on data)")
     r.line("PASS", "defer_epilogue=True with async_with_compute_stream=True (as in the walkthrough)")
@@ -175,7 +175,7 @@ def check_constraints(r: Report, a) -> tuple:
     if shape_ok and ok_k:
         _capacity(r, "EPBuffer.dispatch", a, a.nb, is_fp8=a.fp8, elem=2 if a.fp8 else dt.itemsize)
 
-    r.head("combine (reference §11.1 as amended by DESIGN.md)")
+    r.head("combine (reference §11.1 as amended by docs/decisions.md)")
     r.line("PASS", f"x [{'S' if a.layout == 'expand' else 'M'}, {H}] {a.dtype} (combine takes no FP8)"
                    + ("; expert outputs go back in " + a.dtype if a.fp8 else ""))
     r.line("NOTE", f"bias (e.g. the shared-expert output) is [T, {H}] {a.dtype}, or a pair of them")
@@ -200,7 +200,7 @@ def check_constraints(r: Report, a) -> tuple:
             r.check(H * e % 16 == 0, f"nvlink adds: {what} hidden * elem_size % 16 == 0 (16-byte vector "
                     f"accesses): {H} * {e} = {H * e}, % 16 = {H * e % 16}")
     else:
-        r.line("PASS", "collective needs no hidden-size alignment and no peer access (DESIGN.md)")
+        r.line("PASS", "collective needs no hidden-size alignment and no peer access (docs/decisions.md)")
         if dev.type == "cuda":
             r.line("UNCHECKED", f"(needs hardware) an NCCL process group with one CUDA GPU per rank ({R} GPUs)")
             r.line("UNCHECKED", "(needs hardware) an explicit num_sms must be in [1, the GPU's SM count]")

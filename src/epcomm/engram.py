@@ -222,7 +222,7 @@ class EngramBuffer:
         return self.context.num_rdma_ranks, self.context.num_nvlink_ranks
 
     def get_logical_domain_size(self, allow_hybrid_mode: Optional[bool] = None) -> tuple:
-        """Always `(1, world)`: one logical domain (DESIGN.md decision 4)."""
+        """Always `(1, world)`: one logical domain (docs/decisions.md decision 4)."""
         return 1, self.num_ranks
 
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:

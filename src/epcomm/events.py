@@ -1,7 +1,7 @@
 """`EventHandle` and `EventOverlap`: the stream/event protocol (DeepEP V2.5 EPBuffer behaviour, §3.2-3.5).
 
 On CUDA an `EventHandle` is a recorded `torch.cuda.Event`. On CPU every operation is already complete when it
-returns, so an `EventHandle` is a completed marker and waiting on it is a no-op (DESIGN.md "Events on CPU");
+returns, so an `EventHandle` is a completed marker and waiting on it is a no-op (docs/decisions.md "Events on CPU");
 the rest of the contract (first wait returns the deferred results, second wait returns None) is unchanged.
 """
 

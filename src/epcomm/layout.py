@@ -1,7 +1,7 @@
 """Routing metadata from `topk_idx`: who sends which token where, and where each received row lands.
 
 Everything here is prefix sums over counts (no sort), so rows come out in the canonical token-key order of
-DESIGN.md decision 4: non-expand rows in ascending `g = src_rank * N + src_token`, expand rows grouped by local
+docs/decisions.md decision 4: non-expand rows in ascending `g = src_rank * N + src_token`, expand rows grouped by local
 expert and ascending `g` inside each segment (DeepEP V2.5 EPBuffer behaviour, §9.3-9.7).
 
 Shape legend (docs/shapes.md): T tokens here, K top-k, R ranks, L local experts, M received rows

@@ -4,7 +4,7 @@ DeepEP V2.5 behaviour, §13 (API and checks), §6-7 (the LB region), §8.4 (SM h
 `LoadBalancingMixin`, which uses only the buffer's `group`, `rank`, `num_ranks`, `device`, `transport` and
 `num_lb_bytes` (plus its call counter and comm stream when present).
 
-Both calls are collective over the whole group (one logical domain, DESIGN.md decision 4): every rank calls
+Both calls are collective over the whole group (one logical domain, docs/decisions.md decision 4): every rank calls
 them, with the same `redundancy_mapping`, including ranks with nothing to send. The portable path moves byte
 rows with one `all_to_all_single` whose exact splits every rank derives from the identical mapping:
 
@@ -17,7 +17,7 @@ rows with one `all_to_all_single` whose exact splits every rank derives from the
 
 Before moving data, one int64 header row per rank ([status, call id, signature, mapping digest]) goes to every
 peer through the buffer's transport, bounded by `num_cpu_timeout_secs`: a rank whose own checks failed, or
-ranks that disagree on the mapping or the payload sizes, make every rank raise (DESIGN.md "Errors and timeouts").
+ranks that disagree on the mapping or the payload sizes, make every rank raise (docs/decisions.md "Errors and timeouts").
 
 Differences from the reference (redundant tensors anywhere on the device, any bytes per expert, 1-16 gradient
 pairs in any float dtype, a fixed summation order) are listed in docs/load_balancing.md.
@@ -205,7 +205,7 @@ class LoadBalancingMixin:
 
         On the owner `me` of `e = redundancy_mapping[r, c]`: `expert_grads[k][e % L] += redundant_expert_grads
         [k][c] of rank r`, for every such `(r, c)` in ascending `(r, c)` order, accumulated in fp32 (fp64 for
-        fp64) and rounded once to the gradient's dtype: deterministic, bitwise equal run to run (DESIGN.md
+        fp64) and rounded once to the gradient's dtype: deterministic, bitwise equal run to run (docs/decisions.md
         "LB gradient reduction"). `expert_grads` is added to (seed it first); `redundant_expert_grads` is
         never modified.
 

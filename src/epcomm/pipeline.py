@@ -6,7 +6,7 @@ combine:  per-rank partials / rows back -> move rows -> canonical reduce (+ bias
 
 Each path is split into `*_launch` (everything up to the row exchange, on the comm stream) and `*_finish` (the
 epilogue, which a deferred call runs at wait time on the current stream). DeepEP V2.5 EPBuffer behaviour,
-§9 and §11; orders and layouts as DESIGN.md decision 4.
+§9 and §11; orders and layouts as docs/decisions.md decision 4.
 
 Shape legend (docs/shapes.md): T tokens, H hidden, K top-k, R ranks, L local experts, N capacity per rank,
 M received rows, S expanded rows, X rows of a transfer buffer, B record bytes.
@@ -134,7 +134,7 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
         recv_RC = tr.exchange_counts(send_RC, wait=check_on_host, call_id=call_id)
         if check_on_host:
             buf.agree("EPBuffer.dispatch", recv_RC.tolist(), local_error)
-    if local_error is not None:  # sync-free on GPU: peers are left to their timeout (DESIGN.md)
+    if local_error is not None:  # sync-free on GPU: peers are left to their timeout (docs/decisions.md)
         raise local_error
     recv_counts_R = recv_RC[:, agreement.HEADER_LEN]
     send_counts_R = send.num_tokens_per_rank_R
@@ -234,7 +234,7 @@ def _place(call: DispatchCall, spec: RecordSpec, recv_XB: Tensor, plan: Plan) ->
     x = spec.unpack(recv_XB, "x", idx, holes)
     sf = spec.unpack(recv_XB, "sf", idx, holes) if spec.has("sf") else None
     w = None
-    if spec.has("w"):  # DESIGN.md: non-local columns hold 0
+    if spec.has("w"):  # docs/decisions.md: non-local columns hold 0
         w_MK = spec.unpack(recv_XB, "w", plan.out_src_M if plan.blocked else None, not plan.exact)
         w = w_MK.masked_fill(local_MK < 0, 0)
         if call.do_expand:

@@ -2,7 +2,7 @@
 
 Written for reading, not speed: plain `torch.distributed.all_to_all_single` per tensor, Python loops over ranks,
 experts and top-k positions (never over tokens). Semantics: DeepEP V2.5 EPBuffer behaviour §9.3-9.6 and §11.2
-as amended by DESIGN.md (token-key order, 0 in non-local weight columns, one logical domain, canonical order).
+as amended by docs/decisions.md (token-key order, 0 in non-local weight columns, one logical domain, canonical order).
 Only CPU-synced semantics (exact sizes); callers compare the valid rows of sync-free results against it.
 """
 

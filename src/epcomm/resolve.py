@@ -1,4 +1,4 @@
-"""Argument resolution of dispatch and combine: reference §9.1-9.2 and §11.1 as amended by DESIGN.md.
+"""Argument resolution of dispatch and combine: reference §9.1-9.2 and §11.1 as amended by docs/decisions.md.
 
 Every check runs here, once, before any data moves; the results are the `DispatchCall` / `CombineCall` the data
 path (`pipeline.py`) consumes.
@@ -17,7 +17,7 @@ from .validate import Checker, check_capacity, check_topk_idx, check_topk_values
 def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_experts, n, expert_alignment, num_sms,
                       num_qps, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids,
                       col_major_sf) -> pipeline.DispatchCall:
-    """Reference §9.1-9.2 in order, as amended by DESIGN.md."""
+    """Reference §9.1-9.2 in order, as amended by docs/decisions.md."""
     c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
     if do_expand is None:
         do_expand = handle.do_expand if isinstance(handle, EPHandle) else False
@@ -98,7 +98,7 @@ def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, n
     return num_sms + num_sms % 2
 
 def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num_qps) -> pipeline.CombineCall:
-    """Reference §11.1 as amended by DESIGN.md."""
+    """Reference §11.1 as amended by docs/decisions.md."""
     if not isinstance(handle, EPHandle):
         c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
     c.require(handle._buffer_uid == buf.uid, "handle comes from another EPBuffer; combine with the buffer "

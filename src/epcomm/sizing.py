@@ -1,7 +1,7 @@
 """Buffer sizing and the SM-count model (DeepEP V2.5 EPBuffer behaviour, §4.2-4.3 and §8.2).
 
 `get_buffer_size_hint` follows the reference's record layout so that callers that compare sizes to decide
-whether to reuse a buffer keep working. epcomm always reports the logical domain `(1, world)` (DESIGN.md
+whether to reuse a buffer keep working. epcomm always reports the logical domain `(1, world)` (docs/decisions.md
 decision 4), so only the direct-mode branch of the formula applies.
 """
 

@@ -3,7 +3,7 @@
 On CUDA a call's communication runs on the buffer's high-priority comm stream after `previous_event` (or the
 current stream); its epilogue runs there too, or on the current stream at wait time when deferred. Tensors that
 cross streams are recorded with the caching allocator. On CPU everything is synchronous and the events are
-completed markers (DESIGN.md "Events on CPU").
+completed markers (docs/decisions.md "Events on CPU").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Argument resolution and checks for dispatch/combine, run once before any data moves.
 
-Which reference checks (DeepEP V2.5 EPBuffer behaviour, §9.1-9.2, §11.1) epcomm keeps is DESIGN.md's table.
+Which reference checks (DeepEP V2.5 EPBuffer behaviour, §9.1-9.2, §11.1) epcomm keeps is docs/decisions.md's table.
 User mistakes raise `TypeError` (wrong type/dtype) or `ValueError` (shape, value, device, capacity, options);
 messages name the call, the group rank, the argument, the expected and the actual value, and the fix.
 """
@@ -96,7 +96,7 @@ def check_x(c: Checker, x, *, allow_fp8: bool) -> XSpec:
 
 
 def weights_dtype(x_dtype: torch.dtype) -> torch.dtype:
-    """topk_weights are fp32, or fp64 when x is fp64 (DESIGN.md decision 3)."""
+    """topk_weights are fp32, or fp64 when x is fp64 (docs/decisions.md decision 3)."""
     return torch.float64 if x_dtype == torch.float64 else torch.float32
 
 

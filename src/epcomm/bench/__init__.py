@@ -1,4 +1,4 @@
-"""`epcomm-bench`: the benchmark harness (BENCHMARKS.md). Run it as `epcomm-bench` or `python -m epcomm.bench`."""
+"""`epcomm-bench`: the benchmark harness (docs/benchmarks.md). Run it as `epcomm-bench` or `python -m epcomm.bench`."""
 
 from .cli import main
 

@@ -21,7 +21,7 @@ DTYPES = ("bf16", "fp8")
 LAYOUTS = ("non-expand", "expand")
 FP8_ROW_FACTOR = 1 + 4 / 128  # DeepEP's byte count of an FP8 row per element: data + one fp32 scale per 128
 
-# Provider names (STYLE.md rule 24). The raw all-to-all is named after the backend that runs it.
+# Provider names. The raw all-to-all is named after the backend that runs it.
 TORCH_NATIVE = "torch-native"
 PEER_COPY = "copy-engine"
 

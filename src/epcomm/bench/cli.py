@@ -1,4 +1,4 @@
-"""`epcomm-bench`: measure epcomm against the torch-native dispatcher and the raw all-to-all (BENCHMARKS.md).
+"""`epcomm-bench`: measure epcomm against the torch-native dispatcher and the raw all-to-all (docs/benchmarks.md).
 
 Bare `epcomm-bench` runs the embedded default: on CPU, dsv3 at 256 tokens per rank on 2 gloo ranks, both
 layouts, BF16 and FP8, 10 timed calls each; with CUDA, one rank per visible GPU over NCCL, dsv3 at full size,
@@ -6,7 +6,7 @@ layouts, BF16 and FP8, 10 timed calls each; with CUDA, one rank per visible GPU 
 random inputs; a configuration that fails prints FAILED with its first mismatch instead of numbers, and the
 exit status is 1. The table is the last thing printed on stdout; progress goes to stderr.
 
-`epcomm-bench --check ARGS...` hands ARGS to `epcomm.check` (the correctness checker) instead.
+`epcomm-bench --check ARGS...` hands ARGS to `epcomm.check` (the planning check) instead.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="epcomm-bench", description=__doc__.split("\n\n")[0],
         epilog="epcomm-bench --check ARGS... runs epcomm.check with ARGS instead; epcomm-bench --eplb ARGS... the "
-               "load-balancing benchmark. Method: BENCHMARKS.md.")
+               "load-balancing benchmark. Method: docs/benchmarks.md.")
     p.add_argument("--preset", default="dsv3",
                    help=f"preset name(s), comma-separated, or 'all' ({', '.join(PRESETS)}); default dsv3")
     p.add_argument("--tokens", default=None,
@@ -174,7 +174,7 @@ def _git_commit() -> dict:
 
 
 def environment(plan: Plan, info: dict) -> dict:
-    """Versions and machine of the run (BENCHMARKS.md "Output")."""
+    """Versions and machine of the run (docs/benchmarks.md "Output")."""
     try:
         import triton
         triton_version = triton.__version__
@@ -361,7 +361,7 @@ def _run_check(rest: list) -> int:
     except ModuleNotFoundError as exc:
         if exc.name != "epcomm.check":
             raise
-        print("epcomm-bench --check: the correctness checker epcomm.check is not part of this installation "
+        print("epcomm-bench --check: the planning check epcomm.check is not part of this installation "
               "(module epcomm.check not found); update epcomm, or run the test suite (pytest) instead",
               file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ A record is one figure, keyed by (op, provider, mode, metric, preset, sms, devic
 configuration (tokens per rank, layout, dtype, skew, ranks); every record of a run shares one environment
 (versions, git commit, timestamp) written beside them.
 
-Metrics (BENCHMARKS.md):
+Metrics (docs/benchmarks.md):
     time_p50_us, time_p20_us, time_p80_us: quantiles of the per-call time (slowest rank of each call).
     deepep_gbps: bytes of all rank-dedup rows a rank receives (its own share included; BF16 rows hidden*2,
         FP8 rows hidden*(1+4/128) bytes) / median time. The same bytes for every provider of a case, so the

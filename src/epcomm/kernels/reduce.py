@@ -1,4 +1,4 @@
-"""The canonical combine reduction (DESIGN.md decision 4; DeepEP V2.5 EPBuffer behaviour, §11.2).
+"""The canonical combine reduction (docs/decisions.md decision 4; DeepEP V2.5 EPBuffer behaviour, §11.2).
 
 For every output token `t`: `acc = 0`, then `acc += bias_0[t]`, `acc += bias_1[t]` (when given), then
 `acc += rows[item_row[t, p]]` for each position `p` in ascending order whose `item_row` is not -1; the sum is

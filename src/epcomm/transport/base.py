@@ -13,7 +13,7 @@ layout, packs records, and places/reduces what arrives. Three data methods:
 worst case and no host read of counts is needed.
 
 Every host wait is bounded by the buffer's `num_cpu_timeout_secs`: a peer that does not arrive gives a
-`TransportTimeout` naming the missing group ranks (DESIGN.md "Errors and timeouts").
+`TransportTimeout` naming the missing group ranks (docs/decisions.md "Errors and timeouts").
 """
 
 from __future__ import annotations
