@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .transport.base import TransportTimeout
+from .waits import TransportTimeout, bounded_wait
 from .validate import Checker
 
 __all__ = ["CommContext", "barrier", "get_comm_stream", "group_device"]
@@ -39,13 +39,6 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
 def new_comm_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     """A high-priority CUDA stream for a buffer's communication (reference §3.1); None on CPU."""
     return torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
-
-
-def default_store() -> Optional["dist.Store"]:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # some init methods expose no store; then the missing ranks cannot be named
-        return None
 
 
 class CommContext:
@@ -125,21 +118,12 @@ class CommContext:
         Raises:
             TimeoutError: a peer did not arrive; names the missing group ranks. The context is broken after.
         """
-        call_id = self.next_call_id()
-        start = time.monotonic()
-        announced = False
-        while not work.is_completed():
-            now = time.monotonic()
-            if not announced and now > start + min(1.0, self.timeout_s / 4):
-                self._announce(call_id)  # only slow waits pay for a store round trip
-                announced = True
-            if now > start + self.timeout_s:
-                self._raise_timeout(what, call_id)
-            # NOTE: same policy as Transport.wait: sleep on CPU (the peers' gloo threads need the cores),
-            # spin for the first 2 ms on GPU.
-            if self.device.type == "cpu" or now - start > 2e-3:
-                time.sleep(1e-4)
-        work.wait()
+        try:
+            bounded_wait(work, what=what, call_id=self.next_call_id(), rank=self.rank, num_ranks=self.num_ranks,
+                         uid=self.uid, device=self.device, timeout_s=self.timeout_s, owner=self.owner)
+        except TransportTimeout:
+            self.broken = f"{what} timed out"
+            raise
 
     def complete(self, work: "dist.Work", what: str) -> None:
         """Order later work after `work`: a bounded host wait on CPU, a stream wait (no host wait) on CUDA."""
@@ -166,33 +150,6 @@ class CommContext:
                                        f"(num_cpu_timeout_secs) for {self.device} to finish its queued work; a peer "
                                        f"did not arrive. The {self.owner} is unusable now: destroy it and restart")
             time.sleep(1e-4)
-
-    def _key(self, call_id: int, rank: int) -> str:
-        return f"epcomm/{self.uid}/{call_id}/{rank}"
-
-    def _announce(self, call_id: int) -> None:
-        store = default_store()
-        if store is not None:
-            store.set(self._key(call_id, self.rank), "1")
-
-    def _raise_timeout(self, what: str, call_id: int) -> None:
-        store = default_store()
-        missing: Optional[list] = None
-        if store is not None:
-            self._announce(call_id)
-            time.sleep(min(1.0, self.timeout_s / 4))  # let peers that are waiting too announce themselves
-            missing = [r for r in range(self.num_ranks) if r != self.rank and not store.check([self._key(call_id, r)])]
-        if missing:
-            who = f"group ranks {missing} did not arrive"
-        elif missing is None:
-            who = "a peer (could not tell which) did not arrive"
-        else:
-            who = "every group rank arrived and the collective still did not finish (mismatched calls or sizes?)"
-        self.broken = f"{what} timed out"
-        raise TransportTimeout(
-            f"{what}: rank {self.rank} waited {self.timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} but "
-            f"{who}. Every rank of the group must make the same {self.owner} calls in the same order. "
-            f"The {self.owner} is unusable now: destroy it (and the process group) and restart")
 
     # -- collectives ---------------------------------------------------------------------------------
     def exchange(self, send_RC: Tensor, what: str) -> Tensor:

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
-from .comm import CommContext, default_store, new_comm_stream
+from .comm import CommContext, new_comm_stream
+from .waits import default_store
 from .transport.base import TransportTimeout
 
 __all__ = ["PPBuffer"]

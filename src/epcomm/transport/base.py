@@ -18,7 +18,6 @@ Every host wait is bounded by the buffer's `num_cpu_timeout_secs`: a peer that d
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from typing import Optional
 
@@ -26,16 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
-class TransportTimeout(TimeoutError):
-    """A peer did not arrive within `num_cpu_timeout_secs`; the buffer is unusable afterwards (destroy it)."""
-
-
-def _default_store() -> Optional["dist.Store"]:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # not every init method exposes a store; then missing ranks cannot be named
-        return None
+from ..waits import TransportTimeout, bounded_wait  # noqa: F401 (re-exported)
 
 
 class Transport(ABC):
@@ -92,46 +82,9 @@ class Transport(ABC):
 
     # -- bounded waits -------------------------------------------------------------------------------
     def wait(self, work: "dist.Work", what: str, call_id: int) -> None:
-        """Wait for `work` on the host, at most `timeout_s`; name the missing ranks on expiry."""
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        announced = False
-        while not work.is_completed():
-            now = time.monotonic()
-            if not announced and now > start + min(1.0, self.timeout_s / 4):
-                self._announce(call_id)  # only slow waits pay for a store round trip
-                announced = True
-            if now > deadline:
-                self._raise_timeout(what, call_id)
-            # NOTE: on GPU spin first: a sleeping poll added ~3 ms to every CPU-synced NCCL dispatch (2x H200,
-            # dsv3, 4.3 ms full vs 1.1 ms cached). On CPU the peers' gloo threads need the cores: always sleep.
-            if self.device.type == "cpu" or now - start > 2e-3:
-                time.sleep(1e-4)
-        work.wait()
-
-    def _key(self, call_id: int, rank: int) -> str:
-        return f"epcomm/{self.uid}/{call_id}/{rank}"
-
-    def _announce(self, call_id: int) -> None:
-        store = _default_store()
-        if store is not None:
-            store.set(self._key(call_id, self.rank), "1")
-
-    def _raise_timeout(self, what: str, call_id: int) -> None:
-        store = _default_store()
-        missing: Optional[list] = None
-        if store is not None:
-            self._announce(call_id)
-            time.sleep(min(1.0, self.timeout_s / 4))  # let peers that are waiting too announce themselves
-            missing = [r for r in range(self.num_ranks) if r != self.rank and not store.check([self._key(call_id, r)])]
-        who = f"group ranks {missing}" if missing else "a peer (could not tell which)"
-        raise TransportTimeout(
-            f"{what}: rank {self.rank} waited {self.timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} "
-            f"but {who} did not arrive. Every rank of the group must make the same dispatch/combine calls in the "
-            "same order. The buffer and its process group are unusable now (an unmatched collective is pending): "
-            "end the job; while the missing rank is alive the process cannot exit cleanly, so exit with "
-            "os._exit(1) or let the launcher kill it"
-        )
+        """Wait for `work` on the host, at most `timeout_s`; name the missing ranks on expiry (waits.py)."""
+        bounded_wait(work, what=what, call_id=call_id, rank=self.rank, num_ranks=self.num_ranks, uid=self.uid,
+                     device=self.device, timeout_s=self.timeout_s, owner="EPBuffer")
 
 
 _REGISTRY = {

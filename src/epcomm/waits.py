@@ -1,0 +1,79 @@
+"""Bounded host waits for collectives: every wait ends within `num_cpu_timeout_secs` and names missing ranks.
+
+A rank that has waited longer than a short grace announces itself in the process group's store under a key of
+(buffer id, call number, rank); on expiry the waiting rank compares the announced ranks with the group and names
+those missing. Used by the transports (EPBuffer) and by the collective buffers of `comm.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class TransportTimeout(TimeoutError):
+    """A peer did not arrive within `num_cpu_timeout_secs`; the buffer is unusable afterwards."""
+
+
+def default_store() -> Optional["dist.Store"]:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # not every init method exposes a store; then missing ranks cannot be named
+        return None
+
+
+def _key(uid: int, call_id: int, rank: int) -> str:
+    return f"epcomm/{uid}/{call_id}/{rank}"
+
+
+def announce(uid: int, call_id: int, rank: int) -> None:
+    store = default_store()
+    if store is not None:
+        store.set(_key(uid, call_id, rank), "1")
+
+
+def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_ranks: int, uid: int,
+                 device: torch.device, timeout_s: float, owner: str = "buffer") -> None:
+    """Wait on the host for `work`, at most `timeout_s` seconds.
+
+    Raises:
+        TransportTimeout: a peer did not arrive; names the missing group ranks and says how to end the job.
+    """
+    start = time.monotonic()
+    announced = False
+    while not work.is_completed():
+        now = time.monotonic()
+        if not announced and now > start + min(1.0, timeout_s / 4):
+            announce(uid, call_id, rank)  # only slow waits pay for a store round trip
+            announced = True
+        if now > start + timeout_s:
+            _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner)
+        # NOTE: on GPU spin first: a sleeping poll added ~3 ms to every CPU-synced NCCL dispatch (2x H200,
+        # dsv3, 4.3 ms full vs 1.1 ms cached). On CPU the peers' gloo threads need the cores: always sleep.
+        if device.type == "cpu" or now - start > 2e-3:
+            time.sleep(1e-4)
+    work.wait()
+
+
+def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int, timeout_s: float,
+                   owner: str) -> None:
+    store = default_store()
+    missing: Optional[list] = None
+    if store is not None:
+        announce(uid, call_id, rank)
+        time.sleep(min(1.0, timeout_s / 4))  # let peers that are waiting too announce themselves
+        missing = [r for r in range(num_ranks) if r != rank and not store.check([_key(uid, call_id, r)])]
+    if missing:
+        who = f"group ranks {missing} did not arrive"
+    elif missing is None:
+        who = "a peer (could not tell which) did not arrive"
+    else:
+        who = "every group rank arrived and the collective still did not finish (mismatched calls or sizes?)"
+    raise TransportTimeout(
+        f"{what}: rank {rank} waited {timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} but {who}. Every "
+        f"rank of the group must make the same {owner} calls in the same order. The {owner} and its process group "
+        "are unusable now (an unmatched collective is pending): end the job; while the missing rank is alive the "
+        "process cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
