@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
-from .comm import CommContext, new_comm_stream
+from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .events import EventHandle, EventOverlap
 
 __all__ = ["BucketBuffer", "BucketEvent", "BucketSession", "SessionOutOfStorage"]
@@ -91,7 +91,7 @@ def _theoretical_num_sms(op: str, nvl: int, rdma: int, nvl_gbs: float, rdma_gbs:
     return al(max(6, max(3 * g / 180, 3 * g / 45)))
 
 
-class BucketBuffer:
+class BucketBuffer(ContextLifecycle):
     """A storage region registered with up to 8 groups, for batched collectives (collective construction).
 
     Args:
@@ -230,18 +230,6 @@ class BucketBuffer:
             ctx.destroyed = True
         self._destroyed = True
         self.contexts, self.storage, self.nccl_comm_handles = [], None, []
-
-    def __enter__(self) -> "BucketBuffer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.destroy()
-
-    def __del__(self):
-        if getattr(self, "explicitly_destroy", False) and not getattr(self, "_destroyed", True):
-            warnings.warn("BucketBuffer was created with explicitly_destroy=True but destroy() was never called",
-                          ResourceWarning, stacklevel=1)
 
     # -- collectives ---------------------------------------------------------------------------------
     def all_gather(self, srcs: Union[Tensor, list], dsts: Union[None, Tensor, list] = None,

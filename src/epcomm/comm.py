@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import socket
 import time
+import warnings
 import zlib
 from typing import Optional
 
@@ -255,3 +256,23 @@ def get_comm_stream(buffer) -> Optional["torch.cuda.Stream"]:
     if not callable(getter):
         raise TypeError(f"epcomm.comm.get_comm_stream: buffer must be an epcomm buffer, got {type(buffer).__name__}")
     return getter()
+
+
+class ContextLifecycle:
+    """Context-manager and garbage-collection behaviour shared by the collective buffers (reference §5).
+
+    The class needs `destroy()`, `explicitly_destroy` and `_destroyed`. Leaving a `with` block normally destroys
+    the buffer (collective); leaving it with an exception in flight does not (peers may not reach `destroy`).
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.destroy()
+
+    def __del__(self):
+        if getattr(self, "explicitly_destroy", False) and not getattr(self, "_destroyed", True):
+            warnings.warn(f"{type(self).__name__} was created with explicitly_destroy=True but destroy() was never "
+                          "called", ResourceWarning, stacklevel=1)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
-from .comm import CommContext, new_comm_stream
+from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .epilogue import place_sf
 from .events import EventHandle
 
@@ -83,7 +83,7 @@ def _check_config(who: str, entries, hidden, num_max_tokens, num_entries_per_tok
     return entries
 
 
-class EngramBuffer:
+class EngramBuffer(ContextLifecycle):
     """A sharded embedding table and a receive area for `fetch` (collective construction).
 
     Args:
@@ -476,16 +476,4 @@ class EngramBuffer:
             self.context.barrier(call="EngramBuffer.destroy")
         self.context.destroyed = self._destroyed = True
         self.gpu_storage = self.rdma_storage = self._table = self._area = self._scales = None
-
-    def __enter__(self) -> "EngramBuffer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.destroy()
-
-    def __del__(self):
-        if getattr(self, "explicitly_destroy", False) and not getattr(self, "_destroyed", True):
-            warnings.warn("EngramBuffer was created with explicitly_destroy=True but destroy() was never called",
-                          ResourceWarning, stacklevel=1)
 

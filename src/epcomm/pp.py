@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
-from .comm import CommContext, new_comm_stream
+from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .waits import default_store
 from .transport.base import TransportTimeout
 
@@ -61,7 +61,7 @@ class _Fifo:
     pending: Optional["dist.Work"] = None  # recv side (CPU): the header receive posted ahead of the next recv
 
 
-class PPBuffer:
+class PPBuffer(ContextLifecycle):
     """Pipeline send/recv to `(rank +- 1) mod world` with bounded in-flight tensors (collective construction).
 
     Args:
@@ -313,18 +313,6 @@ class PPBuffer:
             channel.shutdown()
         self._channels, self._send, self._recv = [], {}, {}
         self.context.destroyed = self._destroyed = True
-
-    def __enter__(self) -> "PPBuffer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.destroy()
-
-    def __del__(self):
-        if getattr(self, "explicitly_destroy", False) and not getattr(self, "_destroyed", True):
-            warnings.warn("PPBuffer was created with explicitly_destroy=True but destroy() was never called",
-                          ResourceWarning, stacklevel=1)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _post_header(self, fifo: _Fifo) -> None:
