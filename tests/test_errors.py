@@ -59,10 +59,10 @@ EXPECTED = {
 DISAGREE = {
     "disagree_hidden": r"ranks disagree on hidden \(rank 0: 32, rank 1: 16\)",
     "disagree_num_experts": r"ranks disagree on num_experts \(rank 0: 8, rank 1: 16\)",
-    "disagree_layout": r"ranks disagree on do_expand \(rank 0: 0, rank 1: 1\)",
+    "disagree_layout": r"ranks disagree on do_expand \(rank 0: False, rank 1: True\)",
     "disagree_alignment": r"ranks disagree on expert_alignment \(rank 0: 1, rank 1: 4\)",
     "disagree_dtype": r"ranks disagree on dtype \(rank 0: torch.bfloat16, rank 1: torch.float16\)",
-    "disagree_sync": r"ranks disagree on do_cpu_sync \(rank 0: 1, rank 1: 0\)",
+    "disagree_sync": r"ranks disagree on do_cpu_sync \(rank 0: True, rank 1: False\)",
 }
 
 

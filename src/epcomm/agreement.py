@@ -24,6 +24,7 @@ SIGNATURE_FIELDS = (
     "num_sf_packs", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync",
 )
 HEADER_LEN = 2 + len(SIGNATURE_FIELDS)
+_BOOL_FIELDS = ("do_expand", "fp8", "has_topk_weights", "do_cpu_sync")
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4, torch.float8_e4m3fn: 5}
 _DTYPE_NAMES = {v: str(k) for k, v in _DTYPE_CODES.items()}
 
@@ -84,8 +85,10 @@ def check(
                 shown = [OPS.get(v, "?") for v in values]
             elif name == "dtype":
                 shown = [_DTYPE_NAMES.get(v, "?") for v in values]
+            elif name in _BOOL_FIELDS:
+                shown = [bool(v) for v in values]
             else:
                 shown = values
             desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
-            raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must pass the "
-                             f"same {name}")
+            fix = "make the same call at the same point" if name == "op" else f"pass the same {name}"
+            raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")
