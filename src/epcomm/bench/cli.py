@@ -348,6 +348,9 @@ def _print_report(plan: Plan, env: dict, state: _Run, gpu_link: bool, aborted: O
     for f in state.failures:
         layout = f" {f.layout}" if f.layout else ""
         lines.append(f"FAILED {f.case.label}{layout} {f.provider}: {f.message}")
+    if not state.failures and not aborted:
+        lines.append("  correctness: every configuration below matched epcomm.reference bitwise on fresh random "
+                     "inputs before it was timed")
     if aborted:
         lines.append(f"ABORTED: the worker pool failed; results below are partial:\n{aborted}")
     print("\n".join(lines))
