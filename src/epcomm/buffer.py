@@ -25,6 +25,7 @@ from .allocator import BufferAllocator
 from .events import EventHandle
 from .handle import EPHandle
 from .lb import LoadBalancingMixin
+from .lowlatency import LowLatencyMixin
 from .transport import TransportTimeout, resolve_transport
 from .transport import symm
 from .transport.collective import CollectiveTransport
@@ -41,7 +42,7 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-class EPBuffer(LoadBalancingMixin):
+class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     """Expert-parallel dispatch/combine buffer for one process group (collective: every rank constructs it).
 
     Args:

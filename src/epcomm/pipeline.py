@@ -353,6 +353,30 @@ def _pair_counts_at_origin(h, num_ranks: int) -> Tensor:
     return layout.pair_slots(h._topk_idx, num_ranks, h.num_experts // num_ranks)[0]
 
 
+def returned_item_rows(buf, h, per_pair: bool) -> Tensor:
+    """[T, K] int64: the row of the combine-return buffer holding the item at each top-k position, -1 for none.
+
+    Per pair: every (token, expert) row at its own position; else one row per (token, destination rank) at the
+    largest top-k position on that rank (reference §11.2).
+    """
+    plan = h._plan
+    topk_TK = h._topk_idx.long()
+    num_tokens, num_topk = topk_TK.shape
+    num_ranks, num_local = buf.num_ranks, h.num_experts // buf.num_ranks
+    if per_pair:
+        dest_TK = layout.dest_rank_of(topk_TK, num_local)
+        counts_R, slot_TK = layout.pair_slots(topk_TK, num_ranks, num_local)
+        if plan.exact:
+            off_R = _exclusive_cumsum(counts_R)
+        else:
+            off_R = torch.arange(num_ranks, device=buf.device) * (h.num_max_tokens_per_rank * min(num_topk, num_local))
+        return (off_R[dest_TK.clamp(min=0)] + slot_TK).masked_fill(slot_TK < 0, -1)
+    last_TR, row_TR = plan.send.last_pos_TR, plan.send_row_TR
+    item_TK = torch.full((num_tokens, num_topk + 1), -1, dtype=torch.int64, device=buf.device)
+    item_TK.scatter_(1, torch.where(last_TR >= 0, last_TR, num_topk), row_TR)
+    return item_TK[:, :num_topk]
+
+
 def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     """Origin side: the canonical reduction (bias first, then ascending position) and the weights back."""
     h, plan = call.handle, call.handle._plan
@@ -360,21 +384,8 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     y_XH = spec.view(rows_XB, "x")  # the reduction reads the rows in place
     topk_TK = h._topk_idx.long()
     num_tokens, num_topk = topk_TK.shape
-    num_ranks, num_local = buf.num_ranks, h.num_experts // buf.num_ranks
-    dest_TK = layout.dest_rank_of(topk_TK, num_local)
-    if call.per_pair:
-        counts_R, slot_TK = layout.pair_slots(topk_TK, num_ranks, num_local)
-        if plan.exact:
-            off_R = _exclusive_cumsum(counts_R)
-        else:
-            off_R = torch.arange(num_ranks, device=buf.device) * (h.num_max_tokens_per_rank * min(num_topk, num_local))
-        item_TK = (off_R[dest_TK.clamp(min=0)] + slot_TK).masked_fill(slot_TK < 0, -1)
-    else:
-        # One row per (token, destination rank), at the largest top-k position on that rank (reference §11.2).
-        last_TR, row_TR = plan.send.last_pos_TR, plan.send_row_TR
-        item_TK = torch.full((num_tokens, num_topk + 1), -1, dtype=torch.int64, device=buf.device)
-        item_TK.scatter_(1, torch.where(last_TR >= 0, last_TR, num_topk), row_TR)
-        item_TK = item_TK[:, :num_topk]
+    dest_TK = layout.dest_rank_of(topk_TK, h.num_experts // buf.num_ranks)
+    item_TK = returned_item_rows(buf, h, call.per_pair)
     combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype)
     combined_w = None
     if call.topk_weights is not None:

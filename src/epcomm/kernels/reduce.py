@@ -88,3 +88,26 @@ def canonical_reduce(
     bias_1 = None if bias_1 is None else bias_1.contiguous()
     out = torch.empty(item_row_TP.shape[0], rows.shape[1], dtype=out_dtype or rows.dtype, device=rows.device)
     return _reduce_triton.launch(rows, item_row_TP.contiguous(), bias_0, bias_1, out)
+
+
+def weighted_reduce_torch(rows_XH: Tensor, item_row_TP: Tensor, weights_TP: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """`out[t] = round(sum_p w[t, p] * rows[item[t, p]])`, p ascending, fp32 products and sums (fp64 for fp64 rows).
+
+    The low-latency combine's order (docs/decisions.md): each product and each partial sum is an fp32 operation,
+    one rounding to `out_dtype` at the end. Worked example: rows [[2.], [4.]], item [[1, 0]], w [[0.5, 0.25]]
+    -> [[2.5]].
+    """
+    acc_dtype = accumulate_dtype(rows_XH.dtype)
+    acc_TH = torch.zeros(item_row_TP.shape[0], rows_XH.shape[1], dtype=acc_dtype, device=rows_XH.device)
+    if rows_XH.shape[0] == 0:
+        return acc_TH.to(out_dtype)
+    w_TP = weights_TP.to(acc_dtype)
+    for p in range(item_row_TP.shape[1]):
+        item_T = item_row_TP[:, p]
+        if rows_XH.is_cuda:
+            term_TH = w_TP[:, p: p + 1] * rows_XH[item_T.clamp(min=0)].to(acc_dtype)
+            acc_TH = torch.where((item_T >= 0).unsqueeze(1), acc_TH + term_TH, acc_TH)
+        else:
+            tokens = (item_T >= 0).nonzero().squeeze(1)
+            acc_TH[tokens] += w_TP[tokens, p: p + 1] * rows_XH[item_T[tokens]].to(acc_dtype)
+    return acc_TH.to(out_dtype)

@@ -1,0 +1,193 @@
+"""DeepEP V1's low-latency (decode) API on `EPBuffer`: `low_latency_dispatch` / `low_latency_combine`.
+
+Semantics, on every transport: the dispatch is a sync-free expand-layout dispatch (BF16 in, FP8 cast inside per
+128 channels), laid out expert-major and padded: `[num_local_experts, num_ranks * N, hidden]` with
+`recv_count[e]` valid rows per expert, ascending token key inside each expert (docs/decisions.md). The combine
+returns every (token, expert) row to its token and sums `w_j * y_j` in fp32 in ascending top-k position with one
+rounding. This is the portable path (no host synchronisation on GPU); the latency-optimised kernels of the
+decode issue plug in under the same API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import pipeline, sizing
+from .events import EventHandle, EventOverlap
+from .fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
+from .kernels import weighted_reduce_torch
+from .validate import Checker
+
+
+@dataclass(frozen=True)
+class LowLatencyHandle:
+    """What `low_latency_dispatch` returns as its handle (pass it to `low_latency_combine`).
+
+    Fields:
+        handle: the underlying expand-layout `EPHandle`.
+        num_max_dispatch_tokens_per_rank: N of the call.
+        hidden: H of the dispatched rows.
+        expert_idx_S, row_in_expert_S: [S] int64 -- for each expanded row, its local expert and its row in that
+            expert's block of the expert-major output (-1 for padding / the unused tail).
+    """
+
+    handle: object
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    expert_idx_S: Tensor
+    row_in_expert_S: Tensor
+
+
+class LowLatencyMixin:
+    """`low_latency_dispatch`, `low_latency_combine` and their helpers (DeepEP V1 low-latency API)."""
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes a buffer needs for low-latency calls of this shape (a multiple of 2 MiB); allocates nothing.
+
+        Sized as the expand-layout dispatch of BF16 rows with top-k up to 32 (the records epcomm moves).
+        """
+        return sizing.buffer_size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk=0)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Accepted for API compatibility: epcomm's low-latency calls keep no state between calls (no-op)."""
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle):
+        """Raises: ValueError -- epcomm has no registered zero-copy combine buffer; pass `x` to the combine."""
+        raise ValueError(f"EPBuffer.get_next_low_latency_combine_buffer: rank {self.rank}: epcomm has no zero-copy "
+                         "combine buffer; pass the expert outputs to low_latency_combine (zero_copy=False)")
+
+    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Dispatch decode tokens to their experts, expert-major and padded (collective; no host synchronisation).
+
+        Args:
+            x: [T, H] bf16 -- T <= num_max_dispatch_tokens_per_rank.
+            topk_idx: [T, K] int64/int32 -- global expert ids, -1 = none.
+            num_max_dispatch_tokens_per_rank: N, the same on every rank.
+            num_experts: E, a multiple of the group size.
+            cumulative_local_expert_recv_stats: [L] int32 or None -- `+= recv_count`.
+            dispatch_wait_recv_cost_stats: must be None (not implemented: per-rank wait times).
+            use_fp8: cast to float8_e4m3fn per 1x128 block inside the call (default) or send BF16.
+            round_scale: power-of-two fp32 scales.
+            use_ue8m0: packed UE8M0 scales ([.., ceil(H/512)] int32); implies power-of-two scales.
+            async_finish: return an event to wait on instead of ordering the current stream.
+            return_recv_hook: also return a hook that waits for arrival (the data is complete when it returns).
+
+        Returns:
+            `(recv_x, recv_count, handle, event, hook)`: recv_x is [L, R*N, H] bf16, or `(data [L, R*N, H] e4m3,
+            scales [L, R*N, P])` with scales laid out token-contiguous (column-major per expert); recv_count [L]
+            int32 valid rows per expert; a `LowLatencyHandle`; an `EventOverlap`; a callable or None.
+
+        Raises:
+            TypeError / ValueError: bad arguments (as `dispatch`), unsupported options.
+        """
+        c = Checker("EPBuffer.low_latency_dispatch", self.rank, self.device)
+        if not isinstance(x, Tensor) or x.dtype != torch.bfloat16:
+            c.fail(TypeError, f"x must be a bf16 tensor (the FP8 cast happens inside), got "
+                              f"{getattr(x, 'dtype', type(x).__name__)}")
+        c.require(dispatch_wait_recv_cost_stats is None,
+                  "dispatch_wait_recv_cost_stats is not implemented by epcomm; pass None")
+        c.require(not (use_ue8m0 and not use_fp8), "use_ue8m0=True requires use_fp8=True")
+        n = num_max_dispatch_tokens_per_rank
+        if use_fp8:
+            data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
+            if round_scale and not use_ue8m0:
+                scales = unpack_ue8m0(scales, num_sf_packs(x.shape[1]))
+            payload = (data, scales)
+        else:
+            payload = x
+        recv, _, _, handle, _ = self.dispatch(payload, topk_idx, None, cumulative_local_expert_recv_stats,
+                                              num_experts=num_experts, num_max_tokens_per_rank=n, do_expand=True,
+                                              do_cpu_sync=False, emit_expert_ids=True)
+        num_local, rows = num_experts // self.num_ranks, self.num_ranks * n
+        expert_S = handle.recv_expert_ids.long()
+        start_L = (handle.psum_num_recv_tokens_per_expert - handle.num_unaligned_recv_tokens_per_expert).long()
+        row_S = (torch.arange(expert_S.numel(), device=self.device) - start_L[expert_S.clamp(min=0)])
+        row_S = row_S.masked_fill(expert_S < 0, -1)
+        slot_S = (expert_S * rows + row_S).masked_fill(expert_S < 0, num_local * rows)  # last slot: trash row
+
+        def expert_major(t_SC: Tensor) -> Tensor:
+            """[S, C] expanded rows -> [L, R*N, C], zero past each expert's rows."""
+            as_bytes = t_SC.dtype == torch.float8_e4m3fn  # index_copy_ has no FP8 kernel: move bytes
+            src = t_SC.view(torch.uint8) if as_bytes else t_SC
+            out = torch.zeros(num_local * rows + 1, src.shape[1], dtype=src.dtype, device=self.device)
+            out.index_copy_(0, slot_S, src)
+            out = out[:-1].view(num_local, rows, src.shape[1])
+            return out.view(t_SC.dtype) if as_bytes else out
+
+        if use_fp8:
+            # Scales token-contiguous per expert (column-major, as V1 returns them for TMA loads).
+            scales_LRP = expert_major(recv[1]).transpose(1, 2).contiguous().transpose(1, 2)
+            recv_x = (expert_major(recv[0]), scales_LRP)
+        else:
+            recv_x = expert_major(recv)
+        ll_handle = LowLatencyHandle(handle, n, x.shape[1], expert_S, row_S)
+        recv_count = handle.num_unaligned_recv_tokens_per_expert.clone()
+        event = EventOverlap(EventHandle(self.device) if async_finish else None)
+        hook: Optional[Callable] = (lambda: None) if return_recv_hook else None
+        return recv_x, recv_count, ll_handle, event, hook
+
+    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[Tensor] = None):
+        """Weighted combine of expert-major outputs back to their tokens (collective).
+
+        `combined[t] = round(sum_j w[t, j] * x[expert of j, row of (t, j)])`, fp32 products and sums in ascending
+        top-k position, one rounding to bf16 (docs/decisions.md).
+
+        Args:
+            x: [L, R*N, H] bf16 -- expert outputs in the dispatch's expert-major layout.
+            topk_idx: [T, K] -- the routing of the dispatch (the same tensor or equal values).
+            topk_weights: [T, K] fp32 -- the weights applied here.
+            handle: the `LowLatencyHandle` of the dispatch.
+            use_logfmt, zero_copy, combine_wait_recv_cost_stats: not implemented; must be False / None.
+            async_finish, return_recv_hook: as `low_latency_dispatch`.
+            out: [T, H] bf16 or None -- written in place and returned when given.
+
+        Returns:
+            `(combined_x [T, H] bf16, event, hook)`.
+
+        Raises:
+            TypeError / ValueError: bad arguments, unsupported options.
+        """
+        c = Checker("EPBuffer.low_latency_combine", self.rank, self.device)
+        c.require(not use_logfmt, "use_logfmt=True (LogFMT combine payloads) is not implemented by epcomm")
+        c.require(not zero_copy, "zero_copy=True is not implemented by epcomm (no registered combine buffer)")
+        c.require(combine_wait_recv_cost_stats is None,
+                  "combine_wait_recv_cost_stats is not implemented by epcomm; pass None")
+        if not isinstance(handle, LowLatencyHandle):
+            c.fail(TypeError, f"handle must be the LowLatencyHandle of low_latency_dispatch, got "
+                              f"{type(handle).__name__}")
+        h = handle.handle
+        num_local, rows = h.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank
+        c.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,), shape=(num_local, rows, handle.hidden))
+        c.require(tuple(topk_idx.shape) == tuple(h.topk_idx.shape) and torch.equal(topk_idx, h.topk_idx),
+                  "topk_idx must be the routing of the low_latency_dispatch that made the handle")
+        c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), shape=tuple(topk_idx.shape))
+        # Back to the expand layout (padding rows read the zero row), then every (token, expert) row home.
+        slot_S = (handle.expert_idx_S * rows + handle.row_in_expert_S).masked_fill(handle.expert_idx_S < 0,
+                                                                                    num_local * rows)
+        flat = torch.cat([x.reshape(num_local * rows, -1), x.new_zeros(1, x.shape[2])])
+        x_S = flat.index_select(0, slot_S)
+        call = pipeline.CombineCall(x=x_S, handle=h, topk_weights=None, bias_0=None, bias_1=None, per_pair=True)
+        call_id = self._next_call_id()
+        self._exchange_header("EPBuffer.low_latency_combine", call_id, call.signature(), None)
+        launched = pipeline.combine_launch(self, call, call_id)
+        item_TK = pipeline.returned_item_rows(self, h, per_pair=True)
+        y = launched["spec"].view(launched["recv_XB"], "x")
+        combined = weighted_reduce_torch(y, item_TK, topk_weights, torch.bfloat16)
+        if out is not None:
+            out.copy_(combined)
+            combined = out
+        event = EventOverlap(EventHandle(self.device) if async_finish else None)
+        return combined, event, ((lambda: None) if return_recv_hook else None)

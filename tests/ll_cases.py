@@ -1,0 +1,79 @@
+"""Rank-side bodies of the low-latency API tests (importable by the worker processes)."""
+
+import torch
+
+import epcomm
+from epcomm import reference as ref
+from epcomm.fp8 import per_token_cast_to_fp8
+from ep_cases import assert_equal, random_routing
+
+
+def check_low_latency(rank: int, world: int, *, seed: int = 0, tokens=(9, 5), hidden: int = 256,
+                      num_experts: int = 8, num_topk: int = 3, use_fp8: bool = False, use_ue8m0: bool = False):
+    """low_latency_dispatch rows per expert = the reference's expand segments; combine = the weighted sum."""
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    num_tokens, n = tokens[rank], max(tokens)
+    idx, w = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio=0.2)
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    num_local = num_experts // world
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=n, hidden=hidden)
+    stats = torch.zeros(num_local, dtype=torch.int32)
+    recv_x, count, handle, event, hook = buf.low_latency_dispatch(
+        x, idx, n, num_experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, use_ue8m0=use_ue8m0,
+        return_recv_hook=True)
+    assert hook() is None and event.event is None
+    sent = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0) if use_fp8 else x
+    r_x, _, _, r_handle = ref.dispatch(sent, idx, None, num_experts, num_max_tokens_per_rank=n, do_expand=True)
+    assert_equal(count, torch.tensor(r_handle.num_recv_per_expert, dtype=torch.int32), "recv_count")
+    assert_equal(stats, count, "cumulative_local_expert_recv_stats")
+    start = 0
+    for e, c in enumerate(r_handle.num_recv_per_expert):
+        if use_fp8:
+            assert_equal(recv_x[0][e, :c], r_x[0][start: start + c], f"expert {e} data")
+            assert_equal(recv_x[1][e, :c], r_x[1][start: start + c], f"expert {e} scales")
+            assert recv_x[1].stride(1) == 1, recv_x[1].stride()  # token-contiguous scales
+        else:
+            assert_equal(recv_x[e, :c], r_x[start: start + c], f"expert {e}")
+            assert bool((recv_x[e, c:] == 0).all()), f"expert {e}: rows past recv_count must be zero"
+        start += c
+    if use_fp8:
+        buf.destroy()
+        return True
+    # Expert e multiplies by (1 + e); the combine weights and sums at the origin.
+    factor = (1 + torch.arange(num_local, dtype=torch.float32)).view(-1, 1, 1)
+    y = (recv_x.float() * factor).bfloat16()
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
+    combined, event, hook = buf.low_latency_combine(y, idx, w, handle, out=out)
+    assert combined is out
+    acc = torch.zeros(num_tokens, hidden)
+    for j in range(num_topk):
+        for t in range(num_tokens):
+            e = int(idx[t, j])
+            if e >= 0:
+                y_tj = (x[t].float() * (1 + e % num_local)).bfloat16().float()
+                acc[t] += w[t, j] * y_tj
+    assert_equal(combined, acc.bfloat16(), "low_latency_combine")
+    buf.destroy()
+    return True
+
+
+def low_latency_errors(rank: int, world: int):
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = random_routing(gen, 4, 4, 2, masked_ratio=0.0)
+    x = torch.randn(4, 128, generator=gen).bfloat16()
+    msgs = []
+    for call in (lambda: buf.low_latency_dispatch(x.float(), idx, 4, 4),
+                 lambda: buf.low_latency_dispatch(x, idx, 4, 4, dispatch_wait_recv_cost_stats=torch.zeros(2))):
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    for kw in (dict(use_logfmt=True), dict(zero_copy=True)):
+        try:
+            buf.low_latency_combine(recv_x, idx, w, handle, **kw)
+        except ValueError as e:
+            msgs.append(str(e))
+    buf.low_latency_combine(recv_x, idx, w, handle)  # the buffer still works after local rejections
+    return msgs

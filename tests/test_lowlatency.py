@@ -1,0 +1,24 @@
+"""DeepEP V1's low-latency API on the portable path (CPU): layouts and sums against the reference."""
+
+import pytest
+
+import ll_cases
+
+
+@pytest.mark.parametrize("use_fp8,use_ue8m0", [(False, False), (True, False), (True, True)],
+                         ids=["bf16", "fp8", "fp8-ue8m0"])
+def test_low_latency_dispatch_and_combine(run_ranks, use_fp8, use_ue8m0):
+    assert all(run_ranks(2, ll_cases.check_low_latency, use_fp8=use_fp8, use_ue8m0=use_ue8m0))
+
+
+def test_low_latency_empty_rank_and_three_ranks(run_ranks):
+    assert all(run_ranks(2, ll_cases.check_low_latency, tokens=(7, 0), seed=1))
+    assert all(run_ranks(3, ll_cases.check_low_latency, tokens=(4, 6, 0), num_experts=9, seed=2))
+
+
+def test_low_latency_unsupported_options_raise(run_ranks):
+    for msgs in run_ranks(2, ll_cases.low_latency_errors):
+        assert "x must be a bf16 tensor" in msgs[0]
+        assert "dispatch_wait_recv_cost_stats is not implemented" in msgs[1]
+        assert "use_logfmt=True (LogFMT combine payloads) is not implemented" in msgs[2]
+        assert "zero_copy=True is not implemented" in msgs[3]
