@@ -16,7 +16,8 @@ PUBLIC = [
     epcomm.EventOverlap.current_stream_wait, epcomm.TokenDispatcher.__init__, epcomm.TokenDispatcher.dispatch,
     epcomm.TokenDispatcher.combine, reference.dispatch, reference.combine,
     fp8.per_token_cast_to_fp8, fp8.per_token_cast_back, routing.deepseek_v3_gate, routing.softmax_topk,
-    routing.make_routing,
+    routing.make_routing, epcomm.EPBuffer.low_latency_dispatch, epcomm.EPBuffer.low_latency_combine,
+    epcomm.EPBuffer.barrier, epcomm.EPBuffer.lb_prefetch_weights, epcomm.EPBuffer.lb_reduce_grads,
 ]
 
 

@@ -320,6 +320,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             with_cpu_sync: synchronise the device before and after.
             sequential, context_idx: accepted for API compatibility (one context, one domain).
 
+        Returns:
+            None, once every rank has arrived.
+
         Raises:
             ValueError: use after destroy; ranks in different calls.
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
