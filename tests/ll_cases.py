@@ -63,7 +63,8 @@ def low_latency_errors(rank: int, world: int):
     idx, w = random_routing(gen, 4, 4, 2, masked_ratio=0.0)
     x = torch.randn(4, 128, generator=gen).bfloat16()
     msgs = []
-    for call in (lambda: buf.low_latency_dispatch(x.float(), idx, 4, 4),
+    bad_x = x.float() if rank == 1 else x  # rank 1 alone is wrong: both ranks must raise
+    for call in (lambda: buf.low_latency_dispatch(bad_x, idx, 4, 4),
                  lambda: buf.low_latency_dispatch(x, idx, 4, 4, dispatch_wait_recv_cost_stats=torch.zeros(2))):
         try:
             call()
@@ -72,7 +73,7 @@ def low_latency_errors(rank: int, world: int):
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
     for kw in (dict(use_logfmt=True), dict(zero_copy=True)):
         try:
-            buf.low_latency_combine(recv_x, idx, w, handle, **kw)
+            buf.low_latency_combine(recv_x, idx, w, handle, **(kw if rank == 1 else {}))
         except ValueError as e:
             msgs.append(str(e))
     buf.low_latency_combine(recv_x, idx, w, handle)  # the buffer still works after local rejections

@@ -416,6 +416,16 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self._call_id = max(self._call_id, max(row[1] for row in recv_rows))
         agreement.check(call, self.rank, recv_rows, local_error, gather)
 
+    def _reject(self, call: str, err: BaseException) -> None:
+        """Raise `err` here and make the peers' current call raise too (their headers see the failed status)."""
+        call_id = self._next_call_id()
+        head = agreement.header(agreement.status_of(err), call_id, {})
+        if self.device.type != "cpu":  # on GPU sync-free peers never read headers: fail locally
+            raise err
+        recv = self.transport.exchange_counts(agreement.pack(head, None, self.num_ranks, self.device), wait=True,
+                                              call_id=call_id)
+        self.agree(call, recv.tolist(), err)
+
     def _exchange_header(self, call: str, call_id: int, signature: dict, err: Optional[BaseException]) -> None:
         """Header-only exchange for calls without counts (combine, cached dispatch): CPU only (free there)."""
         if self.device.type != "cpu":

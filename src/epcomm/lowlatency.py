@@ -90,13 +90,17 @@ class LowLatencyMixin:
         Raises:
             TypeError / ValueError: bad arguments (as `dispatch`), unsupported options.
         """
-        c = Checker("EPBuffer.low_latency_dispatch", self.rank, self.device)
-        if not isinstance(x, Tensor) or x.dtype != torch.bfloat16:
-            c.fail(TypeError, f"x must be a bf16 tensor (the FP8 cast happens inside), got "
-                              f"{getattr(x, 'dtype', type(x).__name__)}")
-        c.require(dispatch_wait_recv_cost_stats is None,
-                  "dispatch_wait_recv_cost_stats is not implemented by epcomm; pass None")
-        c.require(not (use_ue8m0 and not use_fp8), "use_ue8m0=True requires use_fp8=True")
+        name = "EPBuffer.low_latency_dispatch"
+        c = Checker(name, self.rank, self.device)
+        try:
+            if not isinstance(x, Tensor) or x.dtype != torch.bfloat16:
+                c.fail(TypeError, f"x must be a bf16 tensor (the FP8 cast happens inside), got "
+                                  f"{getattr(x, 'dtype', type(x).__name__)}")
+            c.require(dispatch_wait_recv_cost_stats is None,
+                      "dispatch_wait_recv_cost_stats is not implemented by epcomm; pass None")
+            c.require(not (use_ue8m0 and not use_fp8), "use_ue8m0=True requires use_fp8=True")
+        except (TypeError, ValueError) as e:
+            self._reject(name, e)
         n = num_max_dispatch_tokens_per_rank
         if use_fp8:
             data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
@@ -160,20 +164,27 @@ class LowLatencyMixin:
         Raises:
             TypeError / ValueError: bad arguments, unsupported options.
         """
-        c = Checker("EPBuffer.low_latency_combine", self.rank, self.device)
-        c.require(not use_logfmt, "use_logfmt=True (LogFMT combine payloads) is not implemented by epcomm")
-        c.require(not zero_copy, "zero_copy=True is not implemented by epcomm (no registered combine buffer)")
-        c.require(combine_wait_recv_cost_stats is None,
-                  "combine_wait_recv_cost_stats is not implemented by epcomm; pass None")
-        if not isinstance(handle, LowLatencyHandle):
-            c.fail(TypeError, f"handle must be the LowLatencyHandle of low_latency_dispatch, got "
-                              f"{type(handle).__name__}")
-        h = handle.handle
-        num_local, rows = h.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank
-        c.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,), shape=(num_local, rows, handle.hidden))
-        c.require(tuple(topk_idx.shape) == tuple(h.topk_idx.shape) and torch.equal(topk_idx, h.topk_idx),
-                  "topk_idx must be the routing of the low_latency_dispatch that made the handle")
-        c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), shape=tuple(topk_idx.shape))
+        name = "EPBuffer.low_latency_combine"
+        c = Checker(name, self.rank, self.device)
+        try:
+            c.require(not use_logfmt, "use_logfmt=True (LogFMT combine payloads) is not implemented by epcomm")
+            c.require(not zero_copy, "zero_copy=True is not implemented by epcomm (no registered combine buffer)")
+            c.require(combine_wait_recv_cost_stats is None,
+                      "combine_wait_recv_cost_stats is not implemented by epcomm; pass None")
+            if not isinstance(handle, LowLatencyHandle):
+                c.fail(TypeError, f"handle must be the LowLatencyHandle of low_latency_dispatch, got "
+                                  f"{type(handle).__name__}")
+            h = handle.handle
+            num_local, rows = h.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank
+            c.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,), shape=(num_local, rows, handle.hidden))
+            try:
+                same = tuple(topk_idx.shape) == tuple(h.topk_idx.shape) and torch.equal(topk_idx, h.topk_idx)
+            except ValueError as e:
+                c.fail(ValueError, str(e))
+            c.require(same, "topk_idx must be the routing of the low_latency_dispatch that made the handle")
+            c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), shape=tuple(topk_idx.shape))
+        except (TypeError, ValueError) as e:
+            self._reject(name, e)
         # Back to the expand layout (padding rows read the zero row), then every (token, expert) row home.
         slot_S = (handle.expert_idx_S * rows + handle.row_in_expert_S).masked_fill(handle.expert_idx_S < 0,
                                                                                     num_local * rows)
