@@ -259,11 +259,29 @@ def get_comm_stream(buffer) -> Optional["torch.cuda.Stream"]:
 
 
 class ContextLifecycle:
-    """Context-manager and garbage-collection behaviour shared by the collective buffers (reference §5).
+    """Stream, barrier, context-manager and garbage-collection behaviour shared by the collective buffers (§5).
 
-    The class needs `destroy()`, `explicitly_destroy` and `_destroyed`. Leaving a `with` block normally destroys
+    The class needs `context` (a `CommContext`), `destroy()`, `explicitly_destroy` and `_destroyed`. Leaving a `with` block normally destroys
     the buffer (collective); leaving it with an exception in flight does not (peers may not reach `destroy`).
     """
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The buffer's communication stream; None on CPU."""
+        return self.context.comm_stream
+
+    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """Barrier over the group on the current stream (collective; reference §17.1).
+
+        Args:
+            wait_comm_stream, with_cpu_sync, sequential: as `epcomm.comm.barrier`.
+
+        Returns:
+            None, once every rank has arrived.
+
+        Raises:
+            ValueError: destroyed or broken buffer. TimeoutError: a peer did not arrive.
+        """
+        self.context.barrier(wait_comm_stream, with_cpu_sync, sequential, call=f"{type(self).__name__}.barrier")
 
     def __enter__(self):
         return self

@@ -225,21 +225,6 @@ class EngramBuffer(ContextLifecycle):
         """Always `(1, world)`: one logical domain (docs/decisions.md decision 4)."""
         return 1, self.num_ranks
 
-    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
-        """The buffer's communication stream (fetch runs there on CUDA); None on CPU."""
-        return self.context.comm_stream
-
-    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
-        """Barrier over the group on the current stream (collective; reference §17.1).
-
-        Args:
-            wait_comm_stream, with_cpu_sync, sequential: as `epcomm.comm.barrier`.
-
-        Raises:
-            ValueError: destroyed or broken buffer. TimeoutError: a peer did not arrive.
-        """
-        self.context.barrier(wait_comm_stream, with_cpu_sync, sequential, call="EngramBuffer.barrier")
-
     # -- configuration and table -----------------------------------------------------------------------
     def set_config(self, num_entries_per_layer: Sequence[int], hidden: int, num_max_tokens: int,
                    num_entries_per_token: int, dtype: torch.dtype = torch.bfloat16, num_sf_packs: int = 0) -> None:

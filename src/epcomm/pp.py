@@ -273,21 +273,6 @@ class PPBuffer(ContextLifecycle):
                                "consumed; the FIFO continues with the next send")
         return x
 
-    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
-        """The buffer's communication stream (unused by send/recv, which run on the current stream); None on CPU."""
-        return self.context.comm_stream
-
-    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
-        """Barrier over the group on the current stream (collective; reference §17.1).
-
-        Args:
-            wait_comm_stream, with_cpu_sync, sequential: as `epcomm.comm.barrier`.
-
-        Raises:
-            ValueError: destroyed or broken buffer. TimeoutError: a peer did not arrive.
-        """
-        self.context.barrier(wait_comm_stream, with_cpu_sync, sequential, call="PPBuffer.barrier")
-
     # -- lifecycle -----------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Wait for this rank's sends to be received (bounded), then release the buffer (collective).

@@ -110,14 +110,15 @@ def check_topk_values(c: Checker, topk_idx: Tensor, num_experts: int) -> None:
     """Host-side value checks: ids in [-1, num_experts), no expert twice in a row. Reads the tensor (syncs)."""
     if topk_idx.numel() == 0:
         return
-    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    s, _ = topk_idx.sort(dim=1)
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    # One host read for all three facts: each .item() is a device sync (tens of us on the GPU hosts).
+    lo, hi, any_dup = torch.stack([s[:, 0].min().long(), s[:, -1].max().long(), dup.any().long()]).tolist()
     if lo < -1 or hi >= num_experts:
         bad = lo if lo < -1 else hi
         row = int(((topk_idx < -1) | (topk_idx >= num_experts)).any(1).nonzero()[0])
         c.fail(ValueError, f"topk_idx holds {bad} (token {row}); ids must be in [-1, num_experts={num_experts})")
-    s, _ = topk_idx.sort(dim=1)
-    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-    if bool(dup.any()):
+    if any_dup:
         row = int(dup.any(1).nonzero()[0])
         c.fail(
             ValueError,
