@@ -1,10 +1,22 @@
 #!/usr/bin/env bash
-# Runs on a CUDA machine with >= 2 GPUs: GPU tests, then epcomm-bench, logs and JSON under $OUT (or ./gpu_out).
+# Runs on a CUDA machine with >= 2 GPUs: every GPU test, then epcomm-bench (core and collectives suites).
+# Logs and JSON land under $OUT (or ./gpu_out); each step has its own time limit so one hang costs one step.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version(), torch.cuda.get_device_name())' | tee "$OUT/env.txt"
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m multigpu -q -x tests/test_gpu.py ${PYTEST_ARGS:-} 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
-timeout "${BENCH_TIMEOUT:-240}" python3 -m epcomm.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tail -60 | tee "$OUT/bench.log"
+{ python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version(), torch.cuda.get_device_name())'
+  nvidia-smi topo -m; } > "$OUT/env.txt" 2>&1
+step() {  # step NAME SECONDS CMD...: run CMD with a limit, keep the last lines in $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -25 "$OUT/$name.log"; echo "== $name rc=$rc in $((SECONDS - t0))s"
+}
+if [ -z "${SKIP_TESTS:-}" ]; then
+  step gpu_tests "${TEST_TIMEOUT:-300}" python3 -m pytest -m "multigpu or gpu" -q -p no:cacheprovider tests/ ${PYTEST_ARGS:-}
+fi
+step bench "${BENCH_TIMEOUT:-200}" python3 -m epcomm.bench ${BENCH_ARGS:-} --json "$OUT/bench.json"
+if [ -z "${SKIP_COLLECTIVES:-}" ]; then
+  step collectives "${COLL_TIMEOUT:-120}" python3 -m epcomm.bench --suite collectives --json "$OUT/collectives.json"
+fi

@@ -128,7 +128,7 @@ def check_reduce(rank: int, world: int, *, pattern: str, hidden: int, num_local:
         h = hidden + k
         red = torch.stack([_grad_value(rank, c + 100 * k, h, dtype, random) for c in range(num_slots)])
         seed_g = torch.stack([_grad_value(rank, 50 + i + 100 * k, h, dtype, random) for i in range(num_local)])
-        want = seed_g.to(acc)
+        want = seed_g.to(acc, copy=True)  # a copy: the seed tensor itself goes to the call
         for r, row in enumerate(mapping.tolist()):  # ascending (rank, slot): the contract
             for c, e in enumerate(row):
                 if e >= 0 and e // num_local == rank:
