@@ -51,3 +51,9 @@ def test_streams_on_gpu(nccl, transport):
 
 def test_auto_picks_nvlink_on_one_host(nccl):
     assert nccl.run(ep_cases.transport_name) == ["nvlink", "nvlink"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cuda_graph_replay_with_new_routings(nccl, transport):
+    """Sync-free dispatch + cached dispatch + combine in one CUDA graph, replayed with new inputs and routings."""
+    assert nccl.run(ep_cases.graph_replay, transport) == [4, 4]

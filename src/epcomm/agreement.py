@@ -1,6 +1,6 @@
 """The call header that rides with the count exchange, so that every rank raises together.
 
-Each rank sends every peer one int64 row: `[status, call_id, signature..., count]`. `status` is 0, or the code
+Each rank sends every peer one int64 row: `[status, call_id, signature..., counts to every rank]`. `status` is 0, or the code
 of the exception the rank's own checks raised; the signature names what all ranks must agree on (operation,
 hidden, top-k, dtype, experts, layout, alignment, FP8, ...). After the exchange every rank sees every header
 and raises the same exception class, naming the offending group rank (docs/decisions.md "Errors and timeouts").
@@ -44,13 +44,23 @@ def header(status: int, call_id: int, signature: dict) -> list:
 
 
 def pack(header_row: list, counts_R: Optional[Tensor], num_ranks: int, device: torch.device) -> Tensor:
-    """[R, HEADER_LEN + 1] int64: the header to every peer, plus the per-peer count (0 when None)."""
-    send = torch.empty(num_ranks, HEADER_LEN + 1, dtype=torch.int64, device=device)
-    send[:, :HEADER_LEN] = torch.tensor(header_row, dtype=torch.int64, device=device)
-    if counts_R is None:
-        send[:, HEADER_LEN] = 0
+    """[R, HEADER_LEN + R] int64: to every peer, the header and this rank's whole count vector (0 when None).
+
+    Every rank thus receives the full count matrix (row s = rank s's counts to each rank), which one-sided
+    transports need to find their rows in peers' memory; `recv[s, HEADER_LEN + me]` is what s sends me.
+    """
+    send = torch.empty(num_ranks, HEADER_LEN + num_ranks, dtype=torch.int64, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # A CUDA graph cannot capture a copy from pageable host memory: write the (then constant) header with
+        # fills instead. Sync-free calls on GPU never check headers on the host, so a constant one is harmless.
+        for i, v in enumerate(header_row):
+            send[:, i].fill_(v)
     else:
-        send[:, HEADER_LEN] = counts_R
+        send[:, :HEADER_LEN] = torch.tensor(header_row, dtype=torch.int64, device=device)
+    if counts_R is None:
+        send[:, HEADER_LEN:] = 0
+    else:
+        send[:, HEADER_LEN:] = counts_R
     return send
 
 

@@ -14,7 +14,7 @@ M received rows, S expanded rows, X rows of a transfer buffer, B record bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -23,6 +23,7 @@ from torch import Tensor
 from . import agreement, epilogue, layout
 from .debug import phase
 from .kernels import canonical_reduce
+from .moves import Route
 from .records import Field, RecordSpec, scatter_index
 from .validate import XSpec
 
@@ -45,6 +46,7 @@ class Plan:
         recv: the receiver-side `RecvLayout`.
         send: the sender-side `SendLayout`.
         pair_S: [S] int64 -- flat (row, position) placed at each expanded row, -1 (expand only).
+        route: the packed layout's `Route` (fields move straight into their outputs), or None (records).
     """
 
     exact: bool
@@ -60,6 +62,16 @@ class Plan:
     recv: layout.RecvLayout
     send: layout.SendLayout
     pair_S: Optional[Tensor]
+    route: Optional[Route] = None
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # per-handle index tensors (_memo)
+
+
+def _memo(plan: Plan, key, make):
+    """`make()` once per handle: index tensors derived from the routing alone (topk_idx is version-guarded)."""
+    value = plan.cache.get(key)
+    if value is None:
+        value = plan.cache[key] = make()
+    return value
 
 
 @dataclass
@@ -111,6 +123,35 @@ def _record_tensors(x: XSpec, weights: Optional[Tensor]) -> dict:
     return {"x": x.data, "sf": x.sf, "w": weights}
 
 
+def _move_fields(tr, tensors: dict, route: Route, call_id: int) -> dict:
+    """Packed layout: every given field lands in a fresh [route.num_recv, ...] tensor (moves.py)."""
+    outs, moves = {}, []
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        t = t.contiguous()
+        outs[name] = torch.empty((route.num_recv,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        moves.append((t, outs[name]))
+    with phase("move_rows"):
+        tr.move_fields(moves, route, call_id=call_id)
+    return outs
+
+
+def _field(launched: dict, name: str, idx: Optional[Tensor] = None, holes: bool = False) -> Tensor:
+    """Field `name` of the received rows `idx` (all when None; -1 gives zeros with `holes`), from the moved
+    fields or the records."""
+    fields = launched.get("fields")
+    if fields is None:
+        return launched["spec"].unpack(launched["recv_XB"], name, idx, holes)
+    t = fields[name]
+    return t if idx is None else epilogue.gather_rows(t, idx)
+
+
+def _has(launched: dict, name: str) -> bool:
+    fields = launched.get("fields")
+    return name in fields if fields is not None else launched["spec"].has(name)
+
+
 def _row_index(plan: "Plan", rows_Y: Tensor) -> Tensor:
     """Receive-buffer row of output rows `rows_Y` (-1 stays -1)."""
     if not plan.blocked:
@@ -132,17 +173,19 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     check_on_host = call is None or call.do_cpu_sync or device.type == "cpu"
     with phase("exchange_counts"):
         recv_RC = tr.exchange_counts(send_RC, wait=check_on_host, call_id=call_id)
+        host_RC = recv_RC.tolist() if check_on_host else None
         if check_on_host:
-            buf.agree("EPBuffer.dispatch", recv_RC.tolist(), local_error)
+            buf.agree("EPBuffer.dispatch", host_RC, local_error)
     if local_error is not None:  # sync-free on GPU: peers are left to their timeout (docs/decisions.md)
         raise local_error
-    recv_counts_R = recv_RC[:, agreement.HEADER_LEN]
+    recv_counts_R = recv_RC[:, agreement.HEADER_LEN + buf.rank]
     send_counts_R = send.num_tokens_per_rank_R
     n = call.n
     blocked = tr.writes_blocks or not call.do_cpu_sync
     send_splits = recv_splits = None
     if not blocked:
-        send_splits, recv_splits = send_counts_R.tolist(), recv_counts_R.tolist()
+        matrix = [row[agreement.HEADER_LEN:] for row in host_RC]  # [src][dst] rows, from the count exchange
+        send_splits, recv_splits = list(matrix[buf.rank]), [row[buf.rank] for row in matrix]
         send_off_R = _exclusive_cumsum(send_counts_R)
         num_send, num_recv = sum(send_splits), sum(recv_splits)
     else:
@@ -152,16 +195,20 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     send_row_TR = (send_off_R + send.token_slot_TR).masked_fill(send.token_slot_TR < 0, -1)
     send_src_X = scatter_index(send_row_TR.reshape(-1), num_send)
     send_src_X = (torch.div(send_src_X, num_ranks, rounding_mode="floor")).masked_fill(send_src_X < 0, -1)
-    wdt = None if call.topk_weights is None else call.topk_weights.dtype
-    spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=True)
     tokens = torch.arange(call.x.num_tokens, device=device)
     tensors = _record_tensors(call.x, call.topk_weights)
     tensors.update(topk=call.topk_idx.long(), g=buf.rank * n + tokens)
+    launched = dict(recv_counts_R=recv_counts_R, send=send, send_row_TR=send_row_TR, send_src_X=send_src_X,
+                    send_splits=send_splits, recv_splits=recv_splits, num_recv=num_recv, blocked=blocked, route=None)
+    if not blocked:
+        launched["route"] = route = Route(send_splits, recv_splits, send_src_X, matrix)
+        launched["fields"] = _move_fields(tr, tensors, route, call_id)
+        return launched
+    wdt = None if call.topk_weights is None else call.topk_weights.dtype
+    spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=True)
     with phase("move_rows"):
         recv_XB = _move(tr, spec, tensors, send_src_X, blocked, send_splits, recv_splits, n, call_id)
-    return dict(spec=spec, recv_XB=recv_XB, recv_counts_R=recv_counts_R, send=send, send_row_TR=send_row_TR,
-                send_src_X=send_src_X, send_splits=send_splits, recv_splits=recv_splits, num_recv=num_recv,
-                blocked=blocked)
+    return dict(launched, spec=spec, recv_XB=recv_XB)
 
 
 def _move(tr, spec: RecordSpec, tensors: dict, src_X: Tensor, blocked: bool, send_splits, recv_splits, cap: int,
@@ -199,10 +246,9 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
     exact, blocked = call.do_cpu_sync, launched["blocked"]
     out_src_M, buf_out_X, src_rank_M, valid_M = _compaction(
         launched["recv_counts_R"], blocked, num_ranks, n, launched["num_recv"])
-    spec, recv_XB = launched["spec"], launched["recv_XB"]
     idx, holes = (out_src_M, not exact) if blocked else (None, False)
-    topk_MK = (spec.unpack(recv_XB, "topk", idx, holes)).masked_fill(~(valid_M.unsqueeze(1)), -1)
-    g_M = spec.unpack(recv_XB, "g", idx, holes)
+    topk_MK = _field(launched, "topk", idx, holes).masked_fill(~(valid_M.unsqueeze(1)), -1)
+    g_M = _field(launched, "g", idx, holes)
     worst_s = None if exact else layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment)
     with phase("recv_layout"):
         recv = layout.recv_layout(topk_MK, valid_M, buf.rank, num_local, call.expert_alignment, call.do_expand,
@@ -211,9 +257,9 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
     plan = Plan(exact=exact, blocked=blocked, send_splits=launched["send_splits"], recv_splits=launched["recv_splits"],
                 send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"], out_src_M=out_src_M,
                 buf_out_X=buf_out_X, src_rank_M=src_rank_M, valid_M=valid_M, recv=recv, send=launched["send"],
-                pair_S=pair_S)
+                pair_S=pair_S, route=launched["route"])
     with phase("place"):
-        recv_x, recv_w = _place(call, spec, recv_XB, plan)
+        recv_x, recv_w = _place(call, launched, plan)
     recv_topk_idx = None if call.do_expand else recv.local_idx_MK.to(call.topk_idx.dtype)
     if call.stats is not None:
         call.stats += recv.num_unaligned_L.to(call.stats.dtype)
@@ -222,8 +268,9 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
     return recv_x, recv_topk_idx, recv_w, handle
 
 
-def _place(call: DispatchCall, spec: RecordSpec, recv_XB: Tensor, plan: Plan) -> tuple:
-    """Unpack data, scales and weights straight from the receive buffer into the final layout (one pass each)."""
+def _place(call: DispatchCall, launched: dict, plan: Plan) -> tuple:
+    """Data, scales and weights in the final layout: the moved fields themselves (packed non-expand), or one
+    gather each from the receive buffer."""
     local_MK, num_rows = plan.recv.local_idx_MK, plan.out_src_M.shape[0]
     if call.do_expand:
         num_topk = local_MK.shape[1]
@@ -231,11 +278,11 @@ def _place(call: DispatchCall, spec: RecordSpec, recv_XB: Tensor, plan: Plan) ->
         idx, holes = _row_index(plan, src_S), True
     else:
         idx, holes = (plan.out_src_M, not plan.exact) if plan.blocked else (None, False)
-    x = spec.unpack(recv_XB, "x", idx, holes)
-    sf = spec.unpack(recv_XB, "sf", idx, holes) if spec.has("sf") else None
+    x = _field(launched, "x", idx, holes)
+    sf = _field(launched, "sf", idx, holes) if _has(launched, "sf") else None
     w = None
-    if spec.has("w"):  # docs/decisions.md: non-local columns hold 0
-        w_MK = spec.unpack(recv_XB, "w", plan.out_src_M if plan.blocked else None, not plan.exact)
+    if _has(launched, "w"):  # docs/decisions.md: non-local columns hold 0
+        w_MK = _field(launched, "w", plan.out_src_M if plan.blocked else None, not plan.exact)
         w = w_MK.masked_fill(local_MK < 0, 0)
         if call.do_expand:
             w = epilogue.expand_weights(w, plan.pair_S)
@@ -280,6 +327,9 @@ def _make_handle(buf, call: DispatchCall, plan: Plan, g_M: Tensor, recv_counts_R
 def cached_launch(buf, call: DispatchCall, call_id: int) -> dict:
     """Replay a handle's routing: pack data (+ weights) with the stored send order and move it."""
     plan: Plan = call.handle._plan
+    if plan.route is not None:
+        return dict(fields=_move_fields(buf.transport, _record_tensors(call.x, call.topk_weights), plan.route,
+                                        call_id))
     wdt = None if call.topk_weights is None else call.topk_weights.dtype
     spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=False)
     recv_XB = _move(buf.transport, spec, _record_tensors(call.x, call.topk_weights), plan.send_src_X, plan.blocked,
@@ -289,7 +339,7 @@ def cached_launch(buf, call: DispatchCall, call_id: int) -> dict:
 
 def cached_finish(buf, call: DispatchCall, launched: dict):
     plan: Plan = call.handle._plan
-    recv_x, recv_w = _place(call, launched["spec"], launched["recv_XB"], plan)
+    recv_x, recv_w = _place(call, launched, plan)
     recv_topk_idx = None if call.do_expand else plan.recv.local_idx_MK.to(call.topk_idx.dtype)
     return recv_x, recv_topk_idx, recv_w, call.handle
 
@@ -305,6 +355,7 @@ class CombineCall:
     bias_0: Optional[Tensor]
     bias_1: Optional[Tensor]
     per_pair: bool  # expand without multiple reduction: every (token, expert) row goes back on its own
+    num_sms: int = 0  # SMs the reduction kernel may occupy (its grid); 0 = no cap
 
     def signature(self) -> dict:
         h = self.handle
@@ -340,6 +391,9 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             w_MK = call.topk_weights
         if w_MK is not None:
             w_MK = w_MK.masked_fill(local_MK < 0, 0)
+        if plan.route is not None:
+            back = _memo(plan, "route_back", plan.route.back)
+            return dict(fields=_move_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id))
         with phase("move_rows"):
             recv_XB = _move(buf.transport, spec, {"x": y_MH, "w": w_MK}, plan.buf_out_X, plan.blocked,
                             plan.recv_splits, plan.send_splits, n, call_id, back=True)
@@ -380,19 +434,21 @@ def returned_item_rows(buf, h, per_pair: bool) -> Tensor:
 def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     """Origin side: the canonical reduction (bias first, then ascending position) and the weights back."""
     h, plan = call.handle, call.handle._plan
-    spec, rows_XB = launched["spec"], launched["recv_XB"]
-    y_XH = spec.view(rows_XB, "x")  # the reduction reads the rows in place
-    topk_TK = h._topk_idx.long()
-    num_tokens, num_topk = topk_TK.shape
-    dest_TK = layout.dest_rank_of(topk_TK, h.num_experts // buf.num_ranks)
-    item_TK = returned_item_rows(buf, h, call.per_pair)
-    combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype)
+    fields = launched.get("fields")
+    y_XH = fields["x"] if fields is not None else launched["spec"].view(launched["recv_XB"], "x")  # read in place
+    num_tokens, num_topk = h._topk_idx.shape
+    dest_TK = _memo(plan, "dest_TK", lambda: layout.dest_rank_of(h._topk_idx.long(), h.num_experts // buf.num_ranks))
+    item_TK = _memo(plan, ("item_TK", call.per_pair), lambda: returned_item_rows(buf, h, call.per_pair))
+    combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype,
+                                  num_sms=call.num_sms)
     combined_w = None
     if call.topk_weights is not None:
-        w_XK = spec.view(rows_XB, "w")
-        row_TK = plan.send_row_TR.gather(1, dest_TK.clamp(min=0))
+        w_XK = fields["w"] if fields is not None else launched["spec"].view(launched["recv_XB"], "w")
         combined_w = torch.zeros(num_tokens, num_topk, dtype=w_XK.dtype, device=buf.device)
         if w_XK.shape[0]:
-            picked = w_XK[row_TK.clamp(min=0), torch.arange(num_topk, device=buf.device)]
-            combined_w = picked.masked_fill(dest_TK < 0, 0)
+            # Flat index of (row of the token's rank, position) in the returned weights; -1 positions read 0.
+            flat_TK = _memo(plan, ("w_flat", num_topk), lambda: (
+                plan.send_row_TR.gather(1, dest_TK.clamp(min=0)).clamp(min=0) * num_topk
+                + torch.arange(num_topk, device=buf.device)))
+            combined_w = w_XK.reshape(-1)[flat_TK].masked_fill(dest_TK < 0, 0)
     return combined_x, combined_w

@@ -134,10 +134,10 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
     check_capacity(c, buf, num_tokens=topk_idx.shape[0], hidden=x.shape[1], num_topk=handle.num_topk,
                    is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank,
                    which="combine")
-    resolve_sms(buf, c, num_sms, num_qps, handle.num_experts, handle.num_topk)
+    num_sms = resolve_sms(buf, c, num_sms, num_qps, handle.num_experts, handle.num_topk)
     biases = biases + (None,) * (2 - len(biases))
     return pipeline.CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias_0=biases[0],
-                                bias_1=biases[1], per_pair=per_pair)
+                                bias_1=biases[1], per_pair=per_pair, num_sms=num_sms)
 
 
 def _warn_if_grad(buf, call: str, *tensors) -> None:

@@ -31,7 +31,7 @@ def test_fp64_accumulates_in_fp64_and_empty_rows():
     assert out.dtype == torch.float64 and torch.equal(out, torch.ones(3, 5, dtype=torch.float64))
 
 
-def _run_triton_interpreted(rows, item, b0, b1, out_dtype):
+def _run_triton_interpreted(rows, item, b0, b1, out_dtype, num_sms=0):
     """The Triton kernel under TRITON_INTERPRET=1 on CPU (a subprocess: the flag is read at import)."""
     import pickle
     import subprocess
@@ -40,12 +40,12 @@ def _run_triton_interpreted(rows, item, b0, b1, out_dtype):
     code = (
         "import pickle, sys, torch\n"
         "from epcomm.kernels import canonical_reduce\n"
-        "rows, item, b0, b1, out_dtype = pickle.load(sys.stdin.buffer)\n"
-        "out = canonical_reduce(rows, item, b0, b1, out_dtype, use_triton=True)\n"
+        "rows, item, b0, b1, out_dtype, num_sms = pickle.load(sys.stdin.buffer)\n"
+        "out = canonical_reduce(rows, item, b0, b1, out_dtype, use_triton=True, num_sms=num_sms)\n"
         "sys.stdout.buffer.write(pickle.dumps(out))\n"
     )
     env = dict(__import__("os").environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((rows, item, b0, b1, out_dtype)),
+    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((rows, item, b0, b1, out_dtype, num_sms)),
                          capture_output=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr.decode()[-3000:]
     return pickle.loads(res.stdout)
@@ -68,6 +68,7 @@ def test_triton_kernel_matches_twin_interpreted():
         # The interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even, pinned bitwise by the
         # GPU suite), so bf16 rows are compared on the fp32 sum here.
         out_dtype = torch.float32 if rows.dtype == torch.bfloat16 else rows.dtype
-        got = _run_triton_interpreted(rows, item, b0, b1, out_dtype)
         want = canonical_reduce_torch(rows, item, b0, b1, out_dtype)
-        assert torch.equal(got, want), (got - want).abs().max()
+        for num_sms in (0, 3):  # one program per work item; a persistent grid of 3 programs
+            got = _run_triton_interpreted(rows, item, b0, b1, out_dtype, num_sms)
+            assert torch.equal(got, want), (num_sms, (got - want).abs().max())

@@ -7,7 +7,7 @@ import triton.language as tl
 @triton.jit
 def _canonical_reduce_kernel(
     rows_ptr, item_ptr, bias0_ptr, bias1_ptr, out_ptr,
-    hidden, stride_rows, stride_item, stride_bias0, stride_bias1, stride_out,
+    num_tokens, hidden, stride_rows, stride_item, stride_bias0, stride_bias1, stride_out,
     NUM_POS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, ACC_FP64: tl.constexpr,
     DOWNCAST: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -16,37 +16,43 @@ def _canonical_reduce_kernel(
     Worked example (fp32, no bias): rows = [[1.], [2.], [4.]], item = [[2, -1, 0], [-1, -1, -1]]
     -> out = [[5.], [0.]].
     """
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < hidden
-    acc_dtype = tl.float64 if ACC_FP64 else tl.float32
-    acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
-    if HAS_BIAS0:
-        acc += tl.load(bias0_ptr + t * stride_bias0 + offs, mask=mask, other=0.0).to(acc_dtype)
-    if HAS_BIAS1:
-        acc += tl.load(bias1_ptr + t * stride_bias1 + offs, mask=mask, other=0.0).to(acc_dtype)
-    for p in tl.static_range(NUM_POS):
-        row = tl.load(item_ptr + t * stride_item + p).to(tl.int64)
-        if row >= 0:
-            acc += tl.load(rows_ptr + row * stride_rows + offs, mask=mask, other=0.0).to(acc_dtype)
-    if DOWNCAST:  # one rounding, to nearest even (as torch)
-        out = acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    else:
-        out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t * stride_out + offs, out, mask=mask)
+    # Persistent: program i handles work items i, i + P, ... (item = one token's block of BLOCK_H channels), so
+    # the grid size bounds the SMs the reduction occupies (`num_sms`).
+    num_blocks = tl.cdiv(hidden, BLOCK_H)
+    for work in range(tl.program_id(0), num_tokens * num_blocks, tl.num_programs(0)):
+        t = (work // num_blocks).to(tl.int64)
+        offs = (work % num_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < hidden
+        acc_dtype = tl.float64 if ACC_FP64 else tl.float32
+        acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
+        if HAS_BIAS0:
+            acc += tl.load(bias0_ptr + t * stride_bias0 + offs, mask=mask, other=0.0).to(acc_dtype)
+        if HAS_BIAS1:
+            acc += tl.load(bias1_ptr + t * stride_bias1 + offs, mask=mask, other=0.0).to(acc_dtype)
+        for p in tl.static_range(NUM_POS):
+            row = tl.load(item_ptr + t * stride_item + p).to(tl.int64)
+            if row >= 0:
+                acc += tl.load(rows_ptr + row * stride_rows + offs, mask=mask, other=0.0).to(acc_dtype)
+        if DOWNCAST:  # one rounding, to nearest even (as torch)
+            out = acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        else:
+            out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * stride_out + offs, out, mask=mask)
 
 
-def launch(rows, item, bias0, bias1, out, block_h: int = 1024):
+def launch(rows, item, bias0, bias1, out, block_h: int = 1024, num_programs: int = 0):
+    """`num_programs` > 0 caps the grid (at most that many SMs busy); 0 = one program per work item."""
     num_tokens, num_pos = item.shape
     hidden = rows.shape[1]
     block_h = min(block_h, triton.next_power_of_2(max(hidden, 16)))
-    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    work = num_tokens * triton.cdiv(hidden, block_h)
+    grid = (min(work, num_programs) if num_programs > 0 else work,)
     _canonical_reduce_kernel[grid](
         rows, item, bias0 if bias0 is not None else out, bias1 if bias1 is not None else out, out,
-        hidden, rows.stride(0), item.stride(0),
+        num_tokens, hidden, rows.stride(0), item.stride(0),
         bias0.stride(0) if bias0 is not None else 0, bias1.stride(0) if bias1 is not None else 0, out.stride(0),
         NUM_POS=num_pos, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
         ACC_FP64=rows.dtype.itemsize == 8, DOWNCAST=out.dtype.itemsize < max(4, rows.dtype.itemsize),
-        BLOCK_H=block_h,
+        BLOCK_H=block_h, num_warps=8 if num_programs > 0 else 4,
     )
     return out

@@ -71,11 +71,13 @@ def canonical_reduce(
     out_dtype: Optional[torch.dtype] = None,
     *,
     use_triton: Optional[bool] = None,
+    num_sms: int = 0,
 ) -> Tensor:
     """Launcher: the Triton kernel on CUDA (one pass, no host sync), the torch twin elsewhere.
 
     Same arguments and result as `canonical_reduce_torch`; `use_triton` forces the choice (tests run the kernel
-    on CPU under `TRITON_INTERPRET=1`).
+    on CPU under `TRITON_INTERPRET=1`); `num_sms` > 0 caps the kernel's grid at that many programs, so at most
+    that many SMs run it (0: one program per token and block of channels).
     """
     if use_triton is None:
         use_triton = rows_XH.is_cuda
@@ -87,7 +89,7 @@ def canonical_reduce(
     bias_0 = None if bias_0 is None else bias_0.contiguous()
     bias_1 = None if bias_1 is None else bias_1.contiguous()
     out = torch.empty(item_row_TP.shape[0], rows.shape[1], dtype=out_dtype or rows.dtype, device=rows.device)
-    return _reduce_triton.launch(rows, item_row_TP.contiguous(), bias_0, bias_1, out)
+    return _reduce_triton.launch(rows, item_row_TP.contiguous(), bias_0, bias_1, out, num_programs=num_sms)
 
 
 def weighted_reduce_torch(rows_XH: Tensor, item_row_TP: Tensor, weights_TP: Tensor, out_dtype: torch.dtype) -> Tensor:

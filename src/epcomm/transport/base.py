@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..waits import TransportTimeout, bounded_wait  # noqa: F401 (re-exported)
+from ..moves import as_words
+from ..waits import TransportTimeout, bounded_wait  # noqa: F401 (TransportTimeout is re-exported)
 
 
 class Transport(ABC):
@@ -76,6 +77,16 @@ class Transport(ABC):
         The default packs the records and sends equal splits; a transport may write them straight into peers.
         """
         return self.dispatch_rows(spec.pack(tensors, src_X, holes=True), None, None, call_id=call_id)
+
+    def move_fields(self, moves: list, route, *, call_id: int) -> None:
+        """Packed move of several fields (moves.py): for each `(src, out)`, send row x is `src[route.src_X[x]]`
+        (or `src[x]`) and `out` ([route.num_recv, ...], same dtype and row shape) receives the rows grouped by
+        source rank. Both contiguous. The default sends each field through `dispatch_rows`.
+        """
+        idx = route.send_index(self.device)
+        for src, out in moves:
+            send = as_words(src).index_select(0, idx)
+            as_words(out).copy_(self.dispatch_rows(send, route.send_splits, route.recv_splits, call_id=call_id))
 
     def destroy(self) -> None:
         """Release transport resources (local; the buffer runs the collective part)."""

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..moves import as_words
 from .base import Transport
 
 
@@ -41,3 +42,14 @@ class CollectiveTransport(Transport):
         if self.num_ranks == 1:
             return recv_XB.copy_(send_XB)
         return self._all_to_all(recv_XB, send_XB, recv_splits, send_splits, False, "row exchange", call_id)
+
+    def move_fields(self, moves: list, route, *, call_id: int) -> None:
+        """One `all_to_all_single` per field, straight into its output (no records, no unpacking)."""
+        for src, out in moves:
+            words = as_words(src)
+            send = words if route.src_X is None else words.index_select(0, route.src_X)
+            if self.num_ranks == 1:
+                as_words(out).copy_(send)
+            else:
+                self._all_to_all(as_words(out), send, route.recv_splits, route.send_splits, False, "row exchange",
+                                 call_id)

@@ -2,12 +2,18 @@
 
 Region of every rank (one symmetric allocation, `SymmetricRegion`):
 
-    [ headers: R x 32 int64 | split matrix: R x R int64 | rows: receive area ]
+    [ headers: R x 64 int64 | split matrix: R x R int64 | rows: receive area | staging 0 | staging 1 ]
 
-A sender writes its rows for rank r into r's receive area at the offset r assigns to it (`src_rank * cap` in
-sync-free mode; the exclusive prefix sum of the split matrix column with CPU sync), then a device barrier makes
-them visible. Row writes go through the copy engines (`peer_view.copy_`), which reach the measured link ceiling
-and use no SMs. Every wait is a device barrier bounded by `num_gpu_timeout_secs`.
+Two ways rows move:
+* push (sync-free calls, records in the blocked layout): a sender writes its records for rank r into r's receive
+  area at `src_rank * cap`, then a device barrier makes them visible; the epilogue copies them out.
+* pull (CPU-synced calls, `move_fields`): a sender gathers each field of its rows for the other ranks into its own
+  staging area (its rows for itself go straight into its output), one device barrier, then every receiver copies
+  its rows out of each peer's staging area straight into its output tensors. The two staging areas alternate
+  between calls: a call's barrier proves every peer has finished the call before, so the area used two calls ago
+  is free again without a second barrier.
+Both copy with the copy engines (`copy_` on peer views), which reach the measured link ceiling and use no SMs.
+Every wait is a device barrier bounded by `num_gpu_timeout_secs`.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from .. import envs
 from ..debug import phase
 from ..kernels import push
 from ..sizing import align
+from ..moves import as_words, offsets
 from .base import Transport
 from .symm import SymmetricRegion
 
-_HEADER_COLS = 32
+_HEADER_COLS = 64
 
 
 class NVLinkTransport(Transport):
@@ -32,7 +39,7 @@ class NVLinkTransport(Transport):
     # Received rows are returned as a view of the receive area: the epilogue copies them out before the next
     # call's first barrier lets peers write again (stream order), so one deferred epilogue may be in flight.
     borrows_rows = True
-    writes_blocks = True
+    writes_blocks = False  # CPU-synced calls pull fields (move_fields); sync-free ones push blocks
 
     def __init__(self, group, device, timeout_s, uid, *, num_bytes: int = 0, gpu_timeout_s: float = 100.0,
                  min_rows_bytes: int = 0):
@@ -46,7 +53,9 @@ class NVLinkTransport(Transport):
         self._splits_off = align(r * _HEADER_COLS * 8, 4096)
         self._rows_off = align(self._splits_off + r * r * 8, 1 << 16)
         self.rows_capacity = num_bytes
-        self.region = SymmetricRegion(group, self._rows_off + num_bytes, device)
+        self._stage_off = [self._rows_off + num_bytes, self._rows_off + 2 * num_bytes]
+        self._stage_calls = 0
+        self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device)
         self._delta16 = push.region_deltas(self.region.ptrs, self.rank)
         self._timeout_ms = int(gpu_timeout_s * 1000)
 
@@ -149,5 +158,73 @@ class NVLinkTransport(Transport):
         self._barrier()
         return self.region.peer(self.rank, self._rows_off, (need,), torch.uint8).view(num_ranks * cap, rec)
 
+    def move_fields(self, moves: list, route, *, call_id: int) -> None:
+        """Pull: stage my rows for the peers, one barrier, then copy my rows out of every peer's staging area."""
+        num_ranks, me = self.num_ranks, self.rank
+        words = [(as_words(src), as_words(out)) for src, out in moves]
+        plan = route.cache.get("nvlink")
+        if plan is None:
+            plan = route.cache["nvlink"] = _PullPlan(route, me, num_ranks, self.device)
+        row_bytes = [w.shape[1] * w.element_size() for w, _ in words]
+        need = max(_stage_bytes(plan.staged_rows[s], row_bytes) for s in range(num_ranks))
+        if need > self.rows_capacity:
+            raise ValueError(
+                f"EPBuffer: rank {me}: the nvlink staging area holds {self.rows_capacity} bytes but this call "
+                f"stages {need}; size the buffer with EPBuffer.get_buffer_size_hint for this shape "
+                "(num_max_tokens_per_rank, hidden, num_topk, dtype)")
+        stage = self._stage_off[self._stage_calls % 2]
+        self._stage_calls += 1
+        lo, n_self = plan.recv_off[me], route.recv_splits[me]
+        with phase("stage"):
+            off = stage
+            for (src, out), nbytes in zip(words, row_bytes):
+                n = plan.staged_rows[me]
+                if n:
+                    staged = self.region.peer(me, off, (n, src.shape[1]), src.dtype)
+                    torch.index_select(src, 0, plan.staged_idx, out=staged)
+                if n_self:
+                    torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
+                off += _aligned(n * nbytes)
+        self._barrier()  # every peer's staging area is complete (and the one of two calls ago is read)
+        with phase("pull"):
+            for s in range(num_ranks):
+                n = route.recv_splits[s]
+                if s == me or n == 0:
+                    continue
+                off = stage
+                for (src, out), nbytes in zip(words, row_bytes):
+                    first = plan.first_row_at[s]
+                    peer = self.region.peer(s, off + first * nbytes, (n, out.shape[1]), out.dtype)
+                    out[plan.recv_off[s]: plan.recv_off[s] + n].copy_(peer)
+                    off += _aligned(plan.staged_rows[s] * nbytes)
+
     def destroy(self) -> None:
         self.region = None
+
+
+def _aligned(nbytes: int) -> int:
+    return align(nbytes, 256)
+
+
+def _stage_bytes(rows: int, row_bytes: list) -> int:
+    return sum(_aligned(rows * b) for b in row_bytes)
+
+
+class _PullPlan:
+    """What `move_fields` derives once per route: the rows each rank stages and where mine sit in theirs.
+
+    Rank s stages its send rows for every rank but itself, in send order; my rows in s's staging area start at
+    `first_row_at[s]` = rows s sends to ranks before me (other than itself).
+    """
+
+    def __init__(self, route, me: int, num_ranks: int, device: torch.device):
+        m = route.matrix
+        assert m is not None, "the nvlink transport needs the split matrix of a packed route"
+        self.staged_rows = [sum(m[s]) - m[s][s] for s in range(num_ranks)]
+        self.first_row_at = [sum(m[s][p] for p in range(me) if p != s) for s in range(num_ranks)]
+        self.recv_off = offsets(route.recv_splits)
+        send_off = offsets(route.send_splits)
+        idx = route.send_index(device)
+        lo, hi = send_off[me], send_off[me] + route.send_splits[me]
+        self.self_idx = idx[lo:hi]
+        self.staged_idx = torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0]

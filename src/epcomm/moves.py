@@ -1,0 +1,92 @@
+"""Field moves of the packed (CPU-synced) layout: each field travels as its own array, straight into its output.
+
+With exact splits known on the host, a dispatch or combine needs no byte records: every field (data, scales,
+weights, top-k rows, token keys) is gathered in send order and lands at the receiver in its own output tensor,
+rows grouped by source rank (ascending), in the sender's order within a source. The data rows of a non-expand
+dispatch land in `recv_x` itself, so no epilogue pass touches them.
+
+A `Route` says which rows go where; transports implement `Transport.move_fields(moves, route)`:
+
+| transport | how a field moves |
+| --- | --- |
+| base (any) | gather in send order, `dispatch_rows`, copy into the output |
+| collective | gather in send order, one `all_to_all_single` into the output |
+| nvlink | gather into this rank's symmetric staging area (own rows straight into the output), one device barrier, then every rank copies its rows out of each peer's staging area (copy engine, over NVLink) |
+
+Worked example (2 ranks, rank 0 sends tokens [0, 2] to rank 0 and [1, 2] to rank 1):
+    route at rank 0: send_splits [2, 2], src_X [0, 2, 1, 2]; rank 1 sends 3 rows to rank 0
+    out at rank 0: rows [tok0, tok2] from rank 0, then rank 1's three rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Route:
+    """Which rows a packed move sends and receives (host lists + one device index), kept per handle.
+
+    Fields:
+        send_splits: list[int], R -- rows to each rank (grouped by destination, ascending).
+        recv_splits: list[int], R -- rows from each rank.
+        src_X: [X] int64 -- source row of each send row; None when the source rows are already in send order.
+        matrix: R lists of R ints -- rows from rank s to rank d, for transports that read peers' memory; or None.
+        cache: index tensors a transport derives once per route (e.g. the rows it stages).
+    """
+
+    send_splits: list
+    recv_splits: list
+    src_X: Optional[Tensor]
+    matrix: Optional[list] = None
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_send(self) -> int:
+        return sum(self.send_splits)
+
+    @property
+    def num_recv(self) -> int:
+        return sum(self.recv_splits)
+
+    def back(self) -> "Route":
+        """The return direction (combine): received rows go back in their own order to their sources."""
+        matrix = None if self.matrix is None else [list(col) for col in zip(*self.matrix)]
+        return Route(list(self.recv_splits), list(self.send_splits), None, matrix)
+
+    def send_index(self, device: torch.device) -> Tensor:
+        """[X] int64: `src_X`, or `arange(X)` when the rows are already in send order (cached)."""
+        if self.src_X is not None:
+            return self.src_X
+        idx = self.cache.get("arange")
+        if idx is None:
+            idx = self.cache["arange"] = torch.arange(self.num_send, device=device)
+        return idx
+
+
+def offsets(splits: list) -> list:
+    """Exclusive prefix sum of a host list."""
+    out, acc = [], 0
+    for n in splits:
+        out.append(acc)
+        acc += n
+    return out
+
+
+def as_words(t: Tensor) -> Tensor:
+    """[rows, W] view of a contiguous tensor's rows in the widest integer type dividing the row bytes.
+
+    Gathers and copies then move 8-byte words instead of bytes (torch's index kernels work per element).
+    """
+    rows, numel = t.shape[0], 1
+    for d in t.shape[1:]:
+        numel *= d
+    raw = t.reshape(rows, numel).view(torch.uint8)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if raw.shape[1] % dtype.itemsize == 0:
+            return raw.view(dtype)
+    return raw

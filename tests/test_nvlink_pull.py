@@ -1,0 +1,116 @@
+"""The nvlink transport's pull path (`move_fields`) on CPU: fake symmetric regions shared by threads.
+
+Each thread is one rank with its own `NVLinkTransport` whose region views are slices of plain CPU tensors and
+whose device barrier is a `threading.Barrier`, so the staging layout, the alternating staging areas and the
+offsets each rank reads at are checked without a GPU (the GPU suite runs the real transport).
+"""
+
+import random
+import threading
+
+import pytest
+import torch
+
+from epcomm.moves import Route
+from epcomm.transport.nvlink import NVLinkTransport
+
+HIDDEN, CAP, HEAD = 24, 1 << 16, 4096
+
+
+class FakeRegion:
+    """`SymmetricRegion`'s two methods over CPU tensors: `peer` views a slice, `barrier` meets the threads."""
+
+    def __init__(self, regions: list, barrier: threading.Barrier):
+        self.regions, self.meet = regions, barrier
+
+    def peer(self, rank, offset, shape, dtype):
+        numel = 1
+        for s in shape:
+            numel *= s
+        return self.regions[rank][offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        self.meet.wait()
+
+
+def _transport(rank: int, num_ranks: int, region: FakeRegion) -> NVLinkTransport:
+    tr = object.__new__(NVLinkTransport)  # no process group, no symmetric memory: only what move_fields reads
+    tr.num_ranks, tr.rank, tr.device = num_ranks, rank, torch.device("cpu")
+    tr.rows_capacity, tr._stage_off, tr._stage_calls = CAP, [HEAD + CAP, HEAD + 2 * CAP], 0
+    tr.region, tr._timeout_ms = region, 0
+    return tr
+
+
+def _run(num_ranks: int, num_tokens: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pick = random.Random(seed)
+    # sends[s][d]: the tokens rank s sends to rank d, ascending (any subset, empty included)
+    sends = [[sorted(pick.sample(range(num_tokens), pick.randint(0, num_tokens))) for _ in range(num_ranks)]
+             for _ in range(num_ranks)]
+    matrix = [[len(sends[s][d]) for d in range(num_ranks)] for s in range(num_ranks)]
+    xs = [torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16() for _ in range(num_ranks)]
+    ws = [torch.randn(num_tokens, 3, generator=gen) for _ in range(num_ranks)]
+    ys = [None] * num_ranks
+    meet = threading.Barrier(num_ranks)
+    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
+
+    def rank_body(r: int) -> None:
+        tr = _transport(r, num_ranks, region)
+        src_X = torch.tensor([t for d in range(num_ranks) for t in sends[r][d]], dtype=torch.int64)
+        route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], src_X, matrix)
+        want_x = torch.cat([xs[s][sends[s][r]] for s in range(num_ranks)])
+        want_w = torch.cat([ws[s][sends[s][r]] for s in range(num_ranks)])
+        for call in range(3):  # both staging areas, then the first again
+            out_x = torch.full((route.num_recv, HIDDEN), float("nan"), dtype=torch.bfloat16)
+            out_w = torch.full((route.num_recv, 3), float("nan"))
+            tr.move_fields([(xs[r], out_x), (ws[r], out_w)], route, call_id=call)
+            assert torch.equal(out_x, want_x) and torch.equal(out_w, want_w), f"rank {r} call {call}"
+            meet.wait()
+        # The return direction: each received row goes back to its source, landing in the source's send order.
+        ys[r] = torch.randn(route.num_recv, HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
+        meet.wait()
+        back = route.back()
+        out_y = torch.empty(back.num_recv, HIDDEN, dtype=torch.bfloat16)
+        tr.move_fields([(ys[r], out_y)], back, call_id=3)
+        parts = []
+        for d in range(num_ranks):
+            first = sum(matrix[s][d] for s in range(r))  # my rows sit after those of lower ranks at d
+            parts.append(ys[d][first: first + matrix[r][d]])
+        assert torch.equal(out_y, torch.cat(parts)), f"rank {r}: combine direction"
+
+    errors = []
+
+    def guarded(r: int) -> None:
+        try:
+            rank_body(r)
+        except BaseException as e:  # a failing rank releases the others instead of leaving them waiting
+            errors.append(e)
+            meet.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish (watchdog)"
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+def test_pull_lands_every_row_in_place(num_ranks):
+    """Random routings (empty ranks included), three calls on one route (both staging areas), then the return
+    direction (combine)."""
+    for seed in range(4):
+        _run(num_ranks, 17, seed)
+
+
+def test_staging_overflow_is_a_clear_error():
+    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8)] * 2, threading.Barrier(1))
+    tr = _transport(0, 2, region)
+    rows = CAP // (HIDDEN * 2) + 1
+    x = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16)
+    route = Route([0, rows], [0, 0], torch.arange(rows), [[0, rows], [0, 0]])
+    with pytest.raises(ValueError, match="staging area holds"):
+        tr.move_fields([(x, torch.empty(0, HIDDEN, dtype=torch.bfloat16))], route, call_id=0)
