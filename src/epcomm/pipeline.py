@@ -283,7 +283,7 @@ def _place(call: DispatchCall, launched: dict, plan: Plan) -> tuple:
     w = None
     if _has(launched, "w"):  # docs/decisions.md: non-local columns hold 0
         w_MK = _field(launched, "w", plan.out_src_M if plan.blocked else None, not plan.exact)
-        w = w_MK.masked_fill(local_MK < 0, 0)
+        w = w_MK.masked_fill(_memo(plan, "nonlocal_MK", lambda: local_MK < 0), 0)
         if call.do_expand:
             w = epilogue.expand_weights(w, plan.pair_S)
     assert call.do_expand or x.shape[0] == num_rows

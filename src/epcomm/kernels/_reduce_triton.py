@@ -30,9 +30,12 @@ def _canonical_reduce_kernel(
         if HAS_BIAS1:
             acc += tl.load(bias1_ptr + t * stride_bias1 + offs, mask=mask, other=0.0).to(acc_dtype)
         for p in tl.static_range(NUM_POS):
+            # Branch-free, so the unrolled loads of every position can be in flight together; `where` (not a
+            # masked add of 0) keeps the sum bitwise that of skipping the position.
             row = tl.load(item_ptr + t * stride_item + p).to(tl.int64)
-            if row >= 0:
-                acc += tl.load(rows_ptr + row * stride_rows + offs, mask=mask, other=0.0).to(acc_dtype)
+            limit = tl.where(row >= 0, hidden, 0)  # no channel of an absent item is read
+            val = tl.load(rows_ptr + tl.maximum(row, 0) * stride_rows + offs, mask=offs < limit, other=0.0)
+            acc = tl.where(row >= 0, acc + val.to(acc_dtype), acc)
         if DOWNCAST:  # one rounding, to nearest even (as torch)
             out = acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         else:

@@ -27,7 +27,7 @@ from .. import envs
 from ..debug import phase
 from ..kernels import push
 from ..sizing import align
-from ..moves import as_words, offsets
+from ..moves import offsets
 from .base import Transport
 from .symm import SymmetricRegion
 
@@ -161,11 +161,10 @@ class NVLinkTransport(Transport):
     def move_fields(self, moves: list, route, *, call_id: int) -> None:
         """Pull: stage my rows for the peers, one barrier, then copy my rows out of every peer's staging area."""
         num_ranks, me = self.num_ranks, self.rank
-        words = [(as_words(src), as_words(out)) for src, out in moves]
         plan = route.cache.get("nvlink")
         if plan is None:
             plan = route.cache["nvlink"] = _PullPlan(route, me, num_ranks, self.device)
-        row_bytes = [w.shape[1] * w.element_size() for w, _ in words]
+        row_bytes = [src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size() for src, _ in moves]
         need = max(_stage_bytes(plan.staged_rows[s], row_bytes) for s in range(num_ranks))
         if need > self.rows_capacity:
             raise ValueError(
@@ -176,12 +175,11 @@ class NVLinkTransport(Transport):
         self._stage_calls += 1
         lo, n_self = plan.recv_off[me], route.recv_splits[me]
         with phase("stage"):
-            off = stage
-            for (src, out), nbytes in zip(words, row_bytes):
-                n = plan.staged_rows[me]
+            off, n = stage, plan.staged_rows[me]
+            for (src, out), nbytes in zip(moves, row_bytes):
                 if n:
-                    staged = self.region.peer(me, off, (n, src.shape[1]), src.dtype)
-                    torch.index_select(src, 0, plan.staged_idx, out=staged)
+                    torch.index_select(src, 0, plan.staged_idx, out=self.region.peer(me, off, (n,) + src.shape[1:],
+                                                                                    src.dtype))
                 if n_self:
                     torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
                 off += _aligned(n * nbytes)
@@ -191,10 +189,9 @@ class NVLinkTransport(Transport):
                 n = route.recv_splits[s]
                 if s == me or n == 0:
                     continue
-                off = stage
-                for (src, out), nbytes in zip(words, row_bytes):
-                    first = plan.first_row_at[s]
-                    peer = self.region.peer(s, off + first * nbytes, (n, out.shape[1]), out.dtype)
+                off, first = stage, plan.first_row_at[s]
+                for (_, out), nbytes in zip(moves, row_bytes):
+                    peer = self.region.peer(s, off + first * nbytes, (n,) + out.shape[1:], out.dtype)
                     out[plan.recv_off[s]: plan.recv_off[s] + n].copy_(peer)
                     off += _aligned(plan.staged_rows[s] * nbytes)
 

@@ -61,14 +61,18 @@ class SymmetricRegion:
         self.rank, self.num_ranks = self.handle.rank, self.handle.world_size
         self.ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.nbytes = nbytes
+        self._bytes = None  # per-rank [nbytes] uint8 views, made at first use
 
     def peer(self, rank: int, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """A view of `rank`'s region at byte `offset` (a multiple of dtype's size)."""
+        """A view of `rank`'s region at byte `offset` (a multiple of dtype's size): a slice of a byte view made once
+        per rank, since asking torch for a new peer tensor on every call costs host time on every call."""
         numel = 1
         for s in shape:
             numel *= s
         assert offset % dtype.itemsize == 0 and offset + numel * dtype.itemsize <= self.nbytes
-        return self.handle.get_buffer(rank, list(shape), dtype, offset // dtype.itemsize)
+        if self._bytes is None:
+            self._bytes = [self.handle.get_buffer(r, [self.nbytes], torch.uint8, 0) for r in range(self.num_ranks)]
+        return self._bytes[rank][offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
 
     def barrier(self, channel: int = 0, timeout_ms: int = 100_000) -> None:
         """Device-side barrier over the group on the current stream (bounded by `timeout_ms`)."""
