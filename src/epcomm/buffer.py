@@ -529,7 +529,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             err = e
         cached = handle is not None
         try:
-            with torch.profiler.record_function("epcomm::dispatch" + ("_cached" if cached else "")), \
+            with debug.phase("dispatch" + ("_cached" if cached else "")), \
                     self._on_comm_stream(previous_event):
                 if cached:
                     self._exchange_header(name, call_id, call.signature(2) if call else {}, err)
@@ -607,7 +607,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         except (TypeError, ValueError) as e:
             err = e
         try:
-            with torch.profiler.record_function("epcomm::combine"), self._on_comm_stream(previous_event):
+            with debug.phase("combine"), self._on_comm_stream(previous_event):
                 self._exchange_header(name, call_id, call.signature() if call else {}, err)
                 launched = pipeline.combine_launch(self, call, call_id)
         except TimeoutError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from contextlib import contextmanager
@@ -42,14 +43,23 @@ def log_dispatch(buf, call, launched: dict) -> None:
 _phase_times: dict = {}
 
 
-@contextmanager
+_NO_RANGE = contextlib.nullcontext()
+
+
 def phase(name: str):
-    """A profiler range; with `EPCOMM_PHASE_TIMES=1` also the phase's wall time (device synchronised at both ends)
-    accumulated in `phase_times()` -- a diagnostic that serialises the GPU, never for production."""
+    """A profiler range (only while a profiler records: a range costs host time on every call); with
+    `EPCOMM_PHASE_TIMES=1` also the phase's wall time (device synchronised at both ends) accumulated in
+    `phase_times()` -- a diagnostic that serialises the GPU, never for production."""
+    if envs.phase_times_enabled():
+        return _timed_phase(name)
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"epcomm::{name}")
+    return _NO_RANGE
+
+
+@contextmanager
+def _timed_phase(name: str):
     with torch.profiler.record_function(f"epcomm::{name}"):
-        if not envs.phase_times_enabled():
-            yield
-            return
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         start = time.perf_counter()

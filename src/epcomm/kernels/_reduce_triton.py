@@ -9,53 +9,57 @@ def _canonical_reduce_kernel(
     rows_ptr, item_ptr, bias0_ptr, bias1_ptr, out_ptr,
     num_tokens, hidden, stride_rows, stride_item, stride_bias0, stride_bias1, stride_out,
     NUM_POS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, ACC_FP64: tl.constexpr,
-    DOWNCAST: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOWNCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[t] = round(0 + bias0[t] + bias1[t] + sum_p rows[item[t, p]] (p ascending, item >= 0)).
 
     Worked example (fp32, no bias): rows = [[1.], [2.], [4.]], item = [[2, -1, 0], [-1, -1, -1]]
     -> out = [[5.], [0.]].
     """
-    # Persistent: program i handles work items i, i + P, ... (item = one token's block of BLOCK_H channels), so
-    # the grid size bounds the SMs the reduction occupies (`num_sms`).
-    num_blocks = tl.cdiv(hidden, BLOCK_H)
-    for work in range(tl.program_id(0), num_tokens * num_blocks, tl.num_programs(0)):
-        t = (work // num_blocks).to(tl.int64)
-        offs = (work % num_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = offs < hidden
-        acc_dtype = tl.float64 if ACC_FP64 else tl.float32
-        acc = tl.zeros([BLOCK_H], dtype=acc_dtype)
+    # Persistent: program i handles tiles i, i + P, ... (a tile = BLOCK_T tokens x BLOCK_H channels), so the grid
+    # size bounds the SMs the reduction occupies (`num_sms`).
+    num_h_tiles = tl.cdiv(hidden, BLOCK_H)
+    num_tiles = tl.cdiv(num_tokens, BLOCK_T) * num_h_tiles
+    acc_dtype = tl.float64 if ACC_FP64 else tl.float32
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        t = (tile // num_h_tiles * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        offs = (tile % num_h_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
+        t_ok = t < num_tokens
+        inside = t_ok[:, None] & (offs < hidden)[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=acc_dtype)
         if HAS_BIAS0:
-            acc += tl.load(bias0_ptr + t * stride_bias0 + offs, mask=mask, other=0.0).to(acc_dtype)
+            acc += tl.load(bias0_ptr + t[:, None] * stride_bias0 + offs[None, :], mask=inside, other=0.0).to(acc_dtype)
         if HAS_BIAS1:
-            acc += tl.load(bias1_ptr + t * stride_bias1 + offs, mask=mask, other=0.0).to(acc_dtype)
+            acc += tl.load(bias1_ptr + t[:, None] * stride_bias1 + offs[None, :], mask=inside, other=0.0).to(acc_dtype)
         for p in tl.static_range(NUM_POS):
             # Branch-free, so the unrolled loads of every position can be in flight together; `where` (not a
             # masked add of 0) keeps the sum bitwise that of skipping the position.
-            row = tl.load(item_ptr + t * stride_item + p).to(tl.int64)
+            row = tl.load(item_ptr + t * stride_item + p, mask=t_ok, other=-1).to(tl.int64)
             limit = tl.where(row >= 0, hidden, 0)  # no channel of an absent item is read
-            val = tl.load(rows_ptr + tl.maximum(row, 0) * stride_rows + offs, mask=offs < limit, other=0.0)
-            acc = tl.where(row >= 0, acc + val.to(acc_dtype), acc)
+            val = tl.load(rows_ptr + tl.maximum(row, 0)[:, None] * stride_rows + offs[None, :],
+                          mask=offs[None, :] < limit[:, None], other=0.0)
+            acc = tl.where((row >= 0)[:, None], acc + val.to(acc_dtype), acc)
         if DOWNCAST:  # one rounding, to nearest even (as torch)
             out = acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         else:
             out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t * stride_out + offs, out, mask=mask)
+        tl.store(out_ptr + t[:, None] * stride_out + offs[None, :], out, mask=inside)
 
 
-def launch(rows, item, bias0, bias1, out, block_h: int = 1024, num_programs: int = 0):
-    """`num_programs` > 0 caps the grid (at most that many SMs busy); 0 = one program per work item."""
+def launch(rows, item, bias0, bias1, out, num_programs: int = 0, block_t: int = 4, block_h: int = 1024,
+           num_warps: int = 8):
+    """`num_programs` > 0 caps the grid (at most that many SMs busy); 0 = one program per tile."""
     num_tokens, num_pos = item.shape
     hidden = rows.shape[1]
     block_h = min(block_h, triton.next_power_of_2(max(hidden, 16)))
-    work = num_tokens * triton.cdiv(hidden, block_h)
-    grid = (min(work, num_programs) if num_programs > 0 else work,)
+    tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(hidden, block_h)
+    grid = (min(tiles, num_programs) if num_programs > 0 else tiles,)
     _canonical_reduce_kernel[grid](
         rows, item, bias0 if bias0 is not None else out, bias1 if bias1 is not None else out, out,
         num_tokens, hidden, rows.stride(0), item.stride(0),
         bias0.stride(0) if bias0 is not None else 0, bias1.stride(0) if bias1 is not None else 0, out.stride(0),
         NUM_POS=num_pos, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
         ACC_FP64=rows.dtype.itemsize == 8, DOWNCAST=out.dtype.itemsize < max(4, rows.dtype.itemsize),
-        BLOCK_H=block_h, num_warps=8 if num_programs > 0 else 4,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
     return out

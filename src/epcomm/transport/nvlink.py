@@ -173,27 +173,19 @@ class NVLinkTransport(Transport):
                 "(num_max_tokens_per_rank, hidden, num_topk, dtype)")
         stage = self._stage_off[self._stage_calls % 2]
         self._stage_calls += 1
+        staged, pulled = plan.views(self.region, stage, moves, row_bytes)
         lo, n_self = plan.recv_off[me], route.recv_splits[me]
         with phase("stage"):
-            off, n = stage, plan.staged_rows[me]
-            for (src, out), nbytes in zip(moves, row_bytes):
-                if n:
-                    torch.index_select(src, 0, plan.staged_idx, out=self.region.peer(me, off, (n,) + src.shape[1:],
-                                                                                    src.dtype))
+            for (src, out), view in zip(moves, staged):
+                if view is not None:
+                    torch.index_select(src, 0, plan.staged_idx, out=view)
                 if n_self:
                     torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
-                off += _aligned(n * nbytes)
         self._barrier()  # every peer's staging area is complete (and the one of two calls ago is read)
         with phase("pull"):
-            for s in range(num_ranks):
-                n = route.recv_splits[s]
-                if s == me or n == 0:
-                    continue
-                off, first = stage, plan.first_row_at[s]
-                for (_, out), nbytes in zip(moves, row_bytes):
-                    peer = self.region.peer(s, off + first * nbytes, (n,) + out.shape[1:], out.dtype)
-                    out[plan.recv_off[s]: plan.recv_off[s] + n].copy_(peer)
-                    off += _aligned(plan.staged_rows[s] * nbytes)
+            for s, lo_s, n, views in pulled:
+                for (_, out), peer in zip(moves, views):
+                    out[lo_s: lo_s + n].copy_(peer)
 
     def destroy(self) -> None:
         self.region = None
@@ -225,3 +217,30 @@ class _PullPlan:
         lo, hi = send_off[me], send_off[me] + route.send_splits[me]
         self.self_idx = idx[lo:hi]
         self.staged_idx = torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0]
+        self.me, self.num_ranks, self.recv_splits = me, num_ranks, list(route.recv_splits)
+        self._views = {}
+
+    def views(self, region, stage: int, moves: list, row_bytes: list) -> tuple:
+        """Views of my staging area (one per field, None when I stage nothing) and, per peer I receive from,
+        `(rank, first output row, rows, views of its staging area)`; made once per staging area and field kinds
+        (slicing peer memory costs host time on every call)."""
+        key = (stage, tuple((src.dtype, tuple(src.shape[1:])) for src, _ in moves))
+        got = self._views.get(key)
+        if got is None:
+            staged, off, n = [], stage, self.staged_rows[self.me]
+            for (src, _), nbytes in zip(moves, row_bytes):
+                staged.append(region.peer(self.me, off, (n,) + tuple(src.shape[1:]), src.dtype) if n else None)
+                off += _aligned(n * nbytes)
+            pulled = []
+            for s in range(self.num_ranks):
+                n = self.recv_splits[s]
+                if s == self.me or n == 0:
+                    continue
+                views, off = [], stage
+                for (src, _), nbytes in zip(moves, row_bytes):
+                    views.append(region.peer(s, off + self.first_row_at[s] * nbytes, (n,) + tuple(src.shape[1:]),
+                                             src.dtype))
+                    off += _aligned(self.staged_rows[s] * nbytes)
+                pulled.append((s, self.recv_off[s], n, views))
+            got = self._views[key] = (staged, pulled)
+        return got

@@ -1,0 +1,65 @@
+"""The canonical-reduce kernel's launch configurations on one GPU, at the dsv3 combine shape (rank 0 of EP2).
+
+Usage: python benchmarks/reduce_sweep.py [--tokens 4096] [--hidden 7168]
+Rows: [2 * tokens, hidden] BF16 (a rank's received rows, own share included); every token has 2 items (one per
+rank) at random top-k positions out of 8. Median of 20 after 3 warm-up (CUDA events); GB/s counts the rows read
+and written once. Checked bitwise against the torch twin first.
+"""
+
+import argparse
+import statistics
+
+import torch
+
+from epcomm.kernels import _reduce_triton
+from epcomm.kernels.reduce import canonical_reduce_torch
+
+
+def main(args):
+    torch.manual_seed(0)
+    t, h = args.tokens, args.hidden
+    rows = torch.randn(2 * t, h, device="cuda").bfloat16()
+    item = torch.full((t, 8), -1, dtype=torch.int64, device="cuda")
+    pos = torch.rand(t, 8, device="cuda").argsort(1)[:, :2]
+    item.scatter_(1, pos, torch.stack([torch.arange(t, device="cuda"), t + torch.arange(t, device="cuda")], 1))
+    want = canonical_reduce_torch(rows, item)
+    moved = 3 * t * h * 2
+    configs = [  # (programs, block_t, block_h, warps); programs 0 = one per tile
+        (0, 1, 1024, 4), (0, 4, 1024, 8), (0, 2, 2048, 8), (0, 8, 512, 8), (0, 4, 2048, 16),
+        (132, 4, 1024, 8), (264, 4, 1024, 8), (528, 4, 1024, 8), (132, 8, 2048, 16),
+        (28, 4, 1024, 8), (28, 8, 2048, 16), (24, 4, 1024, 8), (24, 8, 2048, 16),
+    ]
+    for programs, bt, bh, warps in configs:
+        out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
+
+        def fn():
+            _reduce_triton.launch(rows, item, None, None, out, num_programs=programs, block_t=bt, block_h=bh,
+                                  num_warps=warps)
+        fn()
+        torch.cuda.synchronize()
+        ok = torch.equal(out, want)
+        times = []
+        for it in range(23):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            if it >= 3:
+                times.append(start.elapsed_time(end) * 1e3)
+        med = statistics.median(times)
+        print(f"programs {programs:4d} block_t {bt:2d} block_h {bh:5d} warps {warps:2d}: {med:8.1f} us "
+              f"{moved / med / 1e3:7.0f} GB/s {'ok' if ok else 'MISMATCH'}", flush=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    canonical_reduce_torch(rows, item)
+    end.record()
+    end.synchronize()
+    print(f"torch twin: {start.elapsed_time(end) * 1e3:.1f} us")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    main(p.parse_args())
