@@ -7,6 +7,8 @@ or with a table every rank can rebuild from the seed, and returns a small summar
 
 from __future__ import annotations
 
+import math
+import os
 import random
 import time
 
@@ -319,9 +321,42 @@ def engram_table(seed: int, world: int, entries: list, hidden: int, fp8: bool):
     return tables, (sfs if fp8 else None)
 
 
+def engram_indices(gen, world: int, rank: int, entries: list, tokens: int, per_token: int, kind: str):
+    """[L, T, E] int64 ids: "random" over every owner, "local" owned by this rank, "remote" by the others."""
+    out = []
+    for n in entries:
+        if kind == "random" or world == 1:
+            out.append(torch.randint(0, world * n, (tokens, per_token), generator=gen))
+            continue
+        owner = torch.full((tokens, per_token), rank) if kind == "local" else \
+            (rank + 1 + torch.randint(0, world - 1, (tokens, per_token), generator=gen)) % world
+        out.append(owner * n + torch.randint(0, n, (tokens, per_token), generator=gen))
+    return torch.stack(out)
+
+
+def engram_check(hooks, order: str, idx, tables, sfs, num_tokens: int, per_token: int, hidden: int, what: str):
+    """Every layer's hook output equals the global table's rows bitwise; hooks called in `order`."""
+    packs = 0 if sfs is None else sfs[0].shape[1]
+    layers = range(len(tables)) if order == "forward" else reversed(range(len(tables)))
+    for layer in layers:
+        got, rows = hooks[layer](), idx[layer].reshape(-1)
+        want = tables[layer][rows].view(num_tokens, per_token * hidden)
+        if sfs is not None:
+            data, scales = got
+            assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)), f"{what}: layer {layer} data differs"
+            assert torch.equal(scales, sfs[layer][rows].view(num_tokens, per_token * packs)), \
+                f"{what}: layer {layer} scales differ"
+            if order == "reverse":  # fetched with use_tma_aligned_col_major_sf=True
+                assert scales.stride() == (1, (num_tokens + 3) // 4 * 4), scales.stride()
+        else:
+            assert torch.equal(got, want), f"{what}: layer {layer} ({order}) differs"
+
+
 def engram_fetch(rank: int, world: int, seed: int, fp8: bool, entries=(1000, 1021), hidden: int = 256,
-                 tokens: int = 64, per_token: int = 24, device: str = "cpu"):
-    """Rows fetched equal global_table[indices] bitwise, hooks in forward and reverse order, two fetches."""
+                 tokens: int = 64, per_token: int = 24, device: str = "cpu", transport: str = "auto",
+                 expect_transport: str = ""):
+    """Rows fetched equal global_table[indices] bitwise: hooks in forward and reverse order, random, all-local
+    and all-remote rows, empty fetches, and a second write of a new table seen by the next fetch."""
     entries = list(entries)
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     tables, sfs = engram_table(seed, world, entries, hidden, fp8)
@@ -330,28 +365,27 @@ def engram_fetch(rank: int, world: int, seed: int, fp8: bool, entries=(1000, 102
     packs = sfs[0].shape[1] if fp8 else 0
     gpu, storage = EngramBuffer.get_storage_size_hint(None, entries, hidden, tokens, per_token, dtype, packs)
     qps, depth, _ = EngramBuffer.get_theoretical_config(None, len(entries), tokens, per_token)
-    buf = EngramBuffer(None, gpu, storage, False, qps, depth, explicitly_destroy=True, num_cpu_timeout_secs=60)
+    buf = EngramBuffer(None, gpu, storage, False, qps, depth, explicitly_destroy=True, num_cpu_timeout_secs=60,
+                       transport=transport)
+    want = expect_transport or (transport if transport != "auto" else "collective" if device == "cpu" else None)
+    assert want is None or buf.transport == want, (buf.transport, want)
     buf.set_config(entries, hidden, tokens, per_token, dtype, packs)
     buf.write([t[rank * n:(rank + 1) * n] for t, n in zip(tables, entries)],
               None if sfs is None else [s.clone() for s in sfs])
     gen = torch.Generator().manual_seed(seed * 13 + rank)
-    for order, num_tokens in (("forward", tokens - 3 * rank), ("reverse", 0 if rank == 1 else tokens)):
-        idx = torch.stack([torch.randint(0, world * n, (num_tokens, per_token), generator=gen) for n in entries])
-        idx = idx.to(device)
+    rounds = (("forward", tokens - 3 * rank, "random"), ("reverse", 0 if rank == 1 else tokens, "random"),
+              ("forward", tokens, "local"), ("reverse", tokens - rank, "remote"))
+    for order, num_tokens, kind in rounds:
+        idx = engram_indices(gen, world, rank, entries, num_tokens, per_token, kind).to(device)
         hooks = buf.fetch(idx.int(), use_tma_aligned_col_major_sf=order == "reverse")
-        layers = range(len(entries)) if order == "forward" else reversed(range(len(entries)))
-        for layer in layers:
-            got, rows = hooks[layer](), idx[layer].reshape(-1)
-            want = tables[layer][rows].view(num_tokens, per_token * hidden)
-            if fp8:
-                data, scales = got
-                assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)), f"layer {layer} data differs"
-                want_sf = sfs[layer][rows].view(num_tokens, per_token * packs)
-                assert torch.equal(scales, want_sf), f"layer {layer} scales differ"
-                if order == "reverse":
-                    assert scales.stride() == (1, (num_tokens + 3) // 4 * 4), scales.stride()
-            else:
-                assert torch.equal(got, want), f"layer {layer} ({order}) differs"
+        engram_check(hooks, order, idx, tables, sfs, num_tokens, per_token, hidden, f"{kind} {order}")
+    # A second table: write waits for every peer's reads of the first, and the next fetch sees only the new rows.
+    tables, sfs = engram_table(seed + 1, world, entries, hidden, fp8)
+    tables = [t.to(device) for t in tables]
+    sfs = None if sfs is None else [t.to(device) for t in sfs]
+    buf.write([t[rank * n:(rank + 1) * n] for t, n in zip(tables, entries)], sfs)
+    idx = engram_indices(gen, world, rank, entries, tokens, per_token, "random").to(device)
+    engram_check(buf.fetch(idx), "forward", idx, tables, sfs, tokens, per_token, hidden, "after rewrite")
     buf.destroy()
     return True
 
@@ -377,6 +411,83 @@ def engram_errors(rank: int, world: int):
     out["alias_both"] = outcome(EngramBuffer, None, gpu, storage, num_rdma_storage_size=storage)
     buf.destroy()
     return out
+
+
+def _engram_transport(**kw):
+    """The transport a small buffer gets (the buffer is destroyed), or (exception class name, message)."""
+    try:
+        buf = EngramBuffer(None, 2 * MIB, 2 * MIB, explicitly_destroy=True, num_cpu_timeout_secs=30, **kw)
+    except Exception as e:  # noqa: BLE001 -- the caller pins the class and message
+        return type(e).__name__, str(e)
+    transport = buf.transport
+    buf.destroy()
+    return transport
+
+
+def engram_transports(rank: int, world: int):
+    """Which transport each request gets; an unknown name on one rank and a disagreement raise on every rank."""
+    out = {asked: _engram_transport(transport=asked) for asked in ("auto", "collective", "nvlink")}
+    out["unknown"] = _engram_transport(transport="nvshmem" if rank == 1 else "auto")
+    out["disagree"] = _engram_transport(transport="collective" if rank == 1 else "auto")
+    return out
+
+
+def engram_nvlink_local_errors(rank: int, world: int, device: str = "cuda"):
+    """nvlink fetch is one-sided: a bad index raises on its rank only, and a rank may fetch alone."""
+    entries, hidden = [16, 8], 64
+    gpu, storage = EngramBuffer.get_storage_size_hint(None, entries, hidden, 4, 2)
+    buf = EngramBuffer(None, gpu, storage, explicitly_destroy=True, num_cpu_timeout_secs=30, transport="nvlink")
+    buf.set_config(entries, hidden, 4, 2)
+    tables = [(torch.arange(world * n * hidden).view(world * n, hidden) % 251).bfloat16().to(device)
+              for n in entries]
+    buf.write([t[rank * n:(rank + 1) * n] for t, n in zip(tables, entries)])
+    idx = torch.zeros(2, 3, 2, dtype=torch.int32, device=device)
+    if rank == 1:
+        idx[1, 2, 1] = world * 8
+    out = {"out_of_range": outcome(buf.fetch, idx), "alone": None}
+    if rank == 0:  # rank 1 makes no call meanwhile
+        gen = torch.Generator().manual_seed(5)
+        idx = torch.stack([torch.randint(0, world * n, (4, 2), generator=gen) for n in entries]).to(device)
+        hooks = buf.fetch(idx)
+        out["alone"] = all(torch.equal(hooks[layer](), tables[layer][idx[layer].reshape(-1)].view(4, 2 * hidden))
+                           for layer in (1, 0))
+    buf.destroy()
+    return out
+
+
+class FileRegion:
+    """CPU stand-in for `SymmetricRegion` (tests only): each rank's region is a file in /dev/shm that every rank
+    maps, so a peer view reads another process's memory, as the NVLink views do; the barrier is a gloo barrier."""
+
+    def __init__(self, group, nbytes: int, device):
+        tag = [random.getrandbits(48) if group.rank() == 0 else None]
+        dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0), group=group)
+        paths = [f"/dev/shm/epcomm-test-{tag[0]:x}-{r}" for r in range(group.size())]
+        self.group, self.nbytes = group, nbytes
+        self.local = torch.from_file(paths[group.rank()], shared=True, size=nbytes, dtype=torch.uint8)
+        dist.barrier(group=group)
+        self._regions = [torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) for path in paths]
+        dist.barrier(group=group)
+        os.unlink(paths[group.rank()])  # the mappings outlive the name
+
+    def peer(self, rank: int, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self._regions[rank][offset:offset + nbytes].view(dtype).view(shape)
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        dist.barrier(group=self.group)
+
+
+def engram_on_file_regions(rank: int, world: int, case: str, *args, **kwargs):
+    """Run the Engram case named `case` with the nvlink path forced onto CPU ranks through `FileRegion`."""
+    import epcomm.engram as engram
+    import epcomm.engram_nvlink as engram_nvlink
+    saved = engram.choose_transport, engram_nvlink.SymmetricRegion
+    engram.choose_transport, engram_nvlink.SymmetricRegion = (lambda context, asked: "nvlink"), FileRegion
+    try:
+        return globals()[case](rank, world, *args, **kwargs)
+    finally:  # the worker processes are reused by later tests
+        engram.choose_transport, engram_nvlink.SymmetricRegion = saved
 
 
 # ---------------------------------------------------------------------------------------------------------

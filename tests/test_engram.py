@@ -1,6 +1,7 @@
 """`EngramBuffer` (reference §15): sizing hints, write, fetch bitwise equal to global_table[indices] in forward and
 reverse layer order, BF16 and FP8 with replicated scales, errors on every rank."""
 
+import os
 import re
 
 import pytest
@@ -86,3 +87,72 @@ def test_engram_errors_on_every_rank(run_ranks):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fetch_on_gpu(pools, fp8):
     pools.get(2, "nccl").run(cc.engram_fetch, 11, fp8, (65536, 65557), 256, 512, 24, device="cuda")
+
+
+def check_transport_errors(outs: list) -> None:
+    """An unknown name on rank 1 and a disagreement: every rank raises, naming the offender or both names."""
+    for rank, out in enumerate(outs):
+        cls, msg = out["unknown"]
+        assert cls == "ValueError", (rank, out["unknown"])
+        pattern = r"transport='nvshmem' is unknown; expected one of 'auto', 'collective', 'nvlink'" if rank == 1 \
+            else r"rank 0: group rank 1 rejected the construction \(unknown transport"
+        assert re.search(pattern, msg), msg
+        cls, msg = out["disagree"]
+        assert cls == "ValueError" and re.search(
+            r"ranks disagree on transport \(rank 0: 'auto', rank 1: 'collective'\); every rank must pass the same",
+            msg), out["disagree"]
+
+
+def test_transport_choice_on_cpu(run_ranks):
+    """CPU ranks take the collective transport; asking for nvlink raises on every rank, saying why."""
+    outs = run_ranks(2, cc.engram_transports)
+    for out in outs:
+        assert out["auto"] == "collective" and out["collective"] == "collective", out
+        cls, msg = out["nvlink"]
+        assert cls == "ValueError" and re.search(
+            r"EngramBuffer: rank \d: transport='nvlink' cannot run for this group: the buffer lives on cpu \(gloo\); "
+            r"nvlink needs one CUDA GPU per rank \(NCCL\); pass transport='auto' or 'collective'", msg), msg
+    check_transport_errors(outs)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the stand-in region maps files in /dev/shm")
+@pytest.mark.parametrize("world,fp8", [(2, True), (3, False)], ids=["2-fp8", "3-bf16"])
+def test_nvlink_path_on_cpu_stand_in(run_ranks, world, fp8):
+    """The nvlink data path (one-sided reads of peers' regions, per-owner segments, placement, write barriers)
+    on CPU ranks, with one shared-memory file per rank standing in for symmetric memory (FileRegion)."""
+    assert all(run_ranks(world, cc.engram_on_file_regions, "engram_fetch", 11, fp8, expect_transport="nvlink"))
+    if world == 2:
+        outs = run_ranks(2, cc.engram_on_file_regions, "engram_nvlink_local_errors", device="cpu")
+        assert outs[0] == {"out_of_range": None, "alone": True}, outs[0]
+        assert outs[1]["alone"] is None and outs[1]["out_of_range"][0] == "ValueError", outs[1]
+
+
+@pytest.mark.parametrize("transport", ["nvlink", "collective"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fetch_on_gpu_transports(pools, fp8, transport):
+    """Both transports forced: random, all-local, all-remote rows, both hook orders, rewrite; bitwise."""
+    pools.get(2, "nccl").run(cc.engram_fetch, 11, fp8, (65536, 65557), 256, 512, 24, device="cuda",
+                             transport=transport, expect_transport=transport)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_transport_choice_on_gpu(pools):
+    """Two GPUs of one host: auto picks nvlink; either can be forced; errors as on CPU."""
+    outs = pools.get(2, "nccl").run(cc.engram_transports)
+    for out in outs:
+        assert (out["auto"], out["collective"], out["nvlink"]) == ("nvlink", "collective", "nvlink"), out
+    check_transport_errors(outs)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nvlink_fetch_is_one_sided(pools):
+    """nvlink fetch: a bad index raises on its rank only; rank 0 fetches alone and gets the right rows."""
+    outs = pools.get(2, "nccl").run(cc.engram_nvlink_local_errors)
+    assert outs[0]["out_of_range"] is None and outs[0]["alone"] is True, outs[0]
+    cls, msg = outs[1]["out_of_range"]
+    assert cls == "ValueError" and re.search(r"indices\[1, 2, 1\] = 16 is outside layer 1's global index space "
+                                             r"\[0, 16\)", msg), msg

@@ -4,13 +4,20 @@ Each rank holds one shard of every layer's table (`[N_l, hidden]`); the global i
 `[0, R * N_l)`, owner `idx // N_l`, row `idx % N_l`. `fetch(indices)` returns one hook per layer; hook `l`
 returns `[T, E * hidden]` (entries concatenated per token), bitwise `global_table_l[indices[l]]`.
 
-The reference reads remote rows one-sided over RDMA. epcomm has owners serve them instead, so **fetch is
-collective** (every rank calls it, in the same order as the other buffer calls):
+The reference reads remote rows one-sided over RDMA. epcomm has two transports, chosen at construction
+(`transport="auto"`: nvlink when every rank is a CUDA GPU of one host with symmetric memory, else collective):
+
+* **nvlink** (engram_nvlink.py): the shards live in torch symmetric memory and each rank reads the rows it needs
+  straight from the owners' memory (`index_select` on peer views), as the reference does over RDMA. fetch is
+  not collective: no exchange, no work on the owners.
+* **collective** (CPU, several hosts): owners serve the rows, so **fetch is collective** (every rank calls it,
+  in the same order as the other buffer calls):
 
     counts + status -> all_to_all (host read of the counts)   requests grouped by owner, stable order
     row ids         -> all_to_all                             the owner gathers its rows (+ their FP8 scales)
     rows            -> all_to_all                             placed at their (layer, token, entry) slot
 
+Both place rows and scales with the same code, so results are bitwise identical.
 FP8 tables come with the global replicated scale table; each rank keeps the scales of its own rows and serves
 them with the rows, so `num_gpu_bytes` holds one shard of scales (the reference's formula with one host).
 RDMA-only arguments (QPs, QP depth, relaxed ordering, CPU RDMA storage, service level) are accepted and have no
@@ -30,12 +37,12 @@ from torch import Tensor
 
 from . import sizing
 from .comm import ContextLifecycle, CommContext, new_comm_stream
-from .epilogue import place_sf
+from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan, widest_word
+from .engram_nvlink import NVLinkTable, choose_transport
 from .events import EventHandle
 
 __all__ = ["EngramBuffer"]
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
 _OPS = {1: "set_config", 2: "write", 3: "fetch"}
 _EXC = {1: TypeError, 2: ValueError}
@@ -43,44 +50,8 @@ _EXC = {1: TypeError, 2: ValueError}
 _NIC_MPPS, _RTT_S, _MAX_QP_DEPTH = 90.0, 1e-5, 32768
 
 
-def _widest_word(*sizes: int) -> torch.dtype:
-    """The widest integer dtype whose size divides every non-zero byte count in `sizes`."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if all(n % dtype.itemsize == 0 for n in sizes):
-            return dtype
-    return torch.uint8
-
-
 def _group_size(group) -> int:
     return group if isinstance(group, int) else (group or dist.group.WORLD).size()
-
-
-def _needs(entries: Sequence[int], hidden: int, num_max_tokens: int, num_entries_per_token: int, elem: int,
-           num_sf_packs: int) -> tuple:
-    """(receive-area bytes, scale-shard bytes, table-shard bytes), unaligned."""
-    total = sum(entries)
-    return (len(entries) * num_max_tokens * num_entries_per_token * hidden * elem, total * num_sf_packs * 4,
-            total * hidden * elem)
-
-
-def _check_config(who: str, entries, hidden, num_max_tokens, num_entries_per_token, dtype, num_sf_packs) -> list:
-    if isinstance(entries, int) or not all(isinstance(n, int) and not isinstance(n, bool) for n in entries):
-        raise TypeError(f"{who}: num_entries_per_layer must be a list of ints (one per layer), got {entries!r}")
-    entries = list(entries)
-    if not entries or min(entries) <= 0:
-        raise ValueError(f"{who}: num_entries_per_layer must list at least one layer, each > 0, got {entries}")
-    for name, v in (("hidden", hidden), ("num_max_tokens", num_max_tokens),
-                    ("num_entries_per_token", num_entries_per_token)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{who}: {name} must be an int > 0, got {v!r}")
-    if dtype not in DTYPES:
-        raise TypeError(f"{who}: dtype must be one of {DTYPES}, got {dtype}")
-    fp8 = dtype == torch.float8_e4m3fn
-    if isinstance(num_sf_packs, bool) or not isinstance(num_sf_packs, int) or num_sf_packs < 0 \
-            or (num_sf_packs > 0) != fp8:
-        raise ValueError(f"{who}: num_sf_packs must be > 0 for FP8 tables and 0 otherwise, got {num_sf_packs} with "
-                         f"dtype {dtype}")
-    return entries
 
 
 class EngramBuffer(ContextLifecycle):
@@ -91,18 +62,30 @@ class EngramBuffer(ContextLifecycle):
         num_gpu_bytes: int -- receive area plus this rank's scale shard; a positive multiple of 2 MiB
             (`get_storage_size_hint()[0]`).
         num_rdma_storage_bytes: int -- this rank's table shard; a positive multiple of 2 MiB (hint `[1]`). The
-            legacy keyword `num_rdma_storage_size` is an alias.
+            legacy keyword `num_rdma_storage_size` is an alias. On nvlink both sizes bound the configuration as
+            on collective, and the table and scale shards live in a symmetric region `set_config` allocates.
         use_cpu_rdma_storage: accepted; no effect (the shard lives on the buffer's device; warns once if True).
         num_allocated_qps, qp_depth: accepted, no effect; when given they must be > 0 (reference §15).
         restrict_rd_atomic, allow_hybrid_mode, sl_idx: accepted, no effect.
-        num_gpu_timeout_secs: accepted; device waits are bounded by the group's NCCL timeout.
+        num_gpu_timeout_secs: bound on the device barriers of the nvlink transport (seconds, > 0); on the
+            collective transport device waits are bounded by the group's NCCL timeout. Default 100.
         explicitly_destroy: warn at garbage collection when `destroy()` was not called.
         num_rdma_storage_size: legacy alias of `num_rdma_storage_bytes`.
         num_cpu_timeout_secs: bound on every host wait (epcomm keyword). Default 300.
+        transport: "auto" (default), "nvlink" or "collective" (epcomm keyword; every rank passes the same).
+            "auto" picks nvlink when every rank of the group is a CUDA GPU on one host with torch symmetric
+            memory and peer access, else collective (CPU, several hosts).
+
+    Fields:
+        transport: str -- the transport chosen, "nvlink" or "collective".
+        rdma_storage: [num_rdma_storage_bytes] uint8 (collective); on nvlink None until `set_config`, then the
+            symmetric region holding the table and scale shards.
 
     Raises:
         TypeError: both `num_rdma_storage_bytes` and `num_rdma_storage_size`, or neither.
-        ValueError: sizes that are not positive multiples of 2 MiB; QP arguments <= 0.
+        ValueError: sizes that are not positive multiples of 2 MiB; QP arguments <= 0; a timeout <= 0; an
+            unknown transport or ranks that disagree on it, or "nvlink" where it cannot run (every rank raises;
+            the message says why).
         TimeoutError: a peer did not construct within `num_cpu_timeout_secs`.
     """
 
@@ -111,7 +94,8 @@ class EngramBuffer(ContextLifecycle):
                  num_allocated_qps: Optional[int] = None, qp_depth: Optional[int] = None,
                  restrict_rd_atomic: bool = False, allow_hybrid_mode: bool = True, sl_idx: Optional[int] = None,
                  num_gpu_timeout_secs: float = 100, explicitly_destroy: bool = False, *,
-                 num_rdma_storage_size: Optional[int] = None, num_cpu_timeout_secs: float = 300):
+                 num_rdma_storage_size: Optional[int] = None, num_cpu_timeout_secs: float = 300,
+                 transport: str = "auto"):
         self.explicitly_destroy = explicitly_destroy
         self._destroyed = True  # until construction succeeds
         group = group if group is not None else dist.group.WORLD
@@ -130,6 +114,10 @@ class EngramBuffer(ContextLifecycle):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{who}: {name} must be > 0 (take it from EngramBuffer.get_theoretical_config), "
                                  f"got {v}")
+        if isinstance(num_gpu_timeout_secs, bool) or not isinstance(num_gpu_timeout_secs, (int, float)) \
+                or not num_gpu_timeout_secs > 0:
+            raise ValueError(f"{who}: num_gpu_timeout_secs must be a number of seconds > 0, got "
+                             f"{num_gpu_timeout_secs!r}")
         self.num_gpu_bytes, self.num_rdma_storage_bytes = num_gpu_bytes, num_rdma_storage_bytes
         self.use_cpu_rdma_storage, self.num_allocated_qps, self.qp_depth = use_cpu_rdma_storage, num_allocated_qps, \
             qp_depth
@@ -142,9 +130,13 @@ class EngramBuffer(ContextLifecycle):
         self.context = CommContext(group, owner="EngramBuffer", num_cpu_timeout_secs=num_cpu_timeout_secs)
         self.contexts = [self.context]
         self.rank, self.num_ranks, self.device = self.context.rank, self.context.num_ranks, self.context.device
+        self.transport = choose_transport(self.context, transport)
         self.context.comm_stream = new_comm_stream(self.device)
         self.gpu_storage = torch.empty(num_gpu_bytes, dtype=torch.uint8, device=self.device)
-        self.rdma_storage = torch.empty(num_rdma_storage_bytes, dtype=torch.uint8, device=self.device)
+        # nvlink: the shards go to a symmetric region sized from the configuration (set_config), not here.
+        self.rdma_storage = torch.empty(num_rdma_storage_bytes, dtype=torch.uint8, device=self.device) \
+            if self.transport == "collective" else None
+        self._nvlink: Optional[NVLinkTable] = None
         self._config: Optional[dict] = None
         self._written = False
         self.context.barrier(with_cpu_sync=True, call="EngramBuffer")
@@ -175,13 +167,13 @@ class EngramBuffer(ContextLifecycle):
             TypeError: bad dtype or list. ValueError: non-positive sizes; packs without FP8; row bytes % 64.
         """
         who = "EngramBuffer.get_storage_size_hint"
-        entries = _check_config(who, num_entries_per_layer, hidden, num_max_tokens, num_entries_per_token, dtype,
-                                num_sf_packs)
+        entries = check_config(who, num_entries_per_layer, hidden, num_max_tokens, num_entries_per_token, dtype,
+                               num_sf_packs)
         if hidden * dtype.itemsize % 64:
             raise ValueError(f"{who}: hidden * element size must be a multiple of 64 bytes, got {hidden} x "
                              f"{dtype.itemsize}")
-        area, scales, table = _needs(entries, hidden, num_max_tokens, num_entries_per_token, dtype.itemsize,
-                                     num_sf_packs)
+        area, scales, table = needs(entries, hidden, num_max_tokens, num_entries_per_token, dtype.itemsize,
+                                    num_sf_packs)
         a = sizing.ALLOCATION_ALIGNMENT
         return sizing.align(area, a) + (sizing.align(scales, a) if num_sf_packs else 0), sizing.align(table, a)
 
@@ -230,6 +222,10 @@ class EngramBuffer(ContextLifecycle):
                    num_entries_per_token: int, dtype: torch.dtype = torch.bfloat16, num_sf_packs: int = 0) -> None:
         """Fix the table shape (collective; every rank passes the same values). Arguments as the size hint.
 
+        On nvlink this allocates the symmetric region of the table and scale shards (collective; reused while the
+        new shape fits). Capacity is checked against `num_gpu_bytes` / `num_rdma_storage_bytes` on both
+        transports, so a configuration that works on one works on the other.
+
         Raises:
             TypeError / ValueError: bad values, or a shape that does not fit `num_gpu_bytes` /
                 `num_rdma_storage_bytes` (the message gives both sizes and the hint call); ranks that disagree
@@ -240,10 +236,10 @@ class EngramBuffer(ContextLifecycle):
         c = self.context.checker(call)
         err, signature = None, [0] * 7
         try:
-            entries = _check_config(f"{call}: rank {self.rank}", num_entries_per_layer, hidden, num_max_tokens,
-                                    num_entries_per_token, dtype, num_sf_packs)
-            area, scales, table = _needs(entries, hidden, num_max_tokens, num_entries_per_token, dtype.itemsize,
-                                         num_sf_packs)
+            entries = check_config(f"{call}: rank {self.rank}", num_entries_per_layer, hidden, num_max_tokens,
+                                   num_entries_per_token, dtype, num_sf_packs)
+            area, scales, table = needs(entries, hidden, num_max_tokens, num_entries_per_token, dtype.itemsize,
+                                        num_sf_packs)
             if area + scales > self.num_gpu_bytes or table > self.num_rdma_storage_bytes:
                 c.fail(ValueError, f"the table needs num_gpu_bytes >= {area + scales} (receive area {area} + scales "
                                    f"{scales}) and num_rdma_storage_bytes >= {table}, but the buffer has "
@@ -262,16 +258,35 @@ class EngramBuffer(ContextLifecycle):
         row = hidden * dtype.itemsize
         self._config = dict(entries=entries, offsets=offsets, hidden=hidden, num_max_tokens=num_max_tokens,
                             num_entries_per_token=num_entries_per_token, dtype=dtype, packs=num_sf_packs, row=row)
-        self._table = self.rdma_storage[:offsets[-1] * row].view(offsets[-1], row)
+        rows, sf_bytes = offsets[-1], num_sf_packs * 4
         area = len(entries) * num_max_tokens * num_entries_per_token * row
         self._area = self.gpu_storage[:area]
-        self._scales = self.gpu_storage[area:area + offsets[-1] * num_sf_packs * 4].view(offsets[-1],
-                                                                                          num_sf_packs * 4)
+        if self.transport == "nvlink":
+            self._configure_nvlink(call, rows, row, sf_bytes)
+            self._table, self._scales = self._nvlink.table, self._nvlink.scales
+        else:
+            self._table = self.rdma_storage[:rows * row].view(rows, row)
+            self._scales = self.gpu_storage[area:area + rows * sf_bytes].view(rows, sf_bytes)
         self._sf_dtype = torch.float32
         self._written = False
 
+    def _configure_nvlink(self, call: str, rows: int, row: int, sf_bytes: int) -> None:
+        """Reuse or allocate the symmetric region for this shape (collective: every rank has the same history)."""
+        need = NVLinkTable.region_bytes(rows, row, sf_bytes)
+        if self._nvlink is None or self._nvlink.region.nbytes < need:
+            if self._nvlink is not None:  # peers may still be reading the old region: drain every rank first
+                self.context.barrier(with_cpu_sync=True, call=call)
+                self._nvlink.release()
+                self._table = self._scales = self.rdma_storage = None
+            self._nvlink = NVLinkTable(self.context.group, self.device, need, int(self.num_gpu_timeout_secs * 1000))
+        self._nvlink.configure(rows, row, sf_bytes, widest_word(row), widest_word(sf_bytes))
+        self.rdma_storage = self._nvlink.region.local
+
     def write(self, storages: Sequence[Tensor], sfs: Optional[Sequence[Tensor]] = None) -> None:
         """Store this rank's shard of every layer (collective; barriers before and after).
+
+        On nvlink the barriers are device barriers (bounded by `num_gpu_timeout_secs`): the first waits until
+        every peer has finished reading this rank's old rows, the second makes the new rows visible to peers.
 
         Args:
             storages: L tensors, `storages[l]`: [N_l, hidden] of the configured dtype -- this rank's rows.
@@ -303,6 +318,10 @@ class EngramBuffer(ContextLifecycle):
         except (TypeError, ValueError) as e:
             err = e
         self._agree(call, 2, err, [], ())
+        if self._nvlink is not None:
+            self._nvlink.begin_write(self.context.comm_stream)
+        elif self.device.type == "cuda":  # this rank's own fetches read the table on the communication stream
+            torch.cuda.current_stream(self.device).wait_stream(self.context.comm_stream)
         offsets = cfg["offsets"]
         for layer, t in enumerate(storages):
             self._table[offsets[layer]:offsets[layer + 1]].copy_(t.contiguous().view(torch.uint8))
@@ -312,15 +331,27 @@ class EngramBuffer(ContextLifecycle):
                 self._scales[offsets[layer]:offsets[layer + 1]].copy_(mine.view(torch.uint8))
                 self._sf_dtype = sfs[layer].dtype
         self._written = True
-        self.context.barrier(call=call)
+        if self._nvlink is not None:
+            self._nvlink.end_write(self.context.comm_stream)
+        else:
+            self.context.barrier(call=call)
 
     # -- fetch ---------------------------------------------------------------------------------------
     def fetch(self, indices: Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = True) -> list:
-        """Fetch `global_table_l[indices[l]]` for every layer (collective: every rank calls it).
+        """Fetch `global_table_l[indices[l]]` for every layer.
 
-        Host-blocking once (the request counts); on CUDA the moves run on the communication stream and hook `l`
-        makes the current stream wait. Naive equivalent per layer (a full copy of the table on every rank):
+        Collective on the collective transport (every rank calls it, in the same order as the other buffer
+        calls). One-sided on nvlink: each rank reads the rows it needs from the owners' memory, with no
+        exchange, so a rank may fetch alone (portable code calls it on every rank). Host-blocking once on both:
+        one read of `[any index out of range, rows per owner]` (the range check needs it; the counts ride along
+        and size the per-owner reads). On CUDA the moves run on the communication stream and hook `l` makes the
+        current stream wait. Not graph-capturable (the host read). Naive equivalent per layer:
             table = torch.cat(all_gather(shard_l)); out_l = table[indices[l]].view(T, E * hidden)
+
+        Errors: on the collective transport every rank raises (the status rides with the count exchange): the
+        offending rank its own message, the others "group rank r rejected the call". On nvlink only the
+        offending rank raises: no peer waits for it or serves it, so nothing hangs, and an exchange made only to
+        share the error would add a host-synchronised collective to every fetch (docs/collectives.md).
 
         Args:
             indices: [L, T, E] int32 or int64 -- global row ids of each layer, in `[0, R * N_l)`; `L` the
@@ -334,8 +365,9 @@ class EngramBuffer(ContextLifecycle):
             into the receive area, overwritten by the next fetch.
 
         Raises:
-            TypeError / ValueError: no config or table, bad indices (shape, dtype, device, out of range; every
-                rank raises, naming the offender). TimeoutError: a peer did not arrive.
+            TypeError / ValueError: no config or table, bad indices (shape, dtype, device, out of range); every
+                rank raises on the collective transport (naming the offender), the offending rank on nvlink.
+            TimeoutError: a peer did not arrive (collective transport).
         """
         call = "EngramBuffer.fetch"
         c = self.context.checker(call)
@@ -343,75 +375,52 @@ class EngramBuffer(ContextLifecycle):
         if cuda:
             self.context.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.context.comm_stream) if cuda else contextlib.nullcontext():
-            err, counts_R = None, torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
-            try:
-                cfg = self._require_config(c)
-                if not self._written:
-                    c.fail(ValueError, "the table was never written; call write(storages) after set_config")
-                if num_qps:
-                    self._warn_once("num_qps", "epcomm: EngramBuffer.fetch num_qps has no effect; it is ignored")
-                owner_X, row_X, num_tokens = self._plan(c, cfg, indices)
+            if self.transport == "nvlink":
+                cfg = self._fetch_config(c, num_qps)
+                owner_X, row_X, num_tokens, _, counts = plan(c, cfg, indices, self.num_ranks, self.device)
                 order_X = torch.argsort(owner_X, stable=True)
-                counts_R = torch.bincount(owner_X, minlength=self.num_ranks)
-            except (TypeError, ValueError) as e:
-                err = e
-            recv_counts = self._agree(call, 3, err, [], (), counts_R)
-            send_counts = counts_R.tolist()
-            ids = torch.empty(sum(recv_counts), dtype=torch.int64, device=self.device)
-            self.context.complete(dist.all_to_all_single(ids, row_X[order_X], recv_counts, send_counts,
-                                                         group=self.context.group, async_op=True), call)
-            # NOTE: rows move as the widest integer words that divide them: uint8 advanced indexing of 512-byte
-            # rows ran at ~0.5 GB/s on CPU (2 ranks, 2048 rows, 1.8 ms per index_put); int64 words are ~8x faster.
-            row, sf_bytes = cfg["row"], cfg["packs"] * 4
-            wide = _widest_word(row, sf_bytes)
-            served = self._table.view(wide).index_select(0, ids)
-            if sf_bytes:
-                served = torch.cat([served, self._scales.view(wide).index_select(0, ids)], dim=1)
-            got = torch.empty(len(order_X), served.shape[1], dtype=wide, device=self.device)
-            self.context.complete(dist.all_to_all_single(got, served, send_counts, recv_counts,
-                                                         group=self.context.group, async_op=True), call)
-            words = row // wide.itemsize
-            area = self._area[:len(order_X) * row].view(len(order_X), row)
-            area.view(wide).index_copy_(0, order_X, got[:, :words])
-            sf = None
-            if sf_bytes:
-                sf = torch.empty(len(order_X), sf_bytes, dtype=torch.uint8, device=self.device)
-                sf.view(wide).index_copy_(0, order_X, got[:, words:])
+                got, got_sf = self._nvlink.read(row_X[order_X], counts)
+            else:
+                cfg, order_X, got, got_sf, num_tokens = self._serve(c, call, indices, num_qps)
+            area, sf = place(self._area, cfg, order_X, got, got_sf)
         event = EventHandle(stream=self.context.comm_stream) if cuda else None
-        L, E = len(cfg["entries"]), cfg["num_entries_per_token"]
-        per_layer = num_tokens * E
+        return make_hooks(cfg, area, sf, self._sf_dtype, num_tokens, event, use_tma_aligned_col_major_sf)
 
-        def hook(layer: int):
-            if event is not None:
-                event.current_stream_wait()
-                if sf is not None:  # made on the comm stream, read on this one
-                    sf.record_stream(torch.cuda.current_stream(self.device))
-            data = area[layer * per_layer:(layer + 1) * per_layer].view(cfg["dtype"]).view(num_tokens,
-                                                                                            E * cfg["hidden"])
-            if sf is None:
-                return data
-            scales = sf[layer * per_layer:(layer + 1) * per_layer].view(self._sf_dtype).view(num_tokens,
-                                                                                              E * cfg["packs"])
-            return data, place_sf(scales, use_tma_aligned_col_major_sf)
-        return [lambda layer=layer: hook(layer) for layer in range(L)]
+    def _fetch_config(self, c, num_qps) -> dict:
+        cfg = self._require_config(c)
+        if not self._written:
+            c.fail(ValueError, "the table was never written; call write(storages) after set_config")
+        if num_qps:
+            self._warn_once("num_qps", "epcomm: EngramBuffer.fetch num_qps has no effect; it is ignored")
+        return cfg
 
-    def _plan(self, c, cfg: dict, indices) -> tuple:
-        """Owner and owner-local table row of every (layer, token, entry), flat; reads the indices (host)."""
-        L, E = len(cfg["entries"]), cfg["num_entries_per_token"]
-        idx = self._check_tensor(c, "indices", indices, (torch.int32, torch.int64), (L, None, E))
-        num_tokens = idx.shape[1]
-        if num_tokens > cfg["num_max_tokens"]:
-            c.fail(ValueError, f"indices has {num_tokens} tokens but num_max_tokens is {cfg['num_max_tokens']} "
-                               "(set_config)")
-        idx = idx.to(torch.int64)
-        n_L = torch.tensor(cfg["entries"], dtype=torch.int64, device=self.device).view(L, 1, 1)
-        bad = (idx < 0) | (idx >= n_L * self.num_ranks)
-        if num_tokens and bool(bad.any()):
-            lt, t, e = (int(v) for v in bad.nonzero()[0])
-            c.fail(ValueError, f"indices[{lt}, {t}, {e}] = {int(idx[lt, t, e])} is outside layer {lt}'s global index "
-                               f"space [0, {self.num_ranks * cfg['entries'][lt]}) (R x num_entries_per_layer[{lt}])")
-        offset_L = torch.tensor(cfg["offsets"][:-1], dtype=torch.int64, device=self.device).view(L, 1, 1)
-        return (idx // n_L).reshape(-1), (idx % n_L + offset_L).reshape(-1), num_tokens
+    def _serve(self, c, call: str, indices, num_qps) -> tuple:
+        """The collective data path: counts + status, then row ids, then the rows the owners gather.
+
+        Returns `(cfg, order_X, rows [X, words], scales [X, sf words] or None, T)`, rows grouped by owner."""
+        err, counts_R = None, torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
+        try:
+            cfg = self._fetch_config(c, num_qps)
+            owner_X, row_X, num_tokens, counts_R, send_counts = plan(c, cfg, indices, self.num_ranks, self.device)
+            order_X = torch.argsort(owner_X, stable=True)
+        except (TypeError, ValueError) as e:
+            err = e
+        recv_counts = self._agree(call, 3, err, [], (), counts_R)
+        ids = torch.empty(sum(recv_counts), dtype=torch.int64, device=self.device)
+        self.context.complete(dist.all_to_all_single(ids, row_X[order_X], recv_counts, send_counts,
+                                                     group=self.context.group, async_op=True), call)
+        # NOTE: rows move as the widest integer words that divide them: uint8 advanced indexing of 512-byte
+        # rows ran at ~0.5 GB/s on CPU (2 ranks, 2048 rows, 1.8 ms per index_put); int64 words are ~8x faster.
+        row, sf_bytes = cfg["row"], cfg["packs"] * 4
+        wide = widest_word(row, sf_bytes)
+        served = self._table.view(wide).index_select(0, ids)
+        if sf_bytes:
+            served = torch.cat([served, self._scales.view(wide).index_select(0, ids)], dim=1)
+        got = torch.empty(len(order_X), served.shape[1], dtype=wide, device=self.device)
+        self.context.complete(dist.all_to_all_single(got, served, send_counts, recv_counts,
+                                                     group=self.context.group, async_op=True), call)
+        words = row // wide.itemsize
+        return cfg, order_X, got[:, :words], (got[:, words:] if sf_bytes else None), num_tokens
 
     # -- helpers -------------------------------------------------------------------------------------
     def _agree(self, call: str, op: int, err, signature: list, names: tuple,
@@ -454,11 +463,15 @@ class EngramBuffer(ContextLifecycle):
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Release the buffer (collective: a barrier). A second call is a no-op."""
+        """Release the buffer (collective: a barrier; on nvlink drained on the host first, so no peer is still
+        reading the region when it is freed). A second call is a no-op."""
         if self._destroyed:
             return
         if self.context.broken is None:
-            self.context.barrier(call="EngramBuffer.destroy")
+            self.context.barrier(with_cpu_sync=self._nvlink is not None, call="EngramBuffer.destroy")
         self.context.destroyed = self._destroyed = True
+        if self._nvlink is not None:
+            self._nvlink.release()
+            self._nvlink = None
         self.gpu_storage = self.rdma_storage = self._table = self._area = self._scales = None
 

@@ -10,6 +10,10 @@ against its `torch.distributed` equivalent (NCCL on GPU, gloo on CPU) in the sam
 | pp | `PPBuffer.send` to next + `recv` from previous | `dist.batch_isend_irecv` of the same pair | tensor |
 | engram | `EngramBuffer.fetch` of random rows (one layer) | `dist.all_to_all_single` of the same rows | rows fetched |
 
+Engram's `epcomm` row uses the default transport (`nvlink` when every rank is a GPU of one host, else
+`collective`; the JSON record names it); when that is nvlink, an `epcomm-collective` row times the collective
+transport forced on the same rows.
+
 Before any number is printed every op is checked bitwise against its equivalent on small-integer data (rows of
 a table every rank rebuilds, for Engram); a mismatch prints FAILED and the exit status is 1. Times are the
 slowest rank's per call (`bench.timing`: a barrier before each call; on GPU also an L2 flush and CUDA events);
@@ -151,24 +155,30 @@ def _engram_op(rank: int, world: int, size: int, device, timer: Timer) -> dict:
     tokens = max(1, size // row // ENGRAM_ENTRIES)
     entries = max(1024, tokens * ENGRAM_ENTRIES // world)
     gpu, storage = EngramBuffer.get_storage_size_hint(world, [entries], ENGRAM_HIDDEN, tokens, ENGRAM_ENTRIES)
-    buf = EngramBuffer(None, gpu, storage, explicitly_destroy=True)
-    try:
-        buf.set_config([entries], ENGRAM_HIDDEN, tokens, ENGRAM_ENTRIES)
-        shard = torch.arange(entries * ENGRAM_HIDDEN, device=device).view(entries, -1).add_(rank * entries *
-                                                                                           ENGRAM_HIDDEN)
-        buf.write([(shard % 251).bfloat16()])  # every rank rebuilds the global table from the row id
-        gen = torch.Generator().manual_seed(rank)
-        idx = torch.randint(0, world * entries, (1, tokens, ENGRAM_ENTRIES), generator=gen).to(device)
-        got = buf.fetch(idx)[0]()
-        rows = idx.reshape(-1, 1) * ENGRAM_HIDDEN + torch.arange(ENGRAM_HIDDEN, device=device)
-        check = first_mismatch("engram rows", got, (rows % 251).bfloat16().view(tokens, -1))
-        num_rows = tokens * ENGRAM_ENTRIES
-        send = torch.empty(num_rows, row, dtype=torch.uint8, device=device)
-        recv = torch.empty_like(send)
-        return dict(check=check, bytes=num_rows * row, times=_timed(
-            timer, lambda: buf.fetch(idx)[0](), lambda: dist.all_to_all_single(recv, send)))
-    finally:
-        buf.destroy()
+    shard = torch.arange(entries * ENGRAM_HIDDEN, device=device).view(entries, -1).add_(rank * entries * ENGRAM_HIDDEN)
+    shard = (shard % 251).bfloat16()  # every rank rebuilds the global table from the row id
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.randint(0, world * entries, (1, tokens, ENGRAM_ENTRIES), generator=gen).to(device)
+    want = ((idx.reshape(-1, 1) * ENGRAM_HIDDEN + torch.arange(ENGRAM_HIDDEN, device=device)) % 251).bfloat16()
+    want = want.view(tokens, -1)
+    out = dict(check=None, bytes=tokens * ENGRAM_ENTRIES * row, times={}, transport=None)
+    for provider, transport in (("epcomm", "auto"), ("epcomm-collective", "collective")):
+        buf = EngramBuffer(None, gpu, storage, explicitly_destroy=True, transport=transport)
+        try:
+            out["transport"] = out["transport"] or buf.transport
+            buf.set_config([entries], ENGRAM_HIDDEN, tokens, ENGRAM_ENTRIES)
+            buf.write([shard])
+            out["check"] = out["check"] or first_mismatch(f"engram rows ({buf.transport})", buf.fetch(idx)[0](),
+                                                          want)
+            out["times"][provider] = timer.measure(lambda: buf.fetch(idx)[0]())
+        finally:
+            buf.destroy()
+        if out["transport"] == "collective":  # the default already is the collective transport
+            break
+    send = torch.empty(tokens * ENGRAM_ENTRIES, row, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    out["times"]["torch"] = timer.measure(lambda: dist.all_to_all_single(recv, send))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,9 +252,12 @@ def run_suite(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None)
             if msg:
                 failures.append(f"FAILED {op}: {msg}")
                 continue
-            times = {k: combine_ranks([p["times"][k] for p in per_rank]) for k in ("epcomm", "torch")}
+            times = {k: combine_ranks([p["times"][k] for p in per_rank]) for k in per_rank[0]["times"]}
             base = quantile(times["torch"], 0.5)
-            rows.append(_row(op, "epcomm", times["epcomm"], per_rank[0]["bytes"], base))
+            for provider in ["epcomm"] + [k for k in times if k not in ("epcomm", "torch")]:
+                rows.append(_row(op, provider, times[provider], per_rank[0]["bytes"], base))
+                if provider == "epcomm" and per_rank[0].get("transport"):
+                    rows[-1]["transport"] = per_rank[0]["transport"]
             rows.append(_row(op, f"torch-{plan['backend']}", times["torch"], per_rank[0]["bytes"], None))
     except (RankFailure, WatchdogTimeout) as exc:
         aborted = str(exc).splitlines()[0]
