@@ -641,7 +641,4 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
 def _nvlink_ready(device: torch.device) -> bool:
     """This rank can use the nvlink transport: symmetric memory, Triton, peer access to every other local GPU."""
-    if device.type != "cuda" or symm.available() is not None:
-        return False
-    return all(torch.cuda.can_device_access_peer(device.index, d)
-               for d in range(torch.cuda.device_count()) if d != device.index)
+    return symm.nvlink_unavailable(device) is None

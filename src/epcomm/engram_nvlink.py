@@ -31,17 +31,7 @@ TRANSPORTS = ("auto", "collective", "nvlink")
 _SF_ALIGN = 256  # the scale shard starts on a 256-byte boundary (any word view is aligned)
 
 
-def unavailable_reason(device: torch.device) -> Optional[str]:
-    """None when this rank can use the nvlink path (CUDA, symmetric memory, peer access to every other local
-    GPU), else the reason it cannot."""
-    if device.type != "cuda":
-        return f"the buffer lives on {device.type} (gloo); nvlink needs one CUDA GPU per rank (NCCL)"
-    reason = symm.available()
-    if reason is not None:
-        return f"no symmetric memory ({reason})"
-    blocked = [d for d in range(torch.cuda.device_count())
-               if d != device.index and not torch.cuda.can_device_access_peer(device.index, d)]
-    return f"cuda:{device.index} has no peer access to cuda:{blocked}" if blocked else None
+unavailable_reason = symm.nvlink_unavailable  # shared with EPBuffer's transport choice
 
 
 def choose_transport(context, asked) -> str:

@@ -77,3 +77,16 @@ class SymmetricRegion:
     def barrier(self, channel: int = 0, timeout_ms: int = 100_000) -> None:
         """Device-side barrier over the group on the current stream (bounded by `timeout_ms`)."""
         self.handle.barrier(channel=channel, timeout_ms=timeout_ms)
+
+
+def nvlink_unavailable(device: torch.device) -> Optional[str]:
+    """None when this rank can use the nvlink path (CUDA, symmetric memory, peer access to every other local
+    GPU), else the reason it cannot."""
+    if device.type != "cuda":
+        return f"the buffer lives on {device.type} (gloo); nvlink needs one CUDA GPU per rank (NCCL)"
+    reason = available()
+    if reason is not None:
+        return f"no symmetric memory ({reason})"
+    blocked = [d for d in range(torch.cuda.device_count())
+               if d != device.index and not torch.cuda.can_device_access_peer(device.index, d)]
+    return f"cuda:{device.index} has no peer access to cuda:{blocked}" if blocked else None
