@@ -432,3 +432,51 @@ def graph_replay(rank: int, world: int, transport: str = "auto", replays: int = 
         assert_equal(comb_w, cw_ref, f"replay {i}: combined_topk_weights")
     buf.destroy()
     return replays
+
+
+def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: int = 4, num_tokens: int = 80,
+                       hidden: int = 192, num_experts: int = 16, num_topk: int = 4):
+    """A CPU-synced handle's cached dispatch and combine captured in one CUDA graph (a captured nvlink call waits
+    for its peers on both sides of the staging area it reuses), replayed with new inputs; bitwise every replay."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=num_topk,
+                          explicitly_destroy=True, transport=transport)
+    gen = torch.Generator().manual_seed(200 + rank)
+    topk_idx, weights = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio=0.2)
+    topk_idx, weights = topk_idx.to(device), weights.to(device)
+    x_s = make_x(gen, num_tokens, hidden, "bf16").to(device)
+    recv_x, _, recv_w, handle, _ = buf.dispatch(x_s, topk_idx, weights, num_experts=num_experts)
+    y_s = torch.empty_like(recv_x)
+
+    def step():
+        c_x, _, c_w, _, _ = buf.dispatch(x_s, handle=handle, topk_weights=weights)
+        comb_x, comb_w, _ = buf.combine(y_s, handle, topk_weights=c_w)
+        return c_x, c_w, comb_x, comb_w
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for i in range(replays):
+        x = make_x(gen, num_tokens, hidden, "bf16").to(device)
+        y = make_x(gen, recv_x.shape[0], hidden, "bf16").to(device)
+        x_s.copy_(x)
+        y_s.copy_(y)
+        graph.replay()
+        eager = buf.dispatch(x, handle=handle, topk_weights=weights)  # an eager call between replays
+        torch.cuda.synchronize()
+        c_x, c_w, comb_x, comb_w = outs
+        r_x, _, r_w, r_handle = ref.dispatch(x, topk_idx, weights, num_experts, num_max_tokens_per_rank=num_tokens)
+        assert_equal(c_x, r_x, f"replay {i}: cached recv_x")
+        assert_equal(eager[0], r_x, f"replay {i}: eager cached recv_x after the replay")
+        assert_equal(c_w, r_w, f"replay {i}: cached recv_topk_weights")
+        c_ref, cw_ref = ref.combine(y, r_handle, topk_weights=r_w)
+        assert_equal(comb_x, c_ref, f"replay {i}: combined_x")
+        assert_equal(comb_w, cw_ref, f"replay {i}: combined_topk_weights")
+    buf.destroy()
+    return replays

@@ -57,3 +57,10 @@ def test_auto_picks_nvlink_on_one_host(nccl):
 def test_cuda_graph_replay_with_new_routings(nccl, transport):
     """Sync-free dispatch + cached dispatch + combine in one CUDA graph, replayed with new inputs and routings."""
     assert nccl.run(ep_cases.graph_replay, transport) == [4, 4]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cuda_graph_replay_of_cached_calls(nccl, transport):
+    """A CPU-synced handle's cached dispatch and combine in one CUDA graph, replayed with new inputs, with eager
+    calls in between."""
+    assert nccl.run(ep_cases.graph_replay_exact, transport) == [4, 4]

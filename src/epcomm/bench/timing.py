@@ -3,7 +3,7 @@
 Before each call (warm-up and timed alike): on GPU, write a 256 MB buffer (evicts L2) and synchronise; then a
 barrier over the group, so that every rank starts the call together. The call is timed around the Python call:
 CUDA events on the current stream on GPU (read after the loop), `time.perf_counter` on CPU. Warm-up calls are
-dropped. The ranks' times are combined per call by `combine_ranks` (the slowest rank ends a collective).
+dropped. `measure_graph` times replays of a CUDA graph of the call the same way. The ranks' times are combined per call by `combine_ranks` (the slowest rank ends a collective).
 """
 
 from __future__ import annotations
@@ -61,6 +61,21 @@ class Timer:
             torch.cuda.synchronize(self.device)
             times = [s.elapsed_time(e) * 1e-3 for s, e in events]
         return times[self.warmup:]
+
+
+    def measure_graph(self, fn: Callable[[], object]) -> list:
+        """Seconds of each replay of a CUDA graph that captured one call of `fn` (GPU only; same protocol as
+        `measure`): what a caller who captures the call (serving, decode steps) pays, with no host overhead."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # kernels compiled and allocator pools warm before the capture
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.measure(graph.replay)
 
 
 def combine_ranks(per_rank: list) -> list:

@@ -173,6 +173,11 @@ class NVLinkTransport(Transport):
                 "(num_max_tokens_per_rank, hidden, num_topk, dtype)")
         stage = self._stage_off[self._stage_calls % 2]
         self._stage_calls += 1
+        # A CUDA graph replays this call on one staging area, so the alternation that makes one barrier enough
+        # does not hold: a captured call waits for its peers before staging and after pulling.
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            self._barrier()
         staged, pulled = plan.views(self.region, stage, moves, row_bytes)
         lo, n_self = plan.recv_off[me], route.recv_splits[me]
         with phase("stage"):
@@ -186,6 +191,8 @@ class NVLinkTransport(Transport):
             for s, lo_s, n, views in pulled:
                 for (_, out), peer in zip(moves, views):
                     out[lo_s: lo_s + n].copy_(peer)
+        if capturing:  # a replay reuses one staging area: it must not start while a peer still reads it
+            self._barrier()
 
     def destroy(self) -> None:
         self.region = None
