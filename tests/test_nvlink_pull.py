@@ -1,4 +1,4 @@
-"""The nvlink transport's pull path (`move_fields`) on CPU: fake symmetric regions shared by threads.
+"""The nvlink transport's pull (`move_fields`, transport/pull.py) on CPU: fake symmetric regions shared by threads.
 
 Each thread is one rank with its own `NVLinkTransport` whose region views are slices of plain CPU tensors and
 whose device barrier is a `threading.Barrier`, so the staging layout, the alternating staging areas and the
@@ -37,7 +37,7 @@ def _transport(rank: int, num_ranks: int, region: FakeRegion) -> NVLinkTransport
     tr = object.__new__(NVLinkTransport)  # no process group, no symmetric memory: only what move_fields reads
     tr.num_ranks, tr.rank, tr.device = num_ranks, rank, torch.device("cpu")
     tr.rows_capacity, tr._stage_off, tr._stage_calls = CAP, [HEAD + CAP, HEAD + 2 * CAP], 0
-    tr.region, tr._timeout_ms = region, 0
+    tr.region, tr._timeout_ms, tr._side = region, 0, None
     return tr
 
 
@@ -98,10 +98,12 @@ def _run(num_ranks: int, num_tokens: int, seed: int) -> None:
         raise (real or errors)[0]
 
 
+@pytest.mark.parametrize("chunks", ["", "3"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-def test_pull_lands_every_row_in_place(num_ranks):
+def test_pull_lands_every_row_in_place(num_ranks, chunks, monkeypatch):
     """Random routings (empty ranks included), three calls on one route (both staging areas), then the return
-    direction (combine)."""
+    direction (combine); in one piece and in 3 chunks (each published by its own barrier)."""
+    monkeypatch.setenv("EPCOMM_PULL_CHUNKS", chunks)
     for seed in range(4):
         _run(num_ranks, 17, seed)
 

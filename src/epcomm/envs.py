@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | `EPCOMM_DEBUG` | unset | `1`: log sizes, transport choices and per-call counts to stderr (logger `epcomm`) |
 | `EPCOMM_NVLINK_PUSH` | `copy-engine` | how the nvlink transport moves rows: `copy-engine` (pack, then copy-engine writes) or `kernel` (the Triton push kernel) |
+| `EPCOMM_PULL_CHUNKS` | unset | nvlink CPU-synced calls: stage and pull in this many chunks (default 1 eager, up to 4 in a CUDA graph) |
 | `EPCOMM_PHASE_TIMES` | unset | `1`: synchronise the device around each phase and sum its wall time (`epcomm.debug.phase_times()`); diagnostics only |
 """
 
@@ -25,3 +26,12 @@ def nvlink_push() -> str:
     if value not in ("copy-engine", "kernel"):
         raise ValueError(f"EPCOMM_NVLINK_PUSH must be 'copy-engine' or 'kernel', got {value!r}")
     return value
+
+
+def pull_chunks() -> int:
+    value = os.environ.get("EPCOMM_PULL_CHUNKS", "")
+    if value == "":
+        return 0
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"EPCOMM_PULL_CHUNKS must be an integer in [1, 64], got {value!r}")
+    return int(value)

@@ -27,8 +27,8 @@ from .. import envs
 from ..debug import phase
 from ..kernels import push
 from ..sizing import align
-from ..moves import offsets
 from .base import Transport
+from .pull import PullPlan, pull_fields
 from .symm import SymmetricRegion
 
 _HEADER_COLS = 64
@@ -55,6 +55,7 @@ class NVLinkTransport(Transport):
         self.rows_capacity = num_bytes
         self._stage_off = [self._rows_off + num_bytes, self._rows_off + 2 * num_bytes]
         self._stage_calls = 0
+        self._side = None  # the pull's second stream (own rows, copies from peers), made at first use
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device)
         self._delta16 = push.region_deltas(self.region.ptrs, self.rank)
         self._timeout_ms = int(gpu_timeout_s * 1000)
@@ -159,95 +160,31 @@ class NVLinkTransport(Transport):
         return self.region.peer(self.rank, self._rows_off, (need,), torch.uint8).view(num_ranks * cap, rec)
 
     def move_fields(self, moves: list, route, *, call_id: int) -> None:
-        """Pull: stage my rows for the peers, one barrier, then copy my rows out of every peer's staging area."""
-        num_ranks, me = self.num_ranks, self.rank
+        """Pull (transport/pull.py): stage my rows for the peers, barrier, copy my rows out of the peers' areas."""
         plan = route.cache.get("nvlink")
         if plan is None:
-            plan = route.cache["nvlink"] = _PullPlan(route, me, num_ranks, self.device)
+            plan = route.cache["nvlink"] = PullPlan(route, self.rank, self.num_ranks, self.device)
         row_bytes = [src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size() for src, _ in moves]
-        need = max(_stage_bytes(plan.staged_rows[s], row_bytes) for s in range(num_ranks))
+        need = plan.stage_bytes(row_bytes)
         if need > self.rows_capacity:
             raise ValueError(
-                f"EPBuffer: rank {me}: the nvlink staging area holds {self.rows_capacity} bytes but this call "
-                f"stages {need}; size the buffer with EPBuffer.get_buffer_size_hint for this shape "
+                f"EPBuffer: rank {self.rank}: the nvlink staging area holds {self.rows_capacity} bytes but this "
+                f"call stages {need}; size the buffer with EPBuffer.get_buffer_size_hint for this shape "
                 "(num_max_tokens_per_rank, hidden, num_topk, dtype)")
         stage = self._stage_off[self._stage_calls % 2]
         self._stage_calls += 1
         # A CUDA graph replays this call on one staging area, so the alternation that makes one barrier enough
         # does not hold: a captured call waits for its peers before staging and after pulling.
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        cuda = self.device.type == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             self._barrier()
-        staged, pulled = plan.views(self.region, stage, moves, row_bytes)
-        lo, n_self = plan.recv_off[me], route.recv_splits[me]
-        with phase("stage"):
-            for (src, out), view in zip(moves, staged):
-                if view is not None:
-                    torch.index_select(src, 0, plan.staged_idx, out=view)
-                if n_self:
-                    torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
-        self._barrier()  # every peer's staging area is complete (and the one of two calls ago is read)
-        with phase("pull"):
-            for s, lo_s, n, views in pulled:
-                for (_, out), peer in zip(moves, views):
-                    out[lo_s: lo_s + n].copy_(peer)
-        if capturing:  # a replay reuses one staging area: it must not start while a peer still reads it
+        if cuda and self._side is None:
+            self._side = torch.cuda.Stream(self.device, priority=-1)
+        pull_fields(self, plan, moves, row_bytes, stage, capturing, self._side if cuda else None)
+        if capturing:
             self._barrier()
 
     def destroy(self) -> None:
         self.region = None
 
-
-def _aligned(nbytes: int) -> int:
-    return align(nbytes, 256)
-
-
-def _stage_bytes(rows: int, row_bytes: list) -> int:
-    return sum(_aligned(rows * b) for b in row_bytes)
-
-
-class _PullPlan:
-    """What `move_fields` derives once per route: the rows each rank stages and where mine sit in theirs.
-
-    Rank s stages its send rows for every rank but itself, in send order; my rows in s's staging area start at
-    `first_row_at[s]` = rows s sends to ranks before me (other than itself).
-    """
-
-    def __init__(self, route, me: int, num_ranks: int, device: torch.device):
-        m = route.matrix
-        assert m is not None, "the nvlink transport needs the split matrix of a packed route"
-        self.staged_rows = [sum(m[s]) - m[s][s] for s in range(num_ranks)]
-        self.first_row_at = [sum(m[s][p] for p in range(me) if p != s) for s in range(num_ranks)]
-        self.recv_off = offsets(route.recv_splits)
-        send_off = offsets(route.send_splits)
-        idx = route.send_index(device)
-        lo, hi = send_off[me], send_off[me] + route.send_splits[me]
-        self.self_idx = idx[lo:hi]
-        self.staged_idx = torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0]
-        self.me, self.num_ranks, self.recv_splits = me, num_ranks, list(route.recv_splits)
-        self._views = {}
-
-    def views(self, region, stage: int, moves: list, row_bytes: list) -> tuple:
-        """Views of my staging area (one per field, None when I stage nothing) and, per peer I receive from,
-        `(rank, first output row, rows, views of its staging area)`; made once per staging area and field kinds
-        (slicing peer memory costs host time on every call)."""
-        key = (stage, tuple((src.dtype, tuple(src.shape[1:])) for src, _ in moves))
-        got = self._views.get(key)
-        if got is None:
-            staged, off, n = [], stage, self.staged_rows[self.me]
-            for (src, _), nbytes in zip(moves, row_bytes):
-                staged.append(region.peer(self.me, off, (n,) + tuple(src.shape[1:]), src.dtype) if n else None)
-                off += _aligned(n * nbytes)
-            pulled = []
-            for s in range(self.num_ranks):
-                n = self.recv_splits[s]
-                if s == self.me or n == 0:
-                    continue
-                views, off = [], stage
-                for (src, _), nbytes in zip(moves, row_bytes):
-                    views.append(region.peer(s, off + self.first_row_at[s] * nbytes, (n,) + tuple(src.shape[1:]),
-                                             src.dtype))
-                    off += _aligned(self.staged_rows[s] * nbytes)
-                pulled.append((s, self.recv_off[s], n, views))
-            got = self._views[key] = (staged, pulled)
-        return got

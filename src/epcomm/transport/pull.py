@@ -1,0 +1,153 @@
+"""The nvlink transport's pull: CPU-synced field moves (`Transport.move_fields`) read from peers' staging areas.
+
+Each rank gathers the rows it sends to other ranks, in send order, into its own staging area (symmetric memory);
+its rows for itself are gathered straight into its outputs. After a device barrier every rank copies its rows
+out of each peer's staging area into its outputs with the copy engines, which reach the link ceiling and use no
+SMs. The staging can go in `C` chunks, each published by its own barrier, so that the copy engines pull chunk c
+while the SMs gather chunk c + 1; the own-rows gather and the pulls run on a second stream beside the staging.
+
+Rank s's staging area holds, per field, `staged_rows[s]` rows; my rows in it start at `first_row_at[s]` (rows s
+sends to ranks before me, other than itself); its chunk c is rows `[c * n // C, (c + 1) * n // C)`. Every rank
+derives all of it from the split matrix, so every rank agrees on C and on the number of barriers.
+
+Worked example (2 ranks, matrix [[2, 3], [1, 4]]: rank 0 sends 2 rows to itself, 3 to rank 1):
+    rank 0 stages its 3 rows for rank 1; rank 1 stages its 1 row for rank 0
+    rank 0 pulls rank 1's row 0; rank 1 pulls rank 0's rows 0..2
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import envs
+from ..debug import phase
+from ..moves import offsets
+from ..sizing import align
+
+# Chunking pays when launches are cheap (graph replay) and the staged bytes are large; eager calls on slow hosts
+# pay more in launches than they gain (benchmarks/results, nvlink).
+_CHUNKS_CAPTURED = 4
+_MIN_CHUNK_BYTES = 4 << 20
+
+
+def aligned(nbytes: int) -> int:
+    return align(nbytes, 256)
+
+
+class PullPlan:
+    """What a pull derives once per route (host lists, index tensors, views of the staging areas)."""
+
+    def __init__(self, route, me: int, num_ranks: int, device: torch.device):
+        m = route.matrix
+        assert m is not None, "the nvlink transport needs the split matrix of a packed route"
+        self.me, self.num_ranks = me, num_ranks
+        self.recv_splits = list(route.recv_splits)
+        self.staged_rows = [sum(m[s]) - m[s][s] for s in range(num_ranks)]
+        self.first_row_at = [sum(m[s][p] for p in range(me) if p != s) for s in range(num_ranks)]
+        self.recv_off = offsets(route.recv_splits)
+        send_off = offsets(route.send_splits)
+        idx = route.send_index(device)
+        lo, hi = send_off[me], send_off[me] + route.send_splits[me]
+        self.self_idx = idx[lo:hi]
+        self.staged_idx = torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0]
+        self._views: dict = {}
+
+    def stage_bytes(self, row_bytes: list) -> int:
+        """The largest staging area any rank needs for fields of `row_bytes` bytes per row."""
+        return max(sum(aligned(rows * b) for b in row_bytes) for rows in self.staged_rows)
+
+    def num_chunks(self, row_bytes: list, capturing: bool) -> int:
+        forced = envs.pull_chunks()
+        if forced:
+            return forced
+        if not capturing:
+            return 1
+        largest = max(self.staged_rows) * sum(row_bytes)
+        return max(1, min(_CHUNKS_CAPTURED, largest // _MIN_CHUNK_BYTES))
+
+    def views(self, region, stage: int, moves: list, row_bytes: list, chunks: int) -> tuple:
+        """`(staged, pulled)` per chunk: `staged[c]` = (index of my rows in chunk c, one staging view per field);
+        `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c. Made once
+        per staging area, chunking and field kinds (slicing peer memory costs host time)."""
+        key = (stage, chunks, tuple((src.dtype, tuple(src.shape[1:])) for src, _ in moves))
+        got = self._views.get(key)
+        if got is not None:
+            return got
+        shapes = [(src.dtype, tuple(src.shape[1:])) for src, _ in moves]
+
+        def field_views(rank: int, first: int, n: int) -> list:
+            out, off = [], stage
+            for (dtype, shape), nbytes in zip(shapes, row_bytes):
+                out.append(region.peer(rank, off + first * nbytes, (n,) + shape, dtype))
+                off += aligned(self.staged_rows[rank] * nbytes)
+            return out
+
+        staged, pulled = [], []
+        for c in range(chunks):
+            a, b = _bounds(self.staged_rows[self.me], c, chunks)
+            staged.append((self.staged_idx[a:b], field_views(self.me, a, b - a)) if b > a else None)
+            pieces = []
+            for s in range(self.num_ranks):
+                if s == self.me or self.recv_splits[s] == 0:
+                    continue
+                a, b = _bounds(self.staged_rows[s], c, chunks)
+                lo = max(a, self.first_row_at[s])
+                hi = min(b, self.first_row_at[s] + self.recv_splits[s])
+                if hi > lo:
+                    out_row = self.recv_off[s] + lo - self.first_row_at[s]
+                    pieces.append((out_row, hi - lo, field_views(s, lo, hi - lo)))
+            pulled.append(pieces)
+        got = self._views[key] = (staged, pulled)
+        return got
+
+
+def _bounds(rows: int, c: int, chunks: int) -> tuple:
+    return c * rows // chunks, (c + 1) * rows // chunks
+
+
+def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, capturing: bool,
+                side: Optional["torch.cuda.Stream"]) -> None:
+    """One pull over `tr` (the nvlink transport: `region`, `_barrier`). `side`: the stream that gathers my own
+    rows and runs the pulls beside the staging (None on CPU: all in order)."""
+    chunks = plan.num_chunks(row_bytes, capturing)
+    staged, pulled = plan.views(tr.region, stage, moves, row_bytes, chunks)
+    lo, n_self = plan.recv_off[plan.me], plan.recv_splits[plan.me]
+    main = torch.cuda.current_stream(tr.device) if side is not None else None
+    if side is not None:
+        side.wait_stream(main)
+    with _on(side):
+        if n_self:  # my rows for myself: no staging, no barrier
+            for src, out in moves:
+                torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
+    for c in range(chunks):
+        with phase("stage"):
+            if staged[c] is not None:
+                idx, views = staged[c]
+                for (src, _), view in zip(moves, views):
+                    torch.index_select(src, 0, idx, out=view)
+        tr._barrier()  # chunk c of every peer's staging area is complete
+        if side is not None:
+            side.wait_stream(main)
+        with phase("pull"), _on(side):
+            for out_row, n, views in pulled[c]:
+                for (_, out), peer in zip(moves, views):
+                    out[out_row: out_row + n].copy_(peer)
+    if side is not None:
+        main.wait_stream(side)
+
+
+def _on(stream: Optional["torch.cuda.Stream"]):
+    return torch.cuda.stream(stream) if stream is not None else _NULL
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
