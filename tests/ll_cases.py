@@ -78,3 +78,76 @@ def low_latency_errors(rank: int, world: int):
             msgs.append(str(e))
     buf.low_latency_combine(recv_x, idx, w, handle)  # the buffer still works after local rejections
     return msgs
+
+
+def low_latency_graph_replay(rank: int, world: int, *, replays: int = 3, num_tokens: int = 32, hidden: int = 512,
+                             num_experts: int = 16, num_topk: int = 4, use_fp8: bool = True):
+    """Issue 4 item 3: low_latency_dispatch + low_latency_combine captured in one CUDA graph and replayed with new
+    inputs and new routings copied into the static inputs; dispatch bitwise against the reference, combine against
+    the weighted sum, on every replay."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(300 + rank)
+    num_local = num_experts // world
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, explicitly_destroy=True)
+
+    def inputs():
+        idx, w = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio=0.2)
+        return torch.randn(num_tokens, hidden, generator=gen).bfloat16().to(device), idx.to(device), w.to(device)
+    x_s, idx_s, w_s = inputs()
+    factor = (1 + torch.arange(num_local, dtype=torch.float32, device=device)).view(-1, 1, 1)
+
+    def step():
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, num_tokens, num_experts, use_fp8=use_fp8)
+        data = recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)[..., :hidden] if use_fp8 \
+            else recv_x.float()
+        y = (data * factor).bfloat16()  # a stand-in expert: expert e multiplies by 1 + e
+        combined, _, _ = buf.low_latency_combine(y, idx_s, w_s, handle)
+        return recv_x, count, y, combined
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for i in range(replays):
+        x, idx, w = inputs()
+        x_s.copy_(x)
+        idx_s.copy_(idx)
+        w_s.copy_(w)
+        graph.replay()
+        torch.cuda.synchronize()
+        recv_x, count, y, combined = outs
+        sent = per_token_cast_to_fp8(x) if use_fp8 else x
+        r_x, _, _, r_handle = ref.dispatch(sent, idx, None, num_experts, num_max_tokens_per_rank=num_tokens,
+                                           do_expand=True)
+        assert_equal(count, torch.tensor(r_handle.num_recv_per_expert, dtype=torch.int32, device=device),
+                     f"replay {i}: recv_count")
+        start = 0
+        for e, c in enumerate(r_handle.num_recv_per_expert):
+            got = (recv_x[0][e, :c], recv_x[1][e, :c]) if use_fp8 else recv_x[e, :c]
+            want = (r_x[0][start: start + c], r_x[1][start: start + c]) if use_fp8 else r_x[start: start + c]
+            if use_fp8:
+                assert_equal(got[0], want[0], f"replay {i}: expert {e} data")
+                assert_equal(got[1], want[1], f"replay {i}: expert {e} scales")
+            else:
+                assert_equal(got, want, f"replay {i}: expert {e}")
+            start += c
+        # The combine's order (docs/decisions.md): fp32 products and sums in ascending top-k position, one
+        # rounding; the stand-in expert's output for (t, j) is rebuilt from token t's own (cast) row.
+        acc = torch.zeros(num_tokens, hidden, device=device)
+        for j in range(num_topk):
+            for t in range(num_tokens):
+                e = int(idx[t, j])
+                if e >= 0:
+                    row = x[t].float()
+                    if use_fp8:
+                        d, s = per_token_cast_to_fp8(x[t: t + 1])
+                        row = (d.float() * s.repeat_interleave(128, dim=1)[:, :hidden])[0]
+                    acc[t] += w[t, j] * (row * (1 + e % num_local)).bfloat16().float()
+        assert_equal(combined, acc.bfloat16(), f"replay {i}: low_latency_combine")
+    buf.destroy()
+    return replays

@@ -1,6 +1,7 @@
 """DeepEP V1's low-latency API on the portable path (CPU): layouts and sums against the reference."""
 
 import pytest
+import torch
 
 import ll_cases
 
@@ -26,3 +27,10 @@ def test_low_latency_unsupported_options_raise(run_ranks):
         assert "zero_copy=True is not implemented" in msgs[3]
         if rank == 0:
             assert "group rank 1 rejected the call" in msgs[0] and "group rank 1 rejected the call" in msgs[2]
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("use_fp8", [True, False])
+def test_low_latency_graph_replay_on_gpu(pools, use_fp8):
+    assert pools.get(2, "nccl").run(ll_cases.low_latency_graph_replay, use_fp8=use_fp8) == [3, 3]

@@ -246,9 +246,15 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0]
 
 
+def _is_decode(plan: Plan, case: Case) -> bool:
+    """Decode-sized GPU cases (<= 256 tokens per rank, BF16 activations) also time the low-latency calls."""
+    return plan.cuda and case.tokens <= 256 and case.dtype == "bf16"
+
+
 def _count_tasks(plan: Plan, with_ceiling: bool, num_sms: list) -> int:
     per_case = len(plan.layouts) * len(plan.transports) * (1 + len(num_sms)) + 3
-    return len(plan.cases) * per_case + int(with_ceiling)
+    decode = sum(len(plan.transports) for c in plan.cases if _is_decode(plan, c))
+    return len(plan.cases) * per_case + decode + int(with_ceiling)
 
 
 def run(plan: Plan, pool: Optional[WorkerPool] = None) -> int:
@@ -308,6 +314,10 @@ def _run_cases(state: _Run, plan: Plan, num_sms: list, with_ceiling: bool) -> No
                     cfg = EpcommConfig(case, layout, transport, sms)
                     state.measure(cfg.label, case, layout, provider, runner.measure_epcomm, cfg, plan.iters,
                                   plan.warmup)
+                if _is_decode(plan, case) and layout == LAYOUTS[0]:
+                    cfg = EpcommConfig(case, "expand", transport, num_sms[0])
+                    state.measure(f"{cfg.label} low-latency", case, "expand", provider, runner.measure_low_latency,
+                                  cfg, plan.iters, plan.warmup)
         label = f"{case.label} {TORCH_NATIVE}"
         if state.gate(label, case, None, TORCH_NATIVE, runner.gate_torch_native, case):
             state.measure(label, case, None, TORCH_NATIVE, runner.measure_torch_native, case, plan.iters,

@@ -97,7 +97,10 @@ def records(measurements: list, device: str, ranks: int, gpu_link: bool) -> list
                     layout=m.layout, dtype=m.case.dtype if m.case else None, skew=m.case.skew if m.case else None,
                     ranks=ranks)
         figures = [("time_p50_us", m.p50 * 1e6, "us"), ("time_p20_us", quantile(m.times, 0.2) * 1e6, "us"),
-                   ("time_p80_us", quantile(m.times, 0.8) * 1e6, "us"), ("calls", len(m.times), "count")]
+                   ("time_p80_us", quantile(m.times, 0.8) * 1e6, "us"), ("calls", len(m.times), "count"),
+                   ("time_min_us", min(m.times) * 1e6, "us"), ("time_p5_us", quantile(m.times, 0.05) * 1e6, "us"),
+                   ("time_p95_us", quantile(m.times, 0.95) * 1e6, "us"), ("time_max_us", max(m.times) * 1e6, "us"),
+                   ("times_us", [round(t * 1e6, 2) for t in m.times], "us")]
         if m.provider == PEER_COPY:
             figures.append(("ceiling_gbps", m.recv_bytes / m.p50 / 1e9, "GB/s"))
         else:

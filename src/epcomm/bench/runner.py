@@ -212,6 +212,41 @@ def measure_epcomm(rank: int, world_size: int, cfg: EpcommConfig, iters: int, wa
                 sms=handle.num_sms if device.type == "cuda" else None)
 
 
+def measure_low_latency(rank: int, world_size: int, cfg: EpcommConfig, iters: int, warmup: int) -> dict:
+    """Decode on GPU (docs/benchmarks.md "Decode"): CUDA-graph replays of `low_latency_dispatch` (BF16 in, FP8
+    cast inside) and `low_latency_combine` (BF16, weighted), and of the normal path without CPU sync (expand
+    dispatch + combine), on the same inputs."""
+    case, moe = cfg.case, cfg.case.moe
+    device = _device()
+    inp = make_inputs(case, rank, device)
+    x = inp.x if not isinstance(inp.x, tuple) else per_token_cast_back(*inp.x).to(torch.bfloat16)
+    timer = Timer(dist.group.WORLD, device, iters, warmup)
+    buf = _buffer(cfg)
+    n = case.tokens
+    try:
+        recv_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, inp.topk_idx, n, moe.num_experts)
+        y = random_like_rows(case, rank, recv_x[0].shape[0] * recv_x[0].shape[1], moe.hidden, device,
+                             "expert-out").view(recv_x[0].shape)
+        weights = inp.topk_weights.float()
+        times = {
+            ("ll-dispatch", "graph"): timer.measure_graph(
+                lambda: buf.low_latency_dispatch(x, inp.topk_idx, n, moe.num_experts)),
+            ("ll-combine", "graph"): timer.measure_graph(
+                lambda: buf.low_latency_combine(y, inp.topk_idx, weights, ll_handle)),
+        }
+        _, _, _, handle, _ = buf.dispatch(inp.x, inp.topk_idx, num_experts=moe.num_experts, do_cpu_sync=False,
+                                          do_expand=True)
+        ys = random_like_rows(case, rank, handle.num_expanded_tokens, moe.hidden, device, "expert-out-2")
+        times[("dispatch", "sync-free-graph")] = timer.measure_graph(
+            lambda: buf.dispatch(inp.x, inp.topk_idx, num_experts=moe.num_experts, do_cpu_sync=False,
+                                 do_expand=True))
+        times[("combine", "sync-free-graph")] = timer.measure_graph(lambda: buf.combine(ys, handle))
+    finally:
+        buf.destroy()
+    return dict(times=times, recv_rows=handle.num_recv_tokens, own_rows=_own_rows(handle, rank),
+                sms=handle.num_sms)
+
+
 def measure_torch_native(rank: int, world_size: int, case: Case, iters: int, warmup: int) -> dict:
     """Times of the torch-native dispatcher's dispatch and (BF16 cases) combine on this rank."""
     moe, device = case.moe, _device()
