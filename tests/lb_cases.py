@@ -51,6 +51,8 @@ def make_mapping(pattern: str, num_ranks: int, num_local: int, num_slots: int, e
             picks = sorted(others, key=lambda e: ((e // num_local - r) % num_ranks, e))[:num_slots]
         elif pattern == "spread":  # every rank hosts the lowest ids it may: many contributors per expert
             picks = others[:num_slots]
+        elif pattern == "repeat":  # each expert in two adjacent slots: several contributions from one rank
+            picks = [others[(c // 2) % len(others)] for c in range(num_slots)]
         else:
             raise ValueError(pattern)
         mapping[r, :len(picks)] = torch.tensor(picks, dtype=torch.int32)

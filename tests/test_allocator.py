@@ -100,6 +100,27 @@ def test_views_of_placeholders_block_the_swap_and_leave_the_plan_whole():
     assert not plan.materialized and first.device.type == "meta" and second.device.type == "meta"
 
 
+def test_rebind_moves_the_same_objects_onto_new_storage():
+    plan = BufferAllocator()
+    w = plan.allocate((2, 3), torch.float32)
+    sf = plan.allocate(4, torch.int16)
+    with pytest.raises(ValueError, match=r"BufferAllocator\.rebind: the plan is not materialized yet"):
+        plan.rebind(torch.zeros(plan.num_bytes, dtype=torch.uint8))
+    old = torch.zeros(plan.num_bytes, dtype=torch.uint8)
+    plan.materialize(old)
+    w.fill_(1.0)
+    new = torch.zeros(plan.num_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"BufferAllocator\.rebind: storage holds 2 bytes but the plan needs"):
+        plan.rebind(torch.zeros(2, dtype=torch.uint8))
+    plan.rebind(new)  # values are not copied: the new storage is zero
+    assert w.data_ptr() == new.data_ptr() and sf.data_ptr() == new.data_ptr() + 2 * MiB
+    assert w.shape == (2, 3) and w.dtype == torch.float32 and bool((w == 0).all())
+    w.fill_(3.0)
+    assert torch.equal(new[:24].view(torch.float32), torch.full((6,), 3.0))
+    assert torch.equal(old[:24].view(torch.float32), torch.full((6,), 1.0))
+    assert torch.equal(sf, torch.zeros(4, dtype=torch.int16))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_materialize_on_cuda():

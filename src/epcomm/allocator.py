@@ -118,6 +118,28 @@ class BufferAllocator:
         if self.materialized:
             raise ValueError(f"{call}: the plan is already materialized (a plan is used once); make a new "
                              "BufferAllocator for another buffer")
+        self._swap_into(storage, call, "do not take views of placeholders before materialize")
+        self.materialized = True
+
+    def rebind(self, storage: Tensor) -> None:
+        """Move every tensor of a materialized plan, in place, onto `storage` (same layout, same Python objects).
+        Local; `EPBuffer` calls it, before returning, when its LB region moves into symmetric memory. Values are
+        not copied, and views taken of the tensors earlier keep pointing at the old storage.
+
+        Args:
+            storage: [num_bytes] uint8 contiguous -- the new region, as for `materialize`.
+
+        Raises:
+            TypeError: `storage` is not a uint8 tensor.
+            ValueError: the plan is not materialized yet; `storage` is not a valid region (as `materialize`); a
+                tensor cannot be swapped; the plan then stays on its old storage.
+        """
+        call = "BufferAllocator.rebind"
+        if not self.materialized:
+            raise ValueError(f"{call}: the plan is not materialized yet; call materialize first")
+        self._swap_into(storage, call, "the plan stays on its old storage")
+
+    def _swap_into(self, storage: Tensor, call: str, hint: str) -> None:
         if not isinstance(storage, Tensor):
             raise TypeError(f"{call}: storage must be a torch.Tensor, got {type(storage).__name__}")
         if storage.dtype != torch.uint8:
@@ -137,8 +159,7 @@ class BufferAllocator:
                 torch.utils.swap_tensors(p.tensor, view)
             except RuntimeError as exc:
                 for q, done in zip(self.allocations[:i], views[:i]):
-                    torch.utils.swap_tensors(q.tensor, done)  # undo: the plan stays whole and unmaterialized
+                    torch.utils.swap_tensors(q.tensor, done)  # undo: the plan stays whole where it was
                 raise ValueError(
                     f"{call}: planned tensor #{i} (shape {tuple(p.tensor.shape)}, {p.tensor.dtype}) cannot be "
-                    f"swapped in place ({exc}); do not take views of placeholders before materialize") from exc
-        self.materialized = True
+                    f"swapped in place ({exc}); {hint}") from exc

@@ -173,6 +173,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             self.transport = transport_cls(self.group, self.device, num_cpu_timeout_secs, self.uid,
                                            num_bytes=num_bytes, gpu_timeout_s=num_gpu_timeout_secs,
                                            min_rows_bytes=blocked_bytes)
+        self._lb_attach_transport()  # collective: on nvlink the LB region moves into symmetric memory (lb.py)
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None

@@ -1,12 +1,15 @@
 """Redundant-expert load balancing on an `EPBuffer`: weight prefetch and gradient reduction.
 
 DeepEP V2.5 behaviour, §13 (API and checks), §6-7 (the LB region), §8.4 (SM hint). `EPBuffer` inherits
-`LoadBalancingMixin`, which uses only the buffer's `group`, `rank`, `num_ranks`, `device`, `transport` and
-`num_lb_bytes` (plus its call counter and comm stream when present).
+`LoadBalancingMixin`, which uses only the buffer's `group`, `rank`, `num_ranks`, `device`, `transport`,
+`num_lb_bytes` and `num_gpu_timeout_secs` (plus its call counter and comm stream when present); `EPBuffer` calls
+`_init_lb_region` before its transport exists and `_lb_attach_transport` (collective) right after.
 
 Both calls are collective over the whole group (one logical domain, docs/decisions.md decision 4): every rank calls
-them, with the same `redundancy_mapping`, including ranks with nothing to send. The portable path moves byte
-rows with one `all_to_all_single` whose exact splits every rank derives from the identical mapping:
+them, with the same `redundancy_mapping`, including ranks with nothing to send. Two data paths: on the `nvlink`
+transport, payloads whose redundant tensors lie in the LB region (symmetric memory) are pushed / pulled through
+peer views (lb_nvlink.py); every other payload takes the portable path, one `all_to_all_single` of byte rows
+whose exact splits every rank derives from the identical mapping:
 
     # lb_prefetch_weights, naive equivalent (rank me, pair k; L local experts, C slots per rank)
     for r, c with e = mapping[r, c] >= 0 and e // L == me:      # ascending (r, c)
@@ -15,9 +18,10 @@ rows with one `all_to_all_single` whose exact splits every rank derives from the
     for r, c with e = mapping[r, c] >= 0 and e // L == me:      # ascending (r, c): deterministic
         expert_grads[k][e % L] += redundant_expert_grads[k][c] of rank r     # fp32 accumulate (fp64 for fp64)
 
-Before moving data, one int64 header row per rank ([status, call id, signature, mapping digest]) goes to every
-peer through the buffer's transport, bounded by `num_cpu_timeout_secs`: a rank whose own checks failed, or
-ranks that disagree on the mapping or the payload sizes, make every rank raise (docs/decisions.md "Errors and timeouts").
+Before moving data, one int64 header row per rank ([status, call id, signature, mapping digest, region offset of
+each redundant tensor]) goes to every peer through the buffer's transport, bounded by `num_cpu_timeout_secs`: a
+rank whose own checks failed, or ranks that disagree on the mapping or the payload sizes, make every rank raise
+(docs/decisions.md "Errors and timeouts").
 
 Differences from the reference (redundant tensors anywhere on the device, any bytes per expert, 1-16 gradient
 pairs in any float dtype, a fixed summation order) are listed in docs/load_balancing.md.
@@ -31,15 +35,16 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
+from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import sizing
+from . import lb_nvlink, lb_sum, sizing
 from .allocator import BufferAllocator
 from .events import EventHandle, EventOverlap
 from .validate import Checker
@@ -51,6 +56,7 @@ _OP_PREFETCH, _OP_REDUCE = 1, 2
 _STATUS = {TypeError: 1, ValueError: 2}
 _EXC = {1: TypeError, 2: ValueError}
 _HEADER = ("status", "call", "op", "num_local_experts", "num_redundant_slots", "num_payloads", "payloads", "mapping")
+_OFFSETS = len(_HEADER)  # then MAX_LB_PAYLOADS region offsets (-1: not in a symmetric LB region)
 _GRAD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 Payloads = Union[Tensor, Sequence[Tensor]]
 
@@ -138,8 +144,14 @@ class LoadBalancingMixin:
         self.num_lb_bytes = num_bytes
         self.lb_allocation_plan = plan
         self.lb_storage = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
+        self._lb_region = None
         if plan is not None:
             plan.materialize(self.lb_storage)
+
+    def _lb_attach_transport(self) -> None:
+        """Collective, once the transport exists: on `nvlink` the LB region (and the plan's tensors) moves into
+        symmetric memory of one size on every rank (`lb_nvlink.attach_lb_region`); elsewhere nothing changes."""
+        self._lb_region = lb_nvlink.attach_lb_region(self)
 
     # -- hints ----------------------------------------------------------------------------------------
     def lb_get_theoretical_num_sms(self) -> int:
@@ -172,7 +184,8 @@ class LoadBalancingMixin:
 
         Args:
             redundant_expert_weights: [C, ...] any dtype, contiguous, on the buffer's device -- or a sequence
-                of 1-16 such tensors (one per payload: weights, scale factors, ...); written in place.
+                of 1-16 such tensors (one per payload: weights, scale factors, ...); written in place. Planned
+                in the LB region (`BufferAllocator`), they move over NVLink on the nvlink transport.
             expert_weights: [L, ...] any dtype, contiguous, on the buffer's device (L > 0, the same for every
                 pair) -- or a sequence of the same length; pair k has as many bytes per expert as
                 `redundant_expert_weights[k]` (trailing shapes and dtypes may differ).
@@ -180,7 +193,8 @@ class LoadBalancingMixin:
                 global expert id `owner * L + local_idx` per slot, -1 = unused; identical on every rank; a rank
                 never hosts its own experts. The host reads it (a sync if it lives on the GPU).
             num_sms: SM hint; 0 = `lb_get_theoretical_num_sms()`. On CUDA it must be in [0, device SMs]; the
-                collective path launches no SM-limited kernels and does not use it. On CPU: ignored, warns once.
+                data paths (copy engines, all_to_all) launch no SM-limited kernels and ignore it. On CPU: ignored,
+                warns once.
             previous_event: `EventHandle` the copies wait for; default: the current stream.
 
         Returns:
@@ -211,7 +225,7 @@ class LoadBalancingMixin:
 
         Args:
             redundant_expert_grads: [C, ...] fp32 (or fp64/bf16/fp16), contiguous, on the buffer's device -- or a
-                sequence of 1-16 such tensors.
+                sequence of 1-16 such tensors; as `redundant_expert_weights` for the NVLink path.
             expert_grads: [L, ...] same dtype and elements per expert as its pair, contiguous, on the buffer's
                 device (L > 0, the same for every pair) -- or a sequence of the same length; updated in place.
             redundancy_mapping: as `lb_prefetch_weights`.
@@ -241,14 +255,21 @@ class LoadBalancingMixin:
         except (TypeError, ValueError) as e:
             err = e
         try:
-            self._lb_agree(name, call_id, op, call, err)
+            recv = self._lb_agree(name, call_id, op, call, err)
             route = lb_routes(call.mapping, call.num_local_experts, self.rank)
+            # A payload moves through symmetric memory when its redundant tensor lies in the LB region on every
+            # rank (the headers carry the offsets, so every rank decides alike); the others take all_to_all.
+            fast = [k for k in range(len(call.redundant)) if all(row[_OFFSETS + k] >= 0 for row in recv)]
+            slow = [k for k in range(len(call.redundant)) if k not in fast]
+            self._lb_paths = (len(fast), len(slow))  # payloads on the nvlink / collective path (tests, logs)
             with torch.profiler.record_function("epcomm::" + name.split(".")[-1]), \
                     self._lb_stream(previous_event) as stream:
-                if op == _OP_PREFETCH:
-                    self._lb_prefetch(call, route, call_id)
-                else:
-                    self._lb_reduce(call, route, call_id)
+                if fast and route.num_transfers:
+                    self._lb_nvlink(op, call, route, recv, fast)
+                if slow:
+                    sub = replace(call, redundant=[call.redundant[k] for k in slow], original=[
+                        call.original[k] for k in slow], payload_bytes=[call.payload_bytes[k] for k in slow])
+                    (self._lb_prefetch if op == _OP_PREFETCH else self._lb_reduce)(sub, route, call_id)
         except TimeoutError as e:
             self._broken = str(e).split(":")[0] + " timed out"
             raise
@@ -332,12 +353,16 @@ class LoadBalancingMixin:
                        mapping_digest=zlib.crc32(repr(rows).encode()))
 
     def _lb_agree(self, name: str, call_id: int, op: int, call: Optional["_LBCall"],
-                  err: Optional[BaseException]) -> None:
-        """Header exchange: every rank raises when one failed its checks or the ranks disagree."""
+                  err: Optional[BaseException]) -> list:
+        """Header exchange: every rank raises when one failed its checks or the ranks disagree. Returns the
+        headers as R host lists (row s from group rank s)."""
         status = 0 if err is None else _STATUS.get(type(err), 2)
         sig = [op, call.num_local_experts, call.num_slots, len(call.redundant), call.payload_digest,
                call.mapping_digest] if call is not None else [op, 0, 0, 0, 0, 0]
-        row = torch.tensor([status, call_id] + sig, dtype=torch.int64, device=self.device)
+        region = getattr(self, "_lb_region", None)
+        offsets = [region.offset_of(t) for t in call.redundant] if call is not None and region is not None else []
+        offsets += [-1] * (MAX_LB_PAYLOADS - len(offsets))
+        row = torch.tensor([status, call_id] + sig + offsets, dtype=torch.int64, device=self.device)
         recv = self.transport.exchange_counts(row.expand(self.num_ranks, row.numel()).contiguous(), wait=True,
                                               call_id=call_id).tolist()
         if hasattr(self, "_call_id"):
@@ -363,6 +388,7 @@ class LoadBalancingMixin:
                 f"rank {s}: {v}" for s, v in enumerate(values)) + ")"
             raise ValueError(f"{name}: rank {self.rank}: ranks disagree on the {what}{shown}: group ranks {odd} "
                              "differ from rank 0; every rank must make the same call with the same arguments")
+        return recv
 
     # -- data movement --------------------------------------------------------------------------------
     def _lb_exchange(self, send_XB: Tensor, send_splits: list, recv_splits: list, row_bytes: int,
@@ -403,32 +429,27 @@ class LoadBalancingMixin:
         send = self._lb_pack([_bytes(t) for t in call.redundant], route.recv_slots)
         recv = self._lb_exchange(send, route.recv_splits, route.send_splits, sum(call.payload_bytes), call_id,
                                  "lb_reduce_grads row exchange")
-        experts = route.send_rows
-        uniq = sorted(set(experts))
-        pos_of = {e: p for p, e in enumerate(uniq)}
-        # Round t adds the t-th contribution of every expert: distinct targets per round, so the sum is the
-        # sequential one in ascending (rank, slot) order on every device.
-        rounds, seen = [], {}
-        for j, e in enumerate(experts):
-            t = seen[e] = seen.get(e, -1) + 1
-            if t == len(rounds):
-                rounds.append(([], []))
-            rounds[t][0].append(j)
-            rounds[t][1].append(pos_of[e])
-        uniq_t = torch.tensor(uniq, dtype=torch.int64, device=self.device)
-        rounds_t = [(torch.tensor(j, dtype=torch.int64, device=self.device),
-                     torch.tensor(p, dtype=torch.int64, device=self.device)) for j, p in rounds]
-        off = 0
-        for orig, nbytes in zip(call.original, call.payload_bytes):
-            if nbytes:
-                acc_dtype = torch.float64 if orig.dtype == torch.float64 else torch.float32
-                vals = recv[:, off:off + nbytes].contiguous().view(orig.dtype)
-                grads = orig.view(orig.shape[0], -1)
-                acc = grads.index_select(0, uniq_t).to(acc_dtype)
-                for rows_t, pos_t in rounds_t:
-                    acc.index_copy_(0, pos_t, acc.index_select(0, pos_t) + vals.index_select(0, rows_t).to(acc_dtype))
-                grads.index_copy_(0, uniq_t, acc.to(orig.dtype))
+        rows, off = [], 0
+        for nbytes in call.payload_bytes:
+            rows.append(recv[:, off:off + nbytes])
             off += nbytes
+        self._lb_accumulate(call.original, rows, route.send_rows)
+
+    def _lb_nvlink(self, op: int, call: "_LBCall", route: LBRoute, recv: list, payloads: list) -> None:
+        """Payloads `payloads` through the symmetric LB region: pushes or pulls through peer views (lb_nvlink.py)."""
+        region, prefetch = self._lb_region, op == _OP_PREFETCH
+        moves = region.moves(call.mapping, call.num_local_experts, self.rank, prefetch)
+        reds, origs = [call.redundant[k] for k in payloads], [call.original[k] for k in payloads]
+        offsets = [[row[_OFFSETS + k] for row in recv] for k in payloads]
+        if prefetch:
+            lb_nvlink.push_weights(region, moves, reds, origs, offsets)
+        else:
+            rows, _ = lb_nvlink.pull_grads(region, moves, reds, offsets)
+            self._lb_accumulate(origs, rows, route.send_rows)
+
+    def _lb_accumulate(self, originals: list, rows: list, experts: list) -> None:
+        """The ordered sum into `originals` (lb_sum.py), with its index tensors cached per mapping."""
+        lb_sum.ordered_accumulate(originals, rows, experts, self.__dict__.setdefault("_lb_rounds", OrderedDict()))
 
     # -- streams and warnings -------------------------------------------------------------------------
     @contextmanager

@@ -1,5 +1,5 @@
-"""`epcomm-bench --suite collectives`: the barrier, bucket collectives, PP send/recv and Engram fetch, each timed
-against its `torch.distributed` equivalent (NCCL on GPU, gloo on CPU) in the same run.
+"""`epcomm-bench --suite collectives`: the barrier, bucket collectives, PP send/recv, Engram fetch and the LB calls,
+each timed against its `torch.distributed` equivalent (NCCL on GPU, gloo on CPU) in the same run.
 
 | op | epcomm | equivalent | bytes (for GB/s) |
 | --- | --- | --- | --- |
@@ -9,13 +9,22 @@ against its `torch.distributed` equivalent (NCCL on GPU, gloo on CPU) in the sam
 | all_reduce | `BucketBuffer.all_reduce(bucket)`, in place | `dist.all_reduce` | bucket |
 | pp | `PPBuffer.send` to next + `recv` from previous | `dist.batch_isend_irecv` of the same pair | tensor |
 | engram | `EngramBuffer.fetch` of random rows (one layer) | `dist.all_to_all_single` of the same rows | rows fetched |
+| lb_prefetch | `EPBuffer.lb_prefetch_weights` of BF16 experts | `all_to_all_single` of the same bytes | received |
+| lb_reduce | `EPBuffer.lb_reduce_grads` of FP32 gradients | `all_to_all_single` + `add_` | received |
+
+LB placement: `LB_SLOTS` redundant slots (in the LB region) and as many local experts per rank, slot c of rank r
+hosting expert c of rank r + 1, so each rank moves all its experts to or from one peer; bytes: those one rank
+receives. Expert size: one DeepSeek-V3 routed expert (3 x 7168 x 2048 parameters; 88 MB in BF16) on GPU,
+`--size-mib / LB_SLOTS` bytes of BF16 on CPU or when `--size-mib` is given. On 2+ GPUs a copy-engine peer copy
+(256 MiB, cuda:0 -> cuda:1, `runner.measure_peer_copy`) is timed in the same run; "vs ceiling" = an LB row's GB/s
+over its GB/s. The LB calls are checked against values each rank recomputes for its neighbour.
 
 Engram's `epcomm` row uses the default transport (`nvlink` when every rank is a GPU of one host, else
 `collective`; the JSON record names it); when that is nvlink, an `epcomm-collective` row times the collective
 transport forced on the same rows.
 
 Before any number is printed every op is checked bitwise against its equivalent on small-integer data (rows of
-a table every rank rebuilds, for Engram); a mismatch prints FAILED and the exit status is 1. Times are the
+a table every rank rebuilds, for Engram and LB); a mismatch prints FAILED and the exit status is 1. Times are the
 slowest rank's per call (`bench.timing`: a barrier before each call; on GPU also an L2 flush and CUDA events);
 "vs torch" = epcomm p50 / equivalent p50 (below 1: faster). The table is the last thing printed on stdout.
 """
@@ -32,20 +41,24 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
+from ..allocator import BufferAllocator
 from ..bucket import BucketBuffer
+from ..buffer import EPBuffer
 from ..comm import barrier
 from ..engram import EngramBuffer
 from ..pp import PPBuffer
 from ..sizing import ALLOCATION_ALIGNMENT, align
 from ..testing import RankFailure, WatchdogTimeout, WorkerPool
-from .runner import device_info, first_mismatch
+from .runner import PEER_COPY_BYTES, device_info, first_mismatch, measure_peer_copy
 from .timing import Timer, combine_ranks, quantile
 
-OPS = ("barrier", "all_gather", "reduce_scatter", "all_reduce", "pp", "engram")
+OPS = ("barrier", "all_gather", "reduce_scatter", "all_reduce", "pp", "engram", "lb_prefetch", "lb_reduce")
 CPU_DEFAULTS = dict(ranks=2, size_mib=4.0, iters=10, warmup=2)
 GPU_DEFAULTS = dict(size_mib=256.0, iters=30, warmup=5)
 ENGRAM_HIDDEN, ENGRAM_ENTRIES = 256, 8  # bf16 rows of 512 B, 8 rows per token
 TASK_TIMEOUT_S = 600.0
+LB_SLOTS = 8  # redundant slots per rank, and local experts per rank
+LB_DSV3_PARAMS = 3 * 7168 * 2048  # one DeepSeek-V3 routed expert: gate, up and down projections
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +88,8 @@ def _small_ints(n: int, seed: int, device: torch.device) -> torch.Tensor:
 # rank side: one task per op, returning {"check": mismatch or None, "times": {provider: [s]}, "bytes": int}
 # ----------------------------------------------------------------------------------------------------------
 def measure_op(rank: int, world: int, op: str, size: int, iters: int, warmup: int) -> dict:
-    """Check then time one op and its equivalent on this rank (collective: every rank runs the same op)."""
+    """Check then time one op and its equivalent on this rank (collective: every rank runs the same op). `size`:
+    bytes per op, or parameters per expert for the LB ops."""
     device = _device()
     timer = Timer(dist.group.WORLD, device, iters, warmup)
     n = max(world * 8, size // 4 // (world * 8) * (world * 8))  # fp32 elements, a multiple of R * 8
@@ -83,6 +97,8 @@ def measure_op(rank: int, world: int, op: str, size: int, iters: int, warmup: in
         return _bucket_op(rank, world, op, n, device, timer)
     if op == "pp":
         return _pp_op(rank, world, n, device, timer)
+    if op.startswith("lb_"):
+        return _lb_op(rank, world, op, size, device, timer)
     return _engram_op(rank, world, size, device, timer)
 
 
@@ -181,6 +197,57 @@ def _engram_op(rank: int, world: int, size: int, device, timer: Timer) -> dict:
     return out
 
 
+def _expert_ints(tag: int, rows: int, params: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[rows, params] small integers (exact in BF16 and in FP32 sums), different for every tag and row."""
+    out = torch.empty(rows, params, dtype=dtype, device=device)
+    col = torch.arange(params, dtype=torch.int32, device=device) * 3
+    for i in range(rows):  # one row at a time: a dsv3 expert's int32 ramp is 176 MB
+        out[i] = ((col + (tag * 131 + i * 7)) % 17 - 8).to(dtype)
+    return out
+
+
+def _lb_op(rank: int, world: int, op: str, params: int, device, timer: Timer) -> dict:
+    """LB_SLOTS experts of `params` parameters pushed (BF16 weights) or pulled and summed (FP32 gradients) between
+    ring neighbours through the LB region, against `all_to_all_single` of the same bytes (+ the sum)."""
+    prefetch = op == "lb_prefetch"
+    dtype = torch.bfloat16 if prefetch else torch.float32
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    mapping = torch.tensor([[(r + 1) % world * LB_SLOTS + c for c in range(LB_SLOTS)] for r in range(world)],
+                           dtype=torch.int32)  # on the host: no device read per call
+    plan = BufferAllocator()
+    red = plan.allocate((LB_SLOTS, params), dtype)
+    buf = EPBuffer(None, num_bytes=ALLOCATION_ALIGNMENT, lb_allocation_plan_or_num_bytes=plan,
+                   explicitly_destroy=True, num_cpu_timeout_secs=120)
+    try:
+        nbytes = LB_SLOTS * params * dtype.itemsize
+        recv = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        def splits(peer: int) -> list:
+            return [nbytes if r == peer else 0 for r in range(world)]
+        if prefetch:  # rank r's slots host rank r+1's experts: push to prv, receive from nxt
+            weights = _expert_ints(rank, LB_SLOTS, params, dtype, device)
+            send = weights.view(torch.uint8).view(-1)
+            buf.lb_prefetch_weights(red, weights, mapping).current_stream_wait()
+            check = first_mismatch("lb_prefetch slots", red, _expert_ints(nxt, LB_SLOTS, params, dtype, device))
+            return dict(check=check, bytes=nbytes, times=_timed(
+                timer, lambda: buf.lb_prefetch_weights(red, weights, mapping).current_stream_wait(),
+                lambda: dist.all_to_all_single(recv, send, splits(nxt), splits(prv))))
+        red.copy_(_expert_ints(world + rank, LB_SLOTS, params, dtype, device))  # gradients of nxt's experts
+        grads = _expert_ints(2 * world + rank, LB_SLOTS, params, dtype, device)
+        want = grads + _expert_ints(world + prv, LB_SLOTS, params, dtype, device)  # a fresh tensor
+        buf.lb_reduce_grads(red, grads, mapping).current_stream_wait()
+        check = first_mismatch("lb_reduce grads", grads, want)
+        send, target = red.view(torch.uint8).view(-1), want
+
+        def theirs():
+            dist.all_to_all_single(recv, send, splits(prv), splits(nxt))
+            target.add_(recv.view(dtype).view(LB_SLOTS, params))
+        return dict(check=check, bytes=nbytes, times=_timed(
+            timer, lambda: buf.lb_reduce_grads(red, grads, mapping).current_stream_wait(), theirs))
+    finally:
+        buf.destroy()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # parent: plan, run, table
 # ----------------------------------------------------------------------------------------------------------
@@ -201,24 +268,30 @@ def _plan(opts) -> dict:
     warmup = opts.warmup if opts.warmup is not None else defaults["warmup"]
     if size_mib <= 0 or iters < 1 or warmup < 0:
         raise ValueError(f"--size-mib must be > 0, --iters >= 1, --warmup >= 0; got {size_mib}, {iters}, {warmup}")
-    return dict(backend="nccl" if num_gpus else "gloo", ranks=ranks, ops=ops, size=int(size_mib * (1 << 20)),
-                iters=iters, warmup=warmup, json=opts.json)
+    size = int(size_mib * (1 << 20))
+    lb_params = LB_DSV3_PARAMS if num_gpus and opts.size_mib is None else max(16, size // LB_SLOTS // 2 // 16 * 16)
+    return dict(backend="nccl" if num_gpus else "gloo", ranks=ranks, ops=ops, size=size, lb_params=lb_params,
+                iters=iters, warmup=warmup, json=opts.json, ceiling=num_gpus >= 2 and any(
+                    o.startswith("lb_") for o in ops))
 
 
-def _row(op: str, provider: str, times: list, nbytes: int, base: Optional[float]) -> dict:
+def _row(op: str, provider: str, times: list, nbytes: int, base: Optional[float],
+         ceiling_gbps: Optional[float] = None) -> dict:
     p50 = quantile(times, 0.5)
+    gbps = nbytes / p50 / 1e9 if nbytes and p50 > 0 else None
     return dict(op=op, provider=provider, bytes=nbytes, p20_us=quantile(times, 0.2) * 1e6, p50_us=p50 * 1e6,
-                p80_us=quantile(times, 0.8) * 1e6, gbps=nbytes / p50 / 1e9 if nbytes and p50 > 0 else None,
-                vs_torch=p50 / base if base else None)
+                p80_us=quantile(times, 0.8) * 1e6, gbps=gbps, vs_torch=p50 / base if base else None,
+                vs_ceiling=gbps / ceiling_gbps if gbps and ceiling_gbps and op.startswith("lb_") else None)
 
 
 def _table(rows: list) -> str:
-    head = ["op", "MiB", "provider", "p50 us", "p20 us", "p80 us", "GB/s", "vs torch"]
+    head = ["op", "MiB", "provider", "p50 us", "p20 us", "p80 us", "GB/s", "vs torch", "vs ceiling"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["op"], f"{r['bytes'] / (1 << 20):.2f}" if r["bytes"] else "-", r["provider"],
                  f"{r['p50_us']:.1f}", f"{r['p20_us']:.1f}", f"{r['p80_us']:.1f}",
-                 f"{r['gbps']:.2f}" if r["gbps"] else "-", f"{r['vs_torch']:.2f}" if r["vs_torch"] else "-"]
+                 f"{r['gbps']:.2f}" if r["gbps"] else "-", f"{r['vs_torch']:.2f}" if r["vs_torch"] else "-",
+                 f"{r['vs_ceiling']:.2f}" if r.get("vs_ceiling") else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -245,9 +318,16 @@ def run_suite(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None)
     rows, failures, aborted = [], [], None
     try:
         info = pool.run(device_info, timeout=TASK_TIMEOUT_S)[0]
+        ceiling_gbps = None
+        if plan["ceiling"]:
+            print("epcomm-bench: copy-engine ceiling", file=sys.stderr)
+            times = pool.run(measure_peer_copy, plan["iters"], plan["warmup"], timeout=TASK_TIMEOUT_S)[0]
+            rows.append(_row("peer-copy", "copy-engine", times, PEER_COPY_BYTES, None))
+            ceiling_gbps = rows[-1]["gbps"]
         for op in plan["ops"]:
             print(f"epcomm-bench: {op}", file=sys.stderr)
-            per_rank = pool.run(measure_op, op, plan["size"], plan["iters"], plan["warmup"], timeout=TASK_TIMEOUT_S)
+            size = plan["lb_params"] if op.startswith("lb_") else plan["size"]
+            per_rank = pool.run(measure_op, op, size, plan["iters"], plan["warmup"], timeout=TASK_TIMEOUT_S)
             msg = next((f"rank {r}: {p['check']}" for r, p in enumerate(per_rank) if p["check"]), None)
             if msg:
                 failures.append(f"FAILED {op}: {msg}")
@@ -255,10 +335,10 @@ def run_suite(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None)
             times = {k: combine_ranks([p["times"][k] for p in per_rank]) for k in per_rank[0]["times"]}
             base = quantile(times["torch"], 0.5)
             for provider in ["epcomm"] + [k for k in times if k not in ("epcomm", "torch")]:
-                rows.append(_row(op, provider, times[provider], per_rank[0]["bytes"], base))
+                rows.append(_row(op, provider, times[provider], per_rank[0]["bytes"], base, ceiling_gbps))
                 if provider == "epcomm" and per_rank[0].get("transport"):
                     rows[-1]["transport"] = per_rank[0]["transport"]
-            rows.append(_row(op, f"torch-{plan['backend']}", times["torch"], per_rank[0]["bytes"], None))
+            rows.append(_row(op, f"torch-{plan['backend']}", times["torch"], per_rank[0]["bytes"], None, ceiling_gbps))
     except (RankFailure, WatchdogTimeout) as exc:
         aborted = str(exc).splitlines()[0]
         info = locals().get("info", {})
@@ -273,7 +353,9 @@ def run_suite(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None)
                            aborted=aborted), f, indent=1)
     print(f"epcomm-bench {__version__} --suite collectives: {plan['ranks']} {plan['backend']} ranks on "
           f"{env.get('device', '?')}, torch {torch.__version__}; {plan['iters']} timed calls after {plan['warmup']} "
-          f"warm-up; times are the slowest rank's per call; vs torch = p50 / torch p50 (below 1: faster)")
+          f"warm-up; times are the slowest rank's per call; vs torch = p50 / torch p50 (below 1: faster)"
+          + ("; vs ceiling = GB/s / copy-engine peer-copy GB/s (LB rows: bytes one rank receives)"
+             if plan["ceiling"] else ""))
     for line in failures + ([f"ABORTED: {aborted}"] if aborted else []):
         print(line)
     print()
