@@ -24,16 +24,21 @@ def main(args):
     item.scatter_(1, pos, torch.stack([torch.arange(t, device="cuda"), t + torch.arange(t, device="cuda")], 1))
     want = canonical_reduce_torch(rows, item)
     moved = 3 * t * h * 2
-    configs = [  # (programs, block_t, block_h, warps); programs 0 = one per tile
-        (0, 1, 1024, 4), (0, 4, 1024, 8), (0, 2, 2048, 8), (0, 8, 512, 8), (0, 4, 2048, 16),
-        (132, 4, 1024, 8), (264, 4, 1024, 8), (528, 4, 1024, 8), (132, 8, 2048, 16),
-        (28, 4, 1024, 8), (28, 8, 2048, 16), (24, 4, 1024, 8), (24, 8, 2048, 16),
+    # The combine hands the kernel its items left-packed (at most one per rank): 2 columns instead of 8.
+    packed = item.gather(1, torch.sort((item < 0).to(torch.int8), dim=1, stable=True).indices)[:, :2].contiguous()
+    configs = [  # (items, programs, block_t, block_h, warps); programs 0 = one per tile
+        ("8 cols", 0, 4, 1024, 8), ("8 cols", 28, 8, 2048, 16),
+        ("packed", 0, 1, 1024, 4), ("packed", 0, 4, 1024, 8), ("packed", 0, 8, 512, 8), ("packed", 0, 8, 1024, 8),
+        ("packed", 132, 8, 2048, 16), ("packed", 28, 4, 1024, 8), ("packed", 28, 8, 2048, 16),
+        ("packed", 28, 16, 1024, 16), ("packed", 28, 16, 2048, 16), ("packed", 24, 8, 2048, 16),
+        ("packed", 24, 16, 2048, 16),
     ]
-    for programs, bt, bh, warps in configs:
+    for cols, programs, bt, bh, warps in configs:
+        items = item if cols == "8 cols" else packed
         out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
 
         def fn():
-            _reduce_triton.launch(rows, item, None, None, out, num_programs=programs, block_t=bt, block_h=bh,
+            _reduce_triton.launch(rows, items, None, None, out, num_programs=programs, block_t=bt, block_h=bh,
                                   num_warps=warps)
         fn()
         torch.cuda.synchronize()
@@ -48,7 +53,7 @@ def main(args):
             if it >= 3:
                 times.append(start.elapsed_time(end) * 1e3)
         med = statistics.median(times)
-        print(f"programs {programs:4d} block_t {bt:2d} block_h {bh:5d} warps {warps:2d}: {med:8.1f} us "
+        print(f"{cols} programs {programs:4d} block_t {bt:2d} block_h {bh:5d} warps {warps:2d}: {med:8.1f} us "
               f"{moved / med / 1e3:7.0f} GB/s {'ok' if ok else 'MISMATCH'}", flush=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

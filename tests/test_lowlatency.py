@@ -34,3 +34,12 @@ def test_low_latency_unsupported_options_raise(run_ranks):
 @pytest.mark.parametrize("use_fp8", [True, False])
 def test_low_latency_graph_replay_on_gpu(pools, use_fp8):
     assert pools.get(2, "nccl").run(ll_cases.low_latency_graph_replay, use_fp8=use_fp8) == [3, 3]
+
+
+def test_low_latency_size_hint_holds_every_returned_pair():
+    """The combine returns every (token, expert) row; a transport with a receive area holds them all at once."""
+    from epcomm import EPBuffer
+    for n, hidden, ranks, experts in [(128, 7168, 2, 256), (256, 7168, 8, 256), (8, 512, 4, 8)]:
+        hint = EPBuffer.get_low_latency_rdma_size_hint(n, hidden, ranks, experts)
+        assert hint % (2 << 20) == 0
+        assert hint >= ranks * n * min(32, experts // ranks) * hidden * 2, (n, hidden, ranks, experts, hint)

@@ -50,9 +50,14 @@ class LowLatencyMixin:
                                        num_experts: int) -> int:
         """Bytes a buffer needs for low-latency calls of this shape (a multiple of 2 MiB); allocates nothing.
 
-        Sized as the expand-layout dispatch of BF16 rows with top-k up to 32 (the records epcomm moves).
+        The larger of the expand-layout dispatch of BF16 rows with top-k up to 32 and the combine's return of every
+        (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that write
+        into a receive area hold them all at once).
         """
-        return sizing.buffer_size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk=0)
+        n = num_max_dispatch_tokens_per_rank
+        per_pair = num_ranks * n * min(sizing.MAX_TOPK, max(1, num_experts // num_ranks)) * sizing.align(hidden * 2, 64)
+        return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
+                            sizing.ALLOCATION_ALIGNMENT)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Accepted for API compatibility: epcomm's low-latency calls keep no state between calls (no-op)."""

@@ -431,6 +431,15 @@ def returned_item_rows(buf, h, per_pair: bool) -> Tensor:
     return item_TK[:, :num_topk]
 
 
+def _left_packed(item_TK: Tensor, width: int) -> Tensor:
+    """[T, width]: each row's items (not -1) moved to the front in their order, the rest -1. The reduction adds
+    the same items in the same order, and reads `width` columns instead of K (one item per rank at most)."""
+    if width >= item_TK.shape[1]:
+        return item_TK
+    order = torch.sort((item_TK < 0).to(torch.int8), dim=1, stable=True).indices
+    return item_TK.gather(1, order)[:, :width].contiguous()
+
+
 def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     """Origin side: the canonical reduction (bias first, then ascending position) and the weights back."""
     h, plan = call.handle, call.handle._plan
@@ -438,7 +447,8 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     y_XH = fields["x"] if fields is not None else launched["spec"].view(launched["recv_XB"], "x")  # read in place
     num_tokens, num_topk = h._topk_idx.shape
     dest_TK = _memo(plan, "dest_TK", lambda: layout.dest_rank_of(h._topk_idx.long(), h.num_experts // buf.num_ranks))
-    item_TK = _memo(plan, ("item_TK", call.per_pair), lambda: returned_item_rows(buf, h, call.per_pair))
+    item_TK = _memo(plan, ("item_TK", call.per_pair), lambda: _left_packed(
+        returned_item_rows(buf, h, call.per_pair), num_topk if call.per_pair else min(num_topk, buf.num_ranks)))
     combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype,
                                   num_sms=call.num_sms)
     combined_w = None

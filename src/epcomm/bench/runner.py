@@ -221,8 +221,10 @@ def measure_low_latency(rank: int, world_size: int, cfg: EpcommConfig, iters: in
     inp = make_inputs(case, rank, device)
     x = inp.x if not isinstance(inp.x, tuple) else per_token_cast_back(*inp.x).to(torch.bfloat16)
     timer = Timer(dist.group.WORLD, device, iters, warmup)
-    buf = _buffer(cfg)
     n = case.tokens
+    buf = EPBuffer(None, EPBuffer.get_low_latency_rdma_size_hint(n, moe.hidden, world_size, moe.num_experts),
+                   num_max_tokens_per_rank=n, hidden=moe.hidden, num_topk=moe.num_topk, transport=cfg.transport,
+                   explicitly_destroy=True, num_cpu_timeout_secs=BUFFER_TIMEOUT_S)
     try:
         recv_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, inp.topk_idx, n, moe.num_experts)
         y = random_like_rows(case, rank, recv_x[0].shape[0] * recv_x[0].shape[1], moe.hidden, device,

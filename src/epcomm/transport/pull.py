@@ -27,8 +27,8 @@ from ..moves import offsets
 from ..sizing import align
 
 # Chunking pays when launches are cheap (graph replay) and the staged bytes are large; eager calls on slow hosts
-# pay more in launches than they gain (benchmarks/results, nvlink).
-_CHUNKS_CAPTURED = 4
+# pay more in launches than they gain (eager 1 / 2 / 4 / 8 chunks = 393 / 420 / 454 / 947 us).
+_CHUNKS_CAPTURED = 2  # 2x H200 dsv3 graph replay: 1 / 2 / 4 / 8 chunks = 259 / 247 / 251 / 280 us
 _MIN_CHUNK_BYTES = 4 << 20
 
 
