@@ -48,7 +48,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     Args:
         group: the EP process group; None for the default (world) group. Messages use group ranks.
         num_bytes: capacity in bytes, a positive multiple of 2 MiB; None to size it from the MoE shape below
-            with `get_buffer_size_hint`.
+            with `get_buffer_size_hint`. The nvlink transport allocates three areas of this size in symmetric
+            memory (the sync-free receive area and two staging areas that CPU-synced calls use in turn).
         num_max_tokens_per_rank: default capacity `N` of later calls (tokens per rank); with `num_bytes=None`
             it must be > 0.
         hidden: hidden size used for sizing (with `num_bytes=None`, must be > 0).
@@ -359,8 +360,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         """Print the buffer's accounted sizes (GiB)."""
         self._check_alive("EPBuffer.print_memory_usage")
         gib = 1 << 30
+        region = getattr(getattr(self.transport, "region", None), "nbytes", 0)
         print(f"EPBuffer rank {self.rank}: buffer {self.num_bytes / gib:.3f} GiB, LB region "
-              f"{self.num_lb_bytes / gib:.3f} GiB, transport {self.transport.name} on {self.device}")
+              f"{self.num_lb_bytes / gib:.3f} GiB, transport {self.transport.name} on {self.device}"
+              + (f" (symmetric memory {region / gib:.3f} GiB)" if region else ""))
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def destroy(self) -> None:
