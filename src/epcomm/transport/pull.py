@@ -3,8 +3,9 @@
 Each rank gathers the rows it sends to other ranks, in send order, into its own staging area (symmetric memory);
 its rows for itself are gathered straight into its outputs. After a device barrier every rank copies its rows
 out of each peer's staging area into its outputs with the copy engines, which reach the link ceiling and use no
-SMs. The staging can go in `C` chunks, each published by its own barrier, so that the copy engines pull chunk c
-while the SMs gather chunk c + 1; the own-rows gather and the pulls run on a second stream beside the staging.
+SMs. Under CUDA-graph capture the staging goes in `C` chunks, each published by its own barrier, so that the copy
+engines pull chunk c while the SMs gather chunk c + 1, and the own-rows gather and the pulls run on a second
+stream beside the staging (eager calls keep one stream: they are bound by launch cost).
 
 Rank s's staging area holds, per field, `staged_rows[s]` rows; my rows in it start at `first_row_at[s]` (rows s
 sends to ranks before me, other than itself); its chunk c is rows `[c * n // C, (c + 1) * n // C)`. Every rank
