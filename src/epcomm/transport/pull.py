@@ -116,12 +116,16 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     staged, pulled = plan.views(tr.region, stage, moves, row_bytes, chunks)
     lo, n_self = plan.recv_off[plan.me], plan.recv_splits[plan.me]
     main = torch.cuda.current_stream(tr.device) if side is not None else None
-    if side is not None:
-        side.wait_stream(main)
-    with _on(side):
-        if n_self:  # my rows for myself: no staging, no barrier
+
+    def gather_own_rows():  # my rows for myself: no staging, no barrier
+        if n_self:
             for src, out in moves:
                 torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
+
+    if side is not None:  # beside the staging, on the second stream
+        side.wait_stream(main)
+        with _on(side):
+            gather_own_rows()
     for c in range(chunks):
         with phase("stage"):
             if staged[c] is not None:
@@ -137,6 +141,8 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
                     out[out_row: out_row + n].copy_(peer)
     if side is not None:
         main.wait_stream(side)
+    else:  # one stream: after the barrier, so that peers are not kept waiting for it
+        gather_own_rows()
 
 
 def _on(stream: Optional["torch.cuda.Stream"]):
