@@ -1,0 +1,292 @@
+"""Placement and launch of bucket collectives, shared by `BucketBuffer` and `BucketSession` (DeepEP V2.5
+behaviour, §14).
+
+* `gather_call` / `reduce_call`: check every bucket of a call before any data moves, then decide what each
+  collective runs on and what each result is a view of (the placement rules; docs/collectives.md has the table).
+  Outside a session (`session=None`) inputs live in the buffer's storage and are used in place; inside one, a
+  source outside the storage is staged into an area derived from its in-storage `dst` or carved by the session.
+* `_launch`: one `torch.distributed` collective per bucket on the bucket's own bytes, in place, on the buffer's
+  communication stream (CUDA) or now (CPU); results equal `all_gather_into_tensor` / `reduce_scatter_tensor` /
+  `all_reduce` by construction. The returned `BucketEvent`'s first `wait()` gives the results.
+
+Shape legend (docs/shapes.md): R ranks of the bucket's group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import CommContext
+from .events import EventHandle, EventOverlap
+
+if TYPE_CHECKING:
+    from .bucket import BucketBuffer
+    from .bucket_session import BucketSession
+
+__all__ = ["BucketEvent", "gather_call", "reduce_call"]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class BucketEvent(EventOverlap):
+    """The event of a bucket collective: the first `wait()` returns the results (one tensor or a list).
+
+    Fields:
+        num_sms: int -- the SM count the call ran with (`get_theoretical_num_sms` when `num_sms=None`; 0 for
+            all_gather); a hint on CPU.
+    """
+
+    def __init__(self, event: EventHandle, hook, num_sms: int):
+        super().__init__(event, hook_after_wait=hook)
+        self.num_sms = num_sms
+
+
+@dataclass
+class _Bucket:
+    """One bucket of a call: the collective's tensors and what the user gets back."""
+
+    inp: Tensor  # collective input (flat)
+    out: Tensor  # collective output (flat; may alias inp)
+    result: Tensor  # what wait() returns (a view of `out`, or the user's dst)
+    stage_from: Optional[Tensor] = None  # session: user tensor copied into `stage_to` before the collective
+    stage_to: Optional[Tensor] = None
+    copy_to: Optional[Tensor] = None  # session: user dst that receives `result` at wait()
+
+
+def gather_call(buf: BucketBuffer, srcs, dsts, group, num_sms, session: Optional[BucketSession]) -> BucketEvent:
+    """`all_gather` of `buf` (session None) or of `session`: check every bucket, place it, launch."""
+    call = "BucketBuffer.all_gather"
+    ctx, c = session._context(call, group) if session else buf._begin(call, group)
+    srcs_l, single = _as_list(c, "srcs", srcs)
+    dsts_l = [None] * len(srcs_l) if dsts is None else _like(c, srcs_l, single, dsts)
+    if num_sms:
+        c.fail(ValueError, f"num_sms must be None or 0 for all_gather (copy-engine driven), got {num_sms}")
+    buckets = [_gather_bucket(buf, c, ctx, "srcs" if single else f"srcs[{i}]", s, d, session)
+               for i, (s, d) in enumerate(zip(srcs_l, dsts_l))]
+    return _launch(buf, ctx, call, "all_gather", buckets, 1.0, 0, single)
+
+
+def _gather_bucket(buf: BucketBuffer, c, ctx, name: str, src, dst, session) -> _Bucket:
+    r, R = ctx.rank, ctx.num_ranks
+    dname = name.replace("srcs", "dsts")
+    src = _check_tensor(buf, c, name, src)
+    if dst is not None:
+        dst = _check_tensor(buf, c, dname, dst)
+        _check_contiguous(c, dname, dst)
+        if session is not None and dst.dtype != src.dtype:
+            c.fail(TypeError, f"{dname} must have the src's dtype {src.dtype} in a session, got {dst.dtype}")
+        if dst.nbytes != R * src.nbytes:
+            c.fail(ValueError, f"{dname} must have {R} x {name}.nbytes = {R * src.nbytes} bytes, got "
+                               f"{dst.nbytes}")
+    src_off, dst_off = buf.offset_of(src), None if dst is None else buf.offset_of(dst)
+    if dst_off is not None:  # gather straight into dst; src may be anywhere
+        out = buf.storage[dst_off:dst_off + dst.nbytes]
+        sptr, dptr = src.data_ptr(), dst.data_ptr()
+        if src_off is not None and sptr < dptr + dst.nbytes and dptr < sptr + src.nbytes \
+                and sptr != dptr + r * src.nbytes:
+            c.fail(ValueError, f"{name} overlaps {dname} but is not its rank-th (rank {r}) shard (byte offset "
+                               f"{sptr - dptr}, expected {r * src.nbytes}); use the local shard or another tensor")
+        if session is None or src.is_contiguous():
+            _check_contiguous(c, name, src)
+            return _Bucket(inp=_bytes(src), out=out, result=dst)
+        shard = out[r * src.nbytes:(r + 1) * src.nbytes]
+        return _Bucket(inp=shard, out=out, result=dst, stage_from=src,
+                       stage_to=shard.view(src.dtype).view(src.shape))
+    if dst is not None and session is None:
+        _in_storage(buf, c, dname, dst)  # raises: dsts live in the storage outside a session
+    if src_off is not None:  # in place: src is the rank-th shard of the gathered region
+        _check_contiguous(c, name, src)
+        start, end = src_off - r * src.nbytes, src_off + (R - r) * src.nbytes
+        if start < 0 or end > buf.num_bytes:
+            c.fail(ValueError, f"{name} must be the rank-th (rank {r}) shard of a gathered tensor inside the "
+                               f"storage: the gathered bytes would span [{start}, {end}) but the storage has "
+                               f"{buf.num_bytes}; move the bucket or pass dsts")
+        out = buf.storage[start:end]
+        return _Bucket(inp=_bytes(src), out=out, result=out.view(src.dtype), copy_to=dst)
+    if session is None:
+        _in_storage(buf, c, name, src)  # raises
+    out = session._carve(c, R * src.nbytes)
+    shard = out[r * src.nbytes:(r + 1) * src.nbytes]
+    return _Bucket(inp=shard, out=out, result=out.view(src.dtype), stage_from=src,
+                   stage_to=shard.view(src.dtype).view(src.shape), copy_to=dst)
+
+
+def reduce_call(buf: BucketBuffer, op: str, srcs, dsts, comm_precision, scale, group, num_sms,
+                session: Optional[BucketSession]) -> BucketEvent:
+    """`reduce_scatter` / `all_reduce` (`op`) of `buf` (session None) or of `session`: check, place, launch."""
+    call = f"BucketBuffer.{op}"
+    ctx, c = session._context(call, group) if session else buf._begin(call, group)
+    srcs_l, single = _as_list(c, "srcs", srcs)
+    dsts_l = [None] * len(srcs_l) if dsts is None else _like(c, srcs_l, single, dsts)
+    sms = _reduction_options(buf, c, ctx, op, comm_precision, scale, num_sms)
+    r, R = ctx.rank, ctx.num_ranks
+    shards_out = R if op == "reduce_scatter" else 1
+    buckets = []
+    for i, (src, dst) in enumerate(zip(srcs_l, dsts_l)):
+        name = "srcs" if single else f"srcs[{i}]"
+        dname = name.replace("srcs", "dsts")
+        src = _check_tensor(buf, c, name, src)
+        if src.dtype != torch.float32:
+            c.fail(TypeError, f"{name} must be torch.float32, got {src.dtype}")
+        if src.nbytes % (R * 32):
+            c.fail(ValueError, f"{name} has {src.nbytes} bytes; it must be a multiple of R x 32 = {R * 32} "
+                               "(R ranks, 32-byte shards)")
+        if dst is not None:
+            dst = _check_tensor(buf, c, dname, dst)
+            if dst.dtype != torch.float32:
+                c.fail(TypeError, f"{dname} must have the src's dtype torch.float32, got {dst.dtype}")
+            _check_contiguous(c, dname, dst)
+            if dst.nbytes * shards_out != src.nbytes:
+                c.fail(ValueError, f"{dname} must have {src.nbytes // shards_out} bytes, got {dst.nbytes}")
+        n = src.numel() // shards_out
+        stage = None
+        if session is None or buf.offset_of(src) is not None:  # in place
+            _check_contiguous(c, name, src)
+            off = _in_storage(buf, c, name, src)
+            if off % 32:
+                c.fail(ValueError, f"{name} starts at storage byte {off}; it must start on a 32-byte boundary")
+            flat = src.view(-1)
+        else:  # stage: derived from an in-storage dst (dst is the rank-th shard), else carved
+            flat, dst_off = None, None if dst is None else buf.offset_of(dst)
+            if dst_off is not None:
+                start = dst_off - (r * dst.nbytes if op == "reduce_scatter" else 0)
+                if start >= 0 and start + src.nbytes <= buf.num_bytes and start % 32 == 0:
+                    flat = buf.storage[start:start + src.nbytes].view(torch.float32)
+            flat = session._carve(c, src.nbytes).view(torch.float32) if flat is None else flat
+            stage = flat.view(src.shape)
+        out = flat[r * n:(r + 1) * n] if op == "reduce_scatter" else flat
+        result = out if op == "reduce_scatter" else src if stage is None else stage
+        same = dst is not None and dst.data_ptr() == out.data_ptr()
+        buckets.append(_Bucket(inp=flat, out=out, result=dst if same else result, stage_to=stage,
+                               stage_from=None if stage is None else src,
+                               copy_to=dst if dst is not None and not same else None))
+    return _launch(buf, ctx, call, op, buckets, float(scale), sms, single)
+
+
+def _reduction_options(buf: BucketBuffer, c, ctx, op: str, comm_precision: str, scale, num_sms) -> int:
+    if ctx.num_ranks == 1:
+        c.fail(ValueError, f"{op} needs a group of at least 2 ranks (reductions on one-rank groups are not "
+                           "supported, as in the reference)")
+    if comm_precision != "fp32":
+        c.fail(ValueError, f"comm_precision must be 'fp32', got {comm_precision!r} (the reference's 'bf16' needs "
+                           "a pure-RDMA group; epcomm's collective path reduces in fp32)")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        c.fail(TypeError, f"scale must be a float, got {type(scale).__name__}")
+    if num_sms is None:
+        return buf.get_theoretical_num_sms(op, ctx.group)
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0:
+        c.fail(ValueError, f"num_sms must be > 0 or None (the model's value) for {op}, got {num_sms}")
+    if buf.device.type == "cpu" and "num_sms" not in buf._warned:
+        buf._warned.add("num_sms")
+        warnings.warn("epcomm: num_sms has no effect on CPU; it is ignored", stacklevel=3)
+    return num_sms
+
+
+def _in_storage(buf: BucketBuffer, c, name: str, t: Tensor) -> int:
+    off = buf.offset_of(t)
+    if off is None:
+        c.fail(ValueError, f"{name} must belong to this BucketBuffer (a view of buffer.storage, {buf.num_bytes} "
+                           "bytes); use tensors carved from buffer.storage or open buffer.session()")
+    return off
+
+
+def _check_tensor(buf: BucketBuffer, c, name: str, t) -> Tensor:
+    if not isinstance(t, Tensor):
+        c.fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != buf.device.type or (buf.device.index is not None and t.device != buf.device):
+        c.fail(ValueError, f"{name} is on {t.device} but the buffer lives on {buf.device}; move it there")
+    if t.numel() == 0:
+        c.fail(ValueError, f"{name} is empty; buckets must hold at least one element")
+    return t
+
+
+def _check_contiguous(c, name: str, t: Tensor) -> None:
+    if not t.is_contiguous():
+        c.fail(ValueError, f"{name} must be contiguous (got strides {tuple(t.stride())})")
+
+
+def _launch(buf: BucketBuffer, ctx: CommContext, call: str, op: str, buckets: list, scale: float, num_sms: int,
+            single: bool) -> BucketEvent:
+    """Run the buckets' collectives on the comm stream (CUDA) or now (CPU); the event returns the results."""
+    cuda = buf.device.type == "cuda"
+    stream = ctx.comm_stream
+    if cuda:
+        stream.wait_stream(torch.cuda.current_stream(buf.device))
+    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        for b in buckets:
+            if b.stage_from is not None:
+                b.stage_to.copy_(b.stage_from)
+        works, parts = [], []
+        for b in buckets:
+            if op == "all_gather":
+                works.append(_all_gather(b.out, b.inp, group=ctx.group, async_op=True))
+            elif op == "reduce_scatter" and cuda:
+                works.append(_reduce_scatter(b.out, b.inp, group=ctx.group, async_op=True))
+            elif op == "reduce_scatter":
+                # NOTE: gloo's reduce-scatter work never reports completion (torch 2.13), so a bounded wait
+                # cannot poll it: on CPU move the shards with all_to_all_single and sum in rank order.
+                parts.append(torch.empty_like(b.inp).view(ctx.num_ranks, -1))
+                works.append(dist.all_to_all_single(parts[-1], b.inp, group=ctx.group, async_op=True))
+            else:
+                works.append(dist.all_reduce(b.inp, group=ctx.group, async_op=True))
+        for w in works:
+            ctx.complete(w, call)
+        for b, part in zip(buckets, parts):
+            b.out.copy_(part[0])
+            for k in range(1, ctx.num_ranks):
+                b.out.add_(part[k])
+        if scale != 1.0:
+            for b in buckets:
+                b.out.mul_(scale)
+    for b in buckets:  # user tensors read or written on the comm stream
+        for t in (b.stage_from, b.copy_to):
+            if cuda and t is not None:
+                t.record_stream(stream)
+    event = EventHandle(stream=stream) if cuda else EventHandle()
+
+    def results():
+        out = []
+        for b in buckets:
+            if b.copy_to is not None:
+                if b.copy_to.data_ptr() != b.result.data_ptr():
+                    b.copy_to.view(-1).copy_(b.result.reshape(-1))
+                out.append(b.copy_to)
+            else:
+                out.append(b.result)
+        return out[0] if single else out
+    return BucketEvent(event, results, num_sms)
+
+
+def _bytes(t: Tensor) -> Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+def _as_list(c, name: str, xs) -> tuple:
+    """`(list, single)`: one tensor becomes a one-element list."""
+    if isinstance(xs, Tensor):
+        return [xs], True
+    if isinstance(xs, (list, tuple)):
+        if not xs:
+            c.fail(ValueError, f"{name} is an empty list; pass at least one bucket")
+        return list(xs), False
+    c.fail(TypeError, f"{name} must be a tensor or a list of tensors, got {type(xs).__name__}")
+
+
+def _like(c, srcs: list, single: bool, dsts) -> list:
+    """dsts must have the form of srcs: one tensor for one tensor, a list of the same length for a list."""
+    if single:
+        if not isinstance(dsts, Tensor):
+            c.fail(TypeError, f"dsts must be a tensor when srcs is one tensor, got {type(dsts).__name__}")
+        return [dsts]
+    if not isinstance(dsts, (list, tuple)) or len(dsts) != len(srcs):
+        got = f"a list of {len(dsts)}" if isinstance(dsts, (list, tuple)) else type(dsts).__name__
+        c.fail(ValueError, f"dsts must be a list of {len(srcs)} tensors (one per src), got {got}")
+    return list(dsts)
