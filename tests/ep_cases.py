@@ -378,6 +378,21 @@ def handle_recv_topk_idx(rank: int, world: int):
     return True
 
 
+def captured(step):
+    """`step()` captured in a CUDA graph after two warm-up calls on a side stream (kernels compiled, allocator
+    pools filled): returns `(graph, the outputs of the captured call)`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
 def graph_replay(rank: int, world: int, transport: str = "auto", replays: int = 4, num_tokens: int = 96,
                  hidden: int = 256, num_experts: int = 16, num_topk: int = 4):
     """Issue 3 item 3: sync-free dispatch, cached dispatch and combine captured in one CUDA graph, replayed with
@@ -401,15 +416,7 @@ def graph_replay(rank: int, world: int, transport: str = "auto", replays: int = 
         comb_x, comb_w, _ = buf.combine(y, handle, topk_weights=recv_w)
         return recv_x, recv_idx, recv_w, c_x, c_w, y, comb_x, comb_w, handle.psum_num_recv_tokens_per_scaleup_rank
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: kernels compiled, allocator pools filled
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = captured(step)
     for i in range(replays):
         x, topk_idx, weights = inputs()
         x_s.copy_(x)
@@ -453,15 +460,7 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
         comb_x, comb_w, _ = buf.combine(y_s, handle, topk_weights=c_w)
         return c_x, c_w, comb_x, comb_w
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = captured(step)
     for i in range(replays):
         x = make_x(gen, num_tokens, hidden, "bf16").to(device)
         y = make_x(gen, recv_x.shape[0], hidden, "bf16").to(device)

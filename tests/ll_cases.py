@@ -5,7 +5,7 @@ import torch
 import epcomm
 from epcomm import reference as ref
 from epcomm.fp8 import per_token_cast_to_fp8
-from ep_cases import assert_equal, random_routing
+from ep_cases import assert_equal, captured, random_routing
 
 
 def check_low_latency(rank: int, world: int, *, seed: int = 0, tokens=(9, 5), hidden: int = 256,
@@ -104,15 +104,7 @@ def low_latency_graph_replay(rank: int, world: int, *, replays: int = 3, num_tok
         combined, _, _ = buf.low_latency_combine(y, idx_s, w_s, handle)
         return recv_x, count, y, combined
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = captured(step)
     for i in range(replays):
         x, idx, w = inputs()
         x_s.copy_(x)
