@@ -26,6 +26,16 @@ def test_edge_case(run_ranks, case, do_expand):
         run_ranks(2, ep_cases.check_mode, do_expand=do_expand, do_cpu_sync=sync, num_bias=2, **case)
 
 
+@pytest.mark.parametrize("dtype,hidden", [("bf16", 7), ("fp16", 1), ("fp16", 3), ("fp32", 5), ("fp8", 7)])
+def test_odd_row_sizes(run_ranks, dtype, hidden):
+    """Rows that are not a whole number of 4-byte words (odd hidden in 2-byte dtypes) move on every layout and
+    sync mode; the FP8 case combines in BF16 at the same odd hidden."""
+    for do_expand in (False, True):
+        for sync in (True, False):
+            run_ranks(2, ep_cases.check_mode, dtype=dtype, hidden=hidden, do_expand=do_expand, do_cpu_sync=sync,
+                      num_bias=1)
+
+
 def test_rank_receiving_nothing_gets_empty_outputs(run_ranks):
     out = run_ranks(2, ep_cases.check_mode, routing=ep_cases.routing_all_to_rank0, dtype="fp32")
     assert out[1]["num_valid"] == 0 and out[1]["recv_rows"] == (0, 64)

@@ -78,7 +78,7 @@ def offsets(splits: list) -> list:
 
 
 def as_words(t: Tensor) -> Tensor:
-    """[rows, W] view of a contiguous tensor's rows in the widest integer type dividing the row bytes.
+    """[rows, W] view of a contiguous tensor's rows as int64, int32 or uint8 words (the widest dividing the row bytes).
 
     Gathers and copies then move 8-byte words instead of bytes (torch's index kernels work per element).
     """
@@ -86,7 +86,7 @@ def as_words(t: Tensor) -> Tensor:
     for d in t.shape[1:]:
         numel *= d
     raw = t.reshape(rows, numel).view(torch.uint8)
-    for dtype in (torch.int64, torch.int32, torch.int16):
+    for dtype in (torch.int64, torch.int32):  # no int16: neither gloo nor NCCL moves it
         if raw.shape[1] % dtype.itemsize == 0:
             return raw.view(dtype)
     return raw
