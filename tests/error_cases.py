@@ -171,6 +171,18 @@ def dispatch_vs_combine(rank: int, world: int):
     return None
 
 
+def two_buffers(rank: int, world: int):
+    """Two buffers on one group: rank 0 dispatches on the first, rank 1 on the second; both raise at that call."""
+    first = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
+    second = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
+    x, idx, w = _inputs(rank)
+    try:
+        (first if rank == 0 else second).dispatch(x, idx, w, num_experts=E)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def missing_peer(rank: int, world: int, timeout_s: float):
     """Rank 1 never calls dispatch: the others raise TimeoutError naming it within the timeout."""
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)

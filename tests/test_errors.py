@@ -100,6 +100,11 @@ def test_dispatch_while_peer_combines(run_ranks):
         assert msg is not None and re.search(r"ranks disagree on op \(rank 0: dispatch, rank 1: combine\)", msg), msg
 
 
+def test_calls_on_different_buffers_of_one_group(run_ranks):
+    for msg in run_ranks(2, error_cases.two_buffers):
+        assert msg is not None and "ranks disagree on buffer" in msg and "same buffer" in msg, msg
+
+
 def test_handle_from_another_buffer_and_use_after_destroy(run_ranks):
     for out in run_ranks(2, error_cases.other_buffer_handle):
         assert "handle comes from another EPBuffer" in out[0]

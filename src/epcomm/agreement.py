@@ -21,7 +21,7 @@ OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "barrier", 5: "dest
 OP_BARRIER, OP_DESTROY = 4, 5
 SIGNATURE_FIELDS = (
     "op", "hidden", "num_topk", "dtype", "num_experts", "do_expand", "expert_alignment", "fp8",
-    "num_sf_packs", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync",
+    "num_sf_packs", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync", "buffer",
 )
 HEADER_LEN = 2 + len(SIGNATURE_FIELDS)
 _BOOL_FIELDS = ("do_expand", "fp8", "has_topk_weights", "do_cpu_sync")
@@ -39,8 +39,10 @@ def status_of(err: Optional[BaseException]) -> int:
     return _STATUS.get(type(err), STATUS_VALUE)
 
 
-def header(status: int, call_id: int, signature: dict) -> list:
-    return [status, call_id] + [int(signature.get(k, 0)) for k in SIGNATURE_FIELDS]
+def header(status: int, call_id: int, signature: dict, buffer_uid: int = 0) -> list:
+    """The header row; `buffer_uid` (the id every rank agreed on at construction) catches ranks that make the call
+    on different buffers of one group."""
+    return [status, call_id] + [int(signature.get(k, buffer_uid if k == "buffer" else 0)) for k in SIGNATURE_FIELDS]
 
 
 def pack(header_row: list, counts_R: Optional[Tensor], num_ranks: int, device: torch.device) -> Tensor:
@@ -100,5 +102,7 @@ def check(
             else:
                 shown = values
             desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
-            fix = "make the same call at the same point" if name == "op" else f"pass the same {name}"
+            fix = {"op": "make the same call at the same point",
+                   "buffer": "make the call on the same buffer (one EPBuffer object per group, used in the same "
+                             "order on every rank)"}.get(name, f"pass the same {name}")
             raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")

@@ -339,7 +339,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         if cuda and wait_comm_stream:
             torch.cuda.current_stream().wait_stream(self._comm_stream)
         call_id = self._next_call_id()
-        head = agreement.header(agreement.STATUS_OK, call_id, {"op": op})
+        head = agreement.header(agreement.STATUS_OK, call_id, {"op": op}, self.uid)
         try:
             recv = self.transport.exchange_counts(agreement.pack(head, None, self.num_ranks, self.device),
                                                   wait=True, call_id=call_id)
@@ -423,7 +423,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     def _reject(self, call: str, err: BaseException) -> None:
         """Raise `err` here and make the peers' current call raise too (their headers see the failed status)."""
         call_id = self._next_call_id()
-        head = agreement.header(agreement.status_of(err), call_id, {})
+        head = agreement.header(agreement.status_of(err), call_id, {}, self.uid)
         if self.device.type != "cpu":  # on GPU sync-free peers never read headers: fail locally
             raise err
         recv = self.transport.exchange_counts(agreement.pack(head, None, self.num_ranks, self.device), wait=True,
@@ -436,7 +436,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             if err is not None:
                 raise err
             return
-        head = agreement.header(agreement.status_of(err), call_id, signature)
+        head = agreement.header(agreement.status_of(err), call_id, signature, self.uid)
         send_RC = agreement.pack(head, None, self.num_ranks, self.device)
         recv = self.transport.exchange_counts(send_RC, wait=True, call_id=call_id)
         self.agree(call, recv.tolist(), err)

@@ -168,7 +168,7 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     with phase("layout"):
         send = None if local_error else layout.send_layout(call.topk_idx, num_ranks, call.num_experts // num_ranks)
     signature = {} if local_error else call.signature(1)
-    head = agreement.header(agreement.status_of(local_error), call_id, signature)
+    head = agreement.header(agreement.status_of(local_error), call_id, signature, buf.uid)
     send_RC = agreement.pack(head, None if send is None else send.num_tokens_per_rank_R, num_ranks, device)
     check_on_host = call is None or call.do_cpu_sync or device.type == "cpu"
     with phase("exchange_counts"):
