@@ -533,3 +533,24 @@ def timeouts(rank: int, world: int, timeout_s: float):
     barrier_msg = outcome(bucket.barrier)  # rank 1 never arrives
     after = outcome(b.send, torch.ones(4), 1)
     return msg, elapsed, (barrier_msg, after)
+
+
+def construct_one_bad(rank: int, world: int, kind: str):
+    """Rank 1 alone passes a bad size to a constructor: every rank raises at once (no timeout), rank 0 naming
+    rank 1. Returns (exception class name, message, seconds)."""
+    import time
+
+    from epcomm import BucketBuffer, EngramBuffer, PPBuffer
+    mib2 = 2 << 20
+    bad = rank == 1
+    make = {
+        "bucket": lambda: BucketBuffer(None, 100 if bad else mib2, num_cpu_timeout_secs=60),
+        "pp": lambda: PPBuffer(None, -1 if bad else 1024, 2, num_cpu_timeout_secs=60),
+        "engram": lambda: EngramBuffer(None, 5 if bad else mib2, mib2, num_cpu_timeout_secs=60),
+    }[kind]
+    start = time.monotonic()
+    try:
+        make()
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, None, time.monotonic() - start

@@ -72,3 +72,13 @@ def test_bench_suite_collectives(pools, capsys, tmp_path, monkeypatch):
     assert all(r["gbps"] > 0 for r in records if r["op"] != "barrier")
     assert run_suite(["--ops", "broadcast"]) == 2
     assert "unknown ['broadcast']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["bucket", "pp", "engram"])
+def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind):
+    """A bad size on one rank: that rank raises its own error, the peer raises the same class naming it, both at
+    once (the construction exchange carries the status; nobody waits out the 60 s timeout)."""
+    (cls0, msg0, t0), (cls1, msg1, t1) = run_ranks(2, cc.construct_one_bad, kind)
+    assert cls0 == cls1 and cls1 in ("TypeError", "ValueError"), (cls0, cls1)
+    assert "rank 1:" in msg1 and "group rank 1 rejected the construction" in msg0, (msg0, msg1)
+    assert max(t0, t1) < 30, (t0, t1)

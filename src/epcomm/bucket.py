@@ -101,11 +101,12 @@ class BucketBuffer(ContextLifecycle):
         if len({id(g) for g in groups}) != len(groups):
             raise ValueError(f"{name}: rank {rank}: group_or_groups lists a group twice; list each group once")
         num_bytes = allocation_plan_or_num_bytes
+        err = None  # a bad size still joins the construction exchange, so that every rank raises
         if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
-            raise TypeError(f"{name}: rank {rank}: allocation_plan_or_num_bytes: allocation plans are not supported "
+            err = TypeError(f"{name}: rank {rank}: allocation_plan_or_num_bytes: allocation plans are not supported "
                             f"yet; pass a byte count (got {type(num_bytes).__name__})")
-        if num_bytes <= 0 or num_bytes % sizing.ALLOCATION_ALIGNMENT:
-            raise ValueError(f"{name}: rank {rank}: allocation_plan_or_num_bytes must be a positive multiple of 2 MiB "
+        elif num_bytes <= 0 or num_bytes % sizing.ALLOCATION_ALIGNMENT:
+            err = ValueError(f"{name}: rank {rank}: allocation_plan_or_num_bytes must be a positive multiple of 2 MiB "
                              f"({sizing.ALLOCATION_ALIGNMENT}), got {num_bytes}")
         self.num_bytes = num_bytes
         self.groups = groups
@@ -114,7 +115,8 @@ class BucketBuffer(ContextLifecycle):
         self.contexts: list = []
         for i, g in enumerate(groups):
             ctx = CommContext(g, owner=name, num_cpu_timeout_secs=num_cpu_timeout_secs,
-                              agree={"the group's index in group_or_groups": i, "the number of groups": len(groups)})
+                              agree={"the group's index in group_or_groups": i, "the number of groups": len(groups)},
+                              error=err)
             ctx.comm_stream = self.contexts[0].comm_stream if self.contexts else new_comm_stream(ctx.device)
             self.contexts.append(ctx)
         self.device = self.contexts[0].device

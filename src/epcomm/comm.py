@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .agreement import STATUS_OK, STATUS_TYPE, status_of
 from .waits import TransportTimeout, bounded_wait
 from .validate import Checker
 
@@ -60,11 +61,14 @@ class CommContext:
 
     Raises:
         ValueError: the ranks passed different `agree` values (every rank raises).
+        TypeError / ValueError: `error` -- a rank's own construction check failed; it raises it, its peers raise
+            the same class naming it.
         TimeoutError: a peer did not construct its context within `num_cpu_timeout_secs`.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], *, owner: str, num_cpu_timeout_secs: float,
-                 comm_stream: Optional["torch.cuda.Stream"] = None, agree: Optional[dict] = None):
+                 comm_stream: Optional["torch.cuda.Stream"] = None, agree: Optional[dict] = None,
+                 error: Optional[BaseException] = None):
         self.group = group if group is not None else dist.group.WORLD
         self.owner = owner
         self.rank = self.group.rank()
@@ -78,11 +82,25 @@ class CommContext:
         self.uid = 0
         host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
         agree = dict(agree or {})
-        mine = torch.tensor([[random.getrandbits(62), host, *agree.values()]], dtype=torch.int64, device=self.device)
+        # A rank whose own checks failed still joins the exchange (with placeholder values), so that every rank
+        # raises: its own error there, "group rank r rejected the construction" elsewhere.
+        values = [v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in agree.values()]
+        mine = torch.tensor([[random.getrandbits(62), host, status_of(error), *values]], dtype=torch.int64,
+                            device=self.device)
         rows = self.exchange(mine.expand(self.num_ranks, mine.shape[1]).contiguous(), f"{owner} construction")
         rows = rows.tolist()
+        failed = [r for r, row in enumerate(rows) if row[2] != STATUS_OK]
+        if failed:
+            self.broken = "construction failed"
+            messages = [None] * self.num_ranks
+            dist.all_gather_object(messages, str(error) if error is not None else "", group=self.group)
+            if error is not None:
+                raise error
+            exc = TypeError if rows[failed[0]][2] == STATUS_TYPE else ValueError
+            raise exc(f"{owner}: rank {self.rank}: group rank {failed[0]} rejected the construction: "
+                      f"{messages[failed[0]]}")
         for i, name in enumerate(agree):
-            values = [row[2 + i] for row in rows]
+            values = [row[3 + i] for row in rows]
             if len(set(values)) > 1:
                 self.broken = "construction failed"
                 raise ValueError(f"{owner}: rank {self.rank}: group ranks disagree on {name} ("

@@ -100,24 +100,29 @@ class EngramBuffer(ContextLifecycle):
         self._destroyed = True  # until construction succeeds
         group = group if group is not None else dist.group.WORLD
         who = f"EngramBuffer: rank {group.rank()}"
-        if num_rdma_storage_bytes is not None and num_rdma_storage_size is not None:
-            raise TypeError(f"{who}: pass num_rdma_storage_bytes or its legacy alias num_rdma_storage_size, not both")
-        if num_rdma_storage_bytes is None:
-            num_rdma_storage_bytes = num_rdma_storage_size
-        if num_rdma_storage_bytes is None:
-            raise TypeError(f"{who}: num_rdma_storage_bytes is required (see EngramBuffer.get_storage_size_hint)")
-        for name, v in (("num_gpu_bytes", num_gpu_bytes), ("num_rdma_storage_bytes", num_rdma_storage_bytes)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % sizing.ALLOCATION_ALIGNMENT:
-                raise ValueError(f"{who}: {name} must be a positive multiple of 2 MiB "
-                                 f"({sizing.ALLOCATION_ALIGNMENT}), got {v}")
-        for name, v in (("num_allocated_qps", num_allocated_qps), ("qp_depth", qp_depth)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{who}: {name} must be > 0 (take it from EngramBuffer.get_theoretical_config), "
-                                 f"got {v}")
-        if isinstance(num_gpu_timeout_secs, bool) or not isinstance(num_gpu_timeout_secs, (int, float)) \
-                or not num_gpu_timeout_secs > 0:
-            raise ValueError(f"{who}: num_gpu_timeout_secs must be a number of seconds > 0, got "
-                             f"{num_gpu_timeout_secs!r}")
+        err = None  # a failed check still joins the construction exchange, so that every rank raises
+        try:
+            if num_rdma_storage_bytes is not None and num_rdma_storage_size is not None:
+                raise TypeError(f"{who}: pass num_rdma_storage_bytes or its legacy alias num_rdma_storage_size, "
+                                "not both")
+            if num_rdma_storage_bytes is None:
+                num_rdma_storage_bytes = num_rdma_storage_size
+            if num_rdma_storage_bytes is None:
+                raise TypeError(f"{who}: num_rdma_storage_bytes is required (see EngramBuffer.get_storage_size_hint)")
+            for name, v in (("num_gpu_bytes", num_gpu_bytes), ("num_rdma_storage_bytes", num_rdma_storage_bytes)):
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % sizing.ALLOCATION_ALIGNMENT:
+                    raise ValueError(f"{who}: {name} must be a positive multiple of 2 MiB "
+                                     f"({sizing.ALLOCATION_ALIGNMENT}), got {v}")
+            for name, v in (("num_allocated_qps", num_allocated_qps), ("qp_depth", qp_depth)):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                    raise ValueError(f"{who}: {name} must be > 0 (take it from EngramBuffer.get_theoretical_config), "
+                                     f"got {v}")
+            if isinstance(num_gpu_timeout_secs, bool) or not isinstance(num_gpu_timeout_secs, (int, float)) \
+                    or not num_gpu_timeout_secs > 0:
+                raise ValueError(f"{who}: num_gpu_timeout_secs must be a number of seconds > 0, got "
+                                 f"{num_gpu_timeout_secs!r}")
+        except (TypeError, ValueError) as e:
+            err = e
         self.num_gpu_bytes, self.num_rdma_storage_bytes = num_gpu_bytes, num_rdma_storage_bytes
         self.use_cpu_rdma_storage, self.num_allocated_qps, self.qp_depth = use_cpu_rdma_storage, num_allocated_qps, \
             qp_depth
@@ -127,7 +132,7 @@ class EngramBuffer(ContextLifecycle):
         if use_cpu_rdma_storage:
             self._warn_once("cpu", "epcomm: EngramBuffer use_cpu_rdma_storage has no effect; the table shard lives on "
                                    "the buffer's device")
-        self.context = CommContext(group, owner="EngramBuffer", num_cpu_timeout_secs=num_cpu_timeout_secs)
+        self.context = CommContext(group, owner="EngramBuffer", num_cpu_timeout_secs=num_cpu_timeout_secs, error=err)
         self.contexts = [self.context]
         self.rank, self.num_ranks, self.device = self.context.rank, self.context.num_ranks, self.context.device
         self.transport = choose_transport(self.context, transport)

@@ -249,7 +249,8 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
     idx, holes = (out_src_M, not exact) if blocked else (None, False)
     topk_MK = _field(launched, "topk", idx, holes).masked_fill(~(valid_M.unsqueeze(1)), -1)
     g_M = _field(launched, "g", idx, holes)
-    worst_s = None if exact else layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment)
+    worst_s = None if exact else layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local,
+                                                                 call.expert_alignment)
     with phase("recv_layout"):
         recv = layout.recv_layout(topk_MK, valid_M, buf.rank, num_local, call.expert_alignment, call.do_expand,
                                   worst_s)

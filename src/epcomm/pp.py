@@ -92,23 +92,27 @@ class PPBuffer(ContextLifecycle):
         self._destroyed = True  # until construction succeeds
         group = group if group is not None else dist.group.WORLD
         rank, num_ranks = group.rank(), group.size()
-        for name, value in (("num_max_tensor_bytes", num_max_tensor_bytes),
-                            ("num_max_inflight_tensors", num_max_inflight_tensors)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"PPBuffer: rank {rank}: {name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"PPBuffer: rank {rank}: {name} must be > 0, got {value}")
-        if num_ranks < 2:
-            raise ValueError(f"PPBuffer: rank {rank}: the group has {num_ranks} rank; a pipeline ring needs >= 2")
+        err = None  # a failed check still joins the construction exchange, so that every rank raises
+        try:
+            for name, value in (("num_max_tensor_bytes", num_max_tensor_bytes),
+                                ("num_max_inflight_tensors", num_max_inflight_tensors)):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"PPBuffer: rank {rank}: {name} must be an int, got {type(value).__name__}")
+                if value <= 0:
+                    raise ValueError(f"PPBuffer: rank {rank}: {name} must be > 0, got {value}")
+            if num_ranks < 2:
+                raise ValueError(f"PPBuffer: rank {rank}: the group has {num_ranks} rank; a pipeline ring needs >= 2")
+        except (TypeError, ValueError) as e:
+            err = e
         self.num_max_tensor_bytes = num_max_tensor_bytes
         self.num_max_inflight_tensors = num_max_inflight_tensors
         self.sl_idx, self.num_gpu_timeout_secs, self.num_cpu_timeout_secs = sl_idx, num_gpu_timeout_secs, \
             num_cpu_timeout_secs
-        self.num_bytes = sizing.align(4 * sizing.align(num_max_tensor_bytes, 64) * num_max_inflight_tensors,
-                                      sizing.ALLOCATION_ALIGNMENT)
         self.context = CommContext(group, owner="PPBuffer", num_cpu_timeout_secs=num_cpu_timeout_secs,
                                    agree={"num_max_tensor_bytes": num_max_tensor_bytes,
-                                          "num_max_inflight_tensors": num_max_inflight_tensors})
+                                          "num_max_inflight_tensors": num_max_inflight_tensors}, error=err)
+        self.num_bytes = sizing.align(4 * sizing.align(num_max_tensor_bytes, 64) * num_max_inflight_tensors,
+                                      sizing.ALLOCATION_ALIGNMENT)
         self.contexts = [self.context]
         self.rank, self.num_ranks, self.device = rank, num_ranks, self.context.device
         self.context.comm_stream = new_comm_stream(self.device)
