@@ -554,3 +554,27 @@ def construct_one_bad(rank: int, world: int, kind: str):
     except (TypeError, ValueError) as e:
         return type(e).__name__, str(e), time.monotonic() - start
     return None, None, time.monotonic() - start
+
+
+def bucket_disagreements(rank: int, world: int):
+    """Ranks that pass different sizes, or one rank whose check fails: every rank raises at the call, and the
+    buffer stays usable. Returns the messages of the three failing calls."""
+    from epcomm import BucketBuffer
+    bb = BucketBuffer(None, 2 << 20, num_cpu_timeout_secs=60)
+    floats = bb.storage.view(torch.float32)
+    messages = []
+    for make in (lambda: bb.all_reduce(floats[: world * 8 * (rank + 1)]),           # sizes differ
+                 lambda: bb.reduce_scatter(floats[: world * 8 * (rank + 1)]),
+                 lambda: bb.all_reduce(floats[1: 1 + world * 8] if rank == 1 else floats[: world * 8])):  # rank 1
+        try:
+            make().wait()
+            messages.append(None)
+        except (TypeError, ValueError) as e:
+            messages.append(str(e))
+    src = floats[: world * 8]
+    src.copy_(torch.arange(world * 8, dtype=torch.float32) + rank)
+    got = bb.all_reduce(src).wait()
+    want = sum(torch.arange(world * 8, dtype=torch.float32) + r for r in range(world))
+    assert torch.equal(got, want), "the buffer is usable after the rejected calls"
+    bb.destroy()
+    return messages

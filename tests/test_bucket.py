@@ -184,3 +184,14 @@ def test_session_and_mixed_schedule_on_gpu(pools):
     nccl.run(cc.bucket_session, 6, device="cuda")
     for seed in (1, 2):
         nccl.run(cc.bucket_mixed, seed, device="cuda")
+
+
+def test_ranks_passing_different_sizes_raise_everywhere(run_ranks):
+    """CPU: a header before the data (status, operation, bucket sizes): no rank aborts inside gloo."""
+    for rank, (sizes_ar, sizes_rs, one_bad) in enumerate(run_ranks(2, cc.bucket_disagreements)):
+        assert sizes_ar and "ranks disagree on the total bytes" in sizes_ar, sizes_ar
+        assert sizes_rs and "ranks disagree on the total bytes" in sizes_rs, sizes_rs
+        if rank == 1:
+            assert one_bad and "32-byte boundary" in one_bad, one_bad
+        else:
+            assert one_bad and "group rank 1 rejected the call" in one_bad, one_bad

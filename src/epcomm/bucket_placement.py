@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .agreement import STATUS_OK, STATUS_TYPE, status_of
 from .comm import CommContext
 from .events import EventHandle, EventOverlap
 
@@ -65,12 +66,17 @@ def gather_call(buf: BucketBuffer, srcs, dsts, group, num_sms, session: Optional
     """`all_gather` of `buf` (session None) or of `session`: check every bucket, place it, launch."""
     call = "BucketBuffer.all_gather"
     ctx, c = session._context(call, group) if session else buf._begin(call, group)
-    srcs_l, single = _as_list(c, "srcs", srcs)
-    dsts_l = [None] * len(srcs_l) if dsts is None else _like(c, srcs_l, single, dsts)
-    if num_sms:
-        c.fail(ValueError, f"num_sms must be None or 0 for all_gather (copy-engine driven), got {num_sms}")
-    buckets = [_gather_bucket(buf, c, ctx, "srcs" if single else f"srcs[{i}]", s, d, session)
-               for i, (s, d) in enumerate(zip(srcs_l, dsts_l))]
+    try:
+        srcs_l, single = _as_list(c, "srcs", srcs)
+        dsts_l = [None] * len(srcs_l) if dsts is None else _like(c, srcs_l, single, dsts)
+        if num_sms:
+            c.fail(ValueError, f"num_sms must be None or 0 for all_gather (copy-engine driven), got {num_sms}")
+        buckets = [_gather_bucket(buf, c, ctx, "srcs" if single else f"srcs[{i}]", s, d, session)
+                   for i, (s, d) in enumerate(zip(srcs_l, dsts_l))]
+    except (TypeError, ValueError) as e:
+        _agree(ctx, call, "all_gather", e, [])
+        raise
+    _agree(ctx, call, "all_gather", None, [b.inp.nbytes for b in buckets])
     return _launch(buf, ctx, call, "all_gather", buckets, 1.0, 0, single)
 
 
@@ -124,6 +130,18 @@ def reduce_call(buf: BucketBuffer, op: str, srcs, dsts, comm_precision, scale, g
     """`reduce_scatter` / `all_reduce` (`op`) of `buf` (session None) or of `session`: check, place, launch."""
     call = f"BucketBuffer.{op}"
     ctx, c = session._context(call, group) if session else buf._begin(call, group)
+    try:
+        buckets, single, sms = _reduce_buckets(buf, c, ctx, op, srcs, dsts, comm_precision, scale, num_sms, session)
+    except (TypeError, ValueError) as e:
+        _agree(ctx, call, op, e, [])
+        raise
+    _agree(ctx, call, op, None, [b.inp.nbytes for b in buckets])
+    return _launch(buf, ctx, call, op, buckets, float(scale), sms, single)
+
+
+def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precision, scale, num_sms,
+                    session: Optional[BucketSession]) -> tuple:
+    """`reduce_call`'s checks and placement: `(buckets, single, num_sms)`."""
     srcs_l, single = _as_list(c, "srcs", srcs)
     dsts_l = [None] * len(srcs_l) if dsts is None else _like(c, srcs_l, single, dsts)
     sms = _reduction_options(buf, c, ctx, op, comm_precision, scale, num_sms)
@@ -168,7 +186,41 @@ def reduce_call(buf: BucketBuffer, op: str, srcs, dsts, comm_precision, scale, g
         buckets.append(_Bucket(inp=flat, out=out, result=dst if same else result, stage_to=stage,
                                stage_from=None if stage is None else src,
                                copy_to=dst if dst is not None and not same else None))
-    return _launch(buf, ctx, call, op, buckets, float(scale), sms, single)
+    return buckets, single, sms
+
+
+_OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
+
+
+def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], sizes: list) -> None:
+    """On CPU, a header before any data moves (status, operation, bucket sizes), so that a rank's failed check or
+    ranks passing different calls or sizes raise on every rank instead of breaking the collective. On GPU the
+    checks stay local, as for EPBuffer's calls without a count exchange (docs/decisions.md)."""
+    if ctx.device.type != "cpu":
+        if err is not None:
+            raise err
+        return
+    digest = 0
+    for n in sizes:
+        digest = (digest * 1000003 + n) & 0x7FFFFFFFFFFF
+    row = [status_of(err), _OPS[op], len(sizes), sum(sizes), digest]
+    rows = ctx.exchange(torch.tensor([row] * ctx.num_ranks, dtype=torch.int64), f"{call} header").tolist()
+    failed = [r for r, got in enumerate(rows) if got[0] != STATUS_OK]
+    if failed:
+        messages = [None] * ctx.num_ranks
+        dist.all_gather_object(messages, str(err) if err is not None else "", group=ctx.group)
+        if err is not None:
+            raise err
+        exc = TypeError if rows[failed[0]][0] == STATUS_TYPE else ValueError
+        raise exc(f"{call}: rank {ctx.rank}: group rank {failed[0]} rejected the call: {messages[failed[0]]}")
+    names = {v: k for k, v in _OPS.items()}
+    for i, what in ((1, "operation"), (2, "number of buckets"), (3, "total bytes"), (4, "bucket sizes")):
+        values = [got[i] for got in rows]
+        if len(set(values)) > 1:
+            shown = [names.get(v, "?") for v in values] if i == 1 else values
+            desc = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
+            raise ValueError(f"{call}: rank {ctx.rank}: ranks disagree on the {what} ({desc}); every rank of the "
+                             "group must make the same call with buckets of the same sizes")
 
 
 def _reduction_options(buf: BucketBuffer, c, ctx, op: str, comm_precision: str, scale, num_sms) -> int:
