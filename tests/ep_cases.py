@@ -1,6 +1,6 @@
 """Rank-side bodies of the multi-rank dispatch/combine tests (importable by the worker processes).
 
-Every check compares epcomm against `epcomm.reference` on fresh random inputs, bitwise (STYLE rules 19-21).
+Every check compares epcomm against `epcomm.reference` on fresh random inputs, bitwise.
 Each function runs on every rank as `fn(rank, world_size, ...)` and returns a small summary or raises.
 """
 
@@ -303,7 +303,7 @@ def memory_growth(rank: int, world: int, iters: int = 1000):
 
 
 def events_on_cpu(rank: int, world: int):
-    """The event contract of reference §3 on CPU (DESIGN.md "Events on CPU")."""
+    """The event contract of reference §3 on CPU (docs/decisions.md "Events on CPU")."""
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=16)
     gen = torch.Generator().manual_seed(rank)
     idx, w = random_routing(gen, 8, 4, 2)

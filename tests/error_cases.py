@@ -1,7 +1,7 @@
 """Bad-input scenarios, run on every rank of one group; each returns what every rank raised.
 
 Rank 1 is the offender unless a scenario says otherwise; on CPU every call exchanges a header, so every rank
-must raise the same class (DESIGN.md "Errors and timeouts").
+must raise the same class (docs/decisions.md "Errors and timeouts").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Public surface: exports, docstrings that name every argument (STYLE rule 7), determinism (§24 item 13)."""
+"""Public surface: exports, docstrings that name every argument, determinism (§24 item 13)."""
 
 import inspect
 import re

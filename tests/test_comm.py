@@ -1,5 +1,5 @@
 """`epcomm.comm.barrier` / `get_comm_stream` on every buffer kind (reference §17.1), and the public docstrings of
-the collectives API (STYLE rule 7)."""
+the collectives API."""
 
 import inspect
 import re

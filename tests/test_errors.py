@@ -1,6 +1,6 @@
 """Every user mistake raises a clear error on every rank, before data moves; no input hangs a rank.
 
-DESIGN.md "Errors and timeouts"; reference §9.2, §11.1, §24 items 9, 10, 16, 17, 20.
+docs/decisions.md "Errors and timeouts"; reference §9.2, §11.1, §24 items 9, 10, 16, 17, 20.
 """
 
 import re

@@ -1,4 +1,4 @@
-"""Routing-metadata invariants, checked apart from data (STYLE rule 22)."""
+"""Routing-metadata invariants, checked apart from data."""
 
 import torch
 from hypothesis import given, settings

@@ -1,5 +1,5 @@
 """Redundant-expert load balancing: weight prefetch, gradient reduction, errors on every rank, physical ids
-end to end (DeepEP V2.5 behaviour, §13; DESIGN.md "LB gradient reduction", "Errors and timeouts")."""
+end to end (DeepEP V2.5 behaviour, §13; docs/decisions.md "LB gradient reduction", "Errors and timeouts")."""
 
 import re
 

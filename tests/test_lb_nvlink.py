@@ -1,6 +1,6 @@
 """The NVLink path of the LB calls (lb_nvlink.py, lb_sum.py): the symmetric LB region, owners pushing weights into
 the replicas' slots and pulling their gradients through peer views, the ordered sum, the path choice and the
-collective fallback (DeepEP V2.5 behaviour, §6-7, §13; DESIGN.md "LB gradient reduction").
+collective fallback (DeepEP V2.5 behaviour, §6-7, §13; docs/decisions.md "LB gradient reduction").
 
 On CPU the region is `lb_nvlink_cases.FileSymm` (shared files between gloo ranks) or, in one process, a list of
 tensors; on 2 GPUs (`-m multigpu`) it is the nvlink transport's symmetric memory.

@@ -5,7 +5,7 @@ The buffer resolves and validates arguments, runs the stream/event protocol, and
 backend: CPU with gloo, the current CUDA device with NCCL (docs/decisions.md decision 2).
 
 Argument checks live in `resolve.py`, the stream protocol in `streams.py`, the data path in `pipeline.py`; this
-file is over the ~500-line guide only because dispatch and combine document every argument (STYLE rule 7).
+file is over the ~500-line guide only because dispatch and combine document every argument (the field's docstring convention: every argument with shape, dtype, default and errors).
 """
 
 from __future__ import annotations

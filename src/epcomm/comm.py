@@ -32,7 +32,7 @@ __all__ = ["CommContext", "barrier", "get_comm_stream", "group_device"]
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
-    """The device a buffer on `group` lives on: the current CUDA device with NCCL, else CPU (DESIGN decision 2)."""
+    """The device a buffer on `group` lives on: the current CUDA device with NCCL, else CPU (docs/decisions.md decision 2)."""
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

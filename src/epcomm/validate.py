@@ -1,6 +1,6 @@
 """Argument resolution and checks for dispatch/combine, run once before any data moves.
 
-Which reference checks (DeepEP V2.5 EPBuffer behaviour, §9.1-9.2, §11.1) epcomm keeps is docs/decisions.md's table.
+Which reference checks (DeepEP V2.5 EPBuffer behaviour, §9.1-9.2, §11.1) epcomm keeps is docs/decisions.md "Checks table".
 User mistakes raise `TypeError` (wrong type/dtype) or `ValueError` (shape, value, device, capacity, options);
 messages name the call, the group rank, the argument, the expected and the actual value, and the fix.
 """

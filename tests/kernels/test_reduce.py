@@ -1,4 +1,4 @@
-"""The canonical reduction kernel's twin: the docstring's worked example first (STYLE rule 9), then random."""
+"""The canonical reduction kernel's twin: the docstring's worked example first, then random."""
 
 import torch
 
