@@ -210,7 +210,9 @@ def construct_one_bad(rank: int, world: int, kind: str):
     if rank == 1:
         kwargs.update({"num_bytes": dict(num_bytes=1000), "timeout": dict(num_cpu_timeout_secs=-1),
                        "timeout_type": dict(num_cpu_timeout_secs="5"), "dtype": dict(dtype=torch.int8),
-                       "transport": dict(transport="collective")}[kind])
+                       "transport": dict(transport="collective"),
+                       "tokens": dict(num_max_tokens_per_rank=N + 1),
+                       "size": dict(num_bytes=4 << 20)}[kind])
     if rank == 0 and kind == "transport":
         kwargs["transport"] = "auto"
     start = time.monotonic()

@@ -71,10 +71,11 @@ def low_latency_errors(rank: int, world: int):
         except (TypeError, ValueError) as e:
             msgs.append(str(e))
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
-    for kw in (dict(use_logfmt=True), dict(zero_copy=True)):
+    for kw in (dict(use_logfmt=True), dict(zero_copy=True), dict(out=torch.empty(4, 128)),
+               dict(out=torch.empty(3, 128, dtype=torch.bfloat16))):
         try:
             buf.low_latency_combine(recv_x, idx, w, handle, **(kw if rank == 1 else {}))
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             msgs.append(str(e))
     buf.low_latency_combine(recv_x, idx, w, handle)  # the buffer still works after local rejections
     return msgs

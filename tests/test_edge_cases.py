@@ -1,4 +1,4 @@
-"""Edge cases that must work (issue: core; STYLE rule 22), each against `epcomm.reference`, bitwise."""
+"""Edge cases that must work, each against `epcomm.reference`, bitwise."""
 
 
 import hypothesis.strategies as st

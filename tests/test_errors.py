@@ -146,6 +146,13 @@ def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind, exc, p
     assert re.search(pattern, out[0][1]) and out[0][2] < 10, out[0]  # promptly, not after the timeout
 
 
+@pytest.mark.parametrize("kind,field", [("tokens", "num_max_tokens_per_rank"), ("size", "num_bytes")])
+def test_constructor_shape_disagreement(run_ranks, kind, field):
+    """One region size and one default capacity per buffer: ranks that differ raise at construction."""
+    for name, msg, elapsed in run_ranks(2, error_cases.construct_one_bad, kind):
+        assert name == "ValueError" and f"ranks disagree on {field}" in msg and elapsed < 10, msg
+
+
 def test_constructor_transport_disagreement(run_ranks):
     for name, msg, elapsed in run_ranks(2, error_cases.construct_one_bad, "transport"):
         assert name == "ValueError" and "ranks disagree on transport (rank 0: 'auto', rank 1: 'collective')" in msg

@@ -20,11 +20,13 @@ def test_low_latency_empty_rank_and_three_ranks(run_ranks):
 def test_low_latency_unsupported_options_raise(run_ranks):
     # Rank 1 alone passes the bad argument for the bf16, logfmt and zero-copy cases; rank 0 raises as well.
     for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_errors)):
-        assert len(msgs) == 4, msgs
+        assert len(msgs) == 6, msgs
         assert "x must be a bf16 tensor" in msgs[0]
         assert "dispatch_wait_recv_cost_stats is not implemented" in msgs[1]
         assert "use_logfmt=True (LogFMT combine payloads) is not implemented" in msgs[2]
         assert "zero_copy=True is not implemented" in msgs[3]
+        assert "out must have dtype" in msgs[4] and "bfloat16" in msgs[4], msgs[4]
+        assert "out must have shape [4, 128], got (3, 128)" in msgs[5], msgs[5]
         if rank == 0:
             assert "group rank 1 rejected the call" in msgs[0] and "group rank 1 rejected the call" in msgs[2]
 

@@ -149,6 +149,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             err = e
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden = hidden
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         # Collective construction: agree on a buffer id, learn which ranks share a host and whether every rank
         # can reach every other over NVLink, then pick the transport (every rank decides from the same rows).
@@ -195,9 +196,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         dev = self.device.index if self.device.type == "cuda" else -1
         status = agreement.status_of(err)
         ready = int(err is None and _nvlink_ready(self.device))
-        mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code], dtype=torch.int64,
-                            device=self.device)
-        rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 6).contiguous(), wait=True, call_id=0)
+        shape = [v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in
+                 (self.num_bytes, self.num_max_tokens_per_rank, self.hidden)] if err is None else [0, 0, 0]
+        mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code, *shape],
+                            dtype=torch.int64, device=self.device)
+        rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 9).contiguous(), wait=True, call_id=0)
         rows = rows.tolist()
         failed = [s for s, row in enumerate(rows) if row[4] != agreement.STATUS_OK]
         if failed:
@@ -209,6 +212,13 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             exc = TypeError if rows[failed[0]][4] == agreement.STATUS_TYPE else ValueError
             raise exc(f"EPBuffer: rank {self.rank}: group rank {failed[0]} rejected the construction: "
                       f"{messages[failed[0]]}")
+        for col, name in ((6, "num_bytes"), (7, "num_max_tokens_per_rank"), (8, "hidden")):
+            values = [row[col] for row in rows]
+            if len(set(values)) > 1:  # one region size and one default capacity per buffer
+                self._destroyed = True
+                desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(values))
+                raise ValueError(f"EPBuffer: rank {self.rank}: ranks disagree on {name} ({desc}); every rank must "
+                                 f"construct the buffer with the same {name}")
         asked = [row[5] for row in rows]
         if len(set(asked)) > 1:
             self._destroyed = True

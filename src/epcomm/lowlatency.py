@@ -191,6 +191,8 @@ class LowLatencyMixin:
                 c.fail(ValueError, str(e))
             c.require(same, "topk_idx must be the routing of the low_latency_dispatch that made the handle")
             c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), shape=tuple(topk_idx.shape))
+            if out is not None:
+                c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
         except (TypeError, ValueError) as e:
             self._reject(name, e)
         # Back to the expand layout (padding rows read the zero row), then every (token, expert) row home.
