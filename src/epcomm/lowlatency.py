@@ -104,6 +104,12 @@ class LowLatencyMixin:
             c.require(dispatch_wait_recv_cost_stats is None,
                       "dispatch_wait_recv_cost_stats is not implemented by epcomm; pass None")
             c.require(not (use_ue8m0 and not use_fp8), "use_ue8m0=True requires use_fp8=True")
+            c.require(isinstance(num_max_dispatch_tokens_per_rank, int) and num_max_dispatch_tokens_per_rank > 0,
+                      f"num_max_dispatch_tokens_per_rank must be an int > 0, got {num_max_dispatch_tokens_per_rank!r}")
+            c.require(x.shape[0] <= num_max_dispatch_tokens_per_rank,
+                      f"x has {x.shape[0]} tokens but num_max_dispatch_tokens_per_rank="
+                      f"{num_max_dispatch_tokens_per_rank}; size the call (and the buffer, with "
+                      "get_low_latency_rdma_size_hint) for the largest decode batch")
         except (TypeError, ValueError) as e:
             self._reject(name, e)
         n = num_max_dispatch_tokens_per_rank

@@ -87,6 +87,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
 def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, num_topk: int) -> int:
     c.require(num_qps <= buf.num_allocated_qps,
               f"num_qps={num_qps} exceeds num_allocated_qps={buf.num_allocated_qps}")
+    c.require(isinstance(num_sms, int) and not isinstance(num_sms, bool) and num_sms >= 0,
+              f"num_sms must be an int >= 0 (0 = get_theoretical_num_sms), got {num_sms!r}")
     if buf.device.type == "cpu":
         if num_sms:
             buf._warn_once("num_sms", "epcomm: num_sms has no effect on CPU; it is ignored")

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="epcomm-bench", description=__doc__.split("\n\n")[0],
         epilog="epcomm-bench --check ARGS... runs epcomm.check with ARGS instead; epcomm-bench --eplb ARGS... the "
-               "load-balancing benchmark. Method: docs/benchmarks.md.")
+               "load-balancing benchmark; epcomm-bench --suite collectives [--help] the barrier, bucket, PP, Engram "
+               "and LB calls against their NCCL equivalents (docs/collectives.md). Method: docs/benchmarks.md.")
     p.add_argument("--preset", default="dsv3",
                    help=f"preset name(s), comma-separated, or 'all' ({', '.join(PRESETS)}); default dsv3")
     p.add_argument("--tokens", default=None,
