@@ -60,6 +60,8 @@ def scenarios():
 
     return {
         "x_int_dtype": bad(x=lambda a: a["x"].int()),
+        "do_expand_str": bad(do_expand=lambda a: "yes"),
+        "num_sms_negative": bad(num_sms=lambda a: -3),
         "x_3d": bad(x=lambda a: a["x"].unsqueeze(0)),
         "x_meta_device": bad(x=lambda a: a["x"].to("meta")),
         "x_tuple_len3": bad(x=lambda a: (a["x"], a["x"], a["x"])),

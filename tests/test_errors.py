@@ -14,6 +14,8 @@ from epcomm.testing import run_in_fresh_world
 # scenario -> (exception class, pattern in the offending rank's message)
 EXPECTED = {
     "x_int_dtype": (TypeError, r"x must have dtype in .*got torch\.int32"),
+    "do_expand_str": (TypeError, r"do_expand must be a bool, got str 'yes'"),
+    "num_sms_negative": (ValueError, r"num_sms must be an int >= 0 \(0 = get_theoretical_num_sms\), got -3"),
     "x_3d": (ValueError, r"x must be 2-D, got shape \(1, 6, 32\)"),
     "x_meta_device": (ValueError, r"x is on meta but the buffer lives on cpu"),
     "x_tuple_len3": (ValueError, r"x as a tuple must be \(data, scales\), got 3 elements"),
@@ -131,6 +133,15 @@ def test_constructor_checks(run_ranks):
 
 def _construct_bad(rank, world):
     epcomm.EPBuffer(None, num_bytes=3 * 1024 * 1024)
+
+
+def _construct_nvlink_on_cpu(rank, world):
+    epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=32, transport="nvlink")
+
+
+def test_nvlink_on_cpu_names_the_rank(run_ranks):
+    for rank, e in enumerate(run_ranks(2, _construct_nvlink_on_cpu, return_exceptions=True)):
+        assert isinstance(e, ValueError) and f"EPBuffer: rank {rank}: transport='nvlink' cannot run" in str(e), e
 
 
 @pytest.mark.parametrize("kind,exc,pattern", [

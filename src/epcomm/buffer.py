@@ -167,7 +167,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         elif not all(row[3] for row in rows):
             bad = [s for s, row in enumerate(rows) if not row[3]]
             unavailable["nvlink"] = f"group ranks {bad} have no peer access to every other GPU or no symmetric memory"
-        transport_cls = resolve_transport(transport, self.device, unavailable)
+        try:
+            transport_cls = resolve_transport(transport, self.device, unavailable)
+        except ValueError as e:  # every rank decides from the same rows, so every rank raises here
+            raise ValueError(str(e).replace("EPBuffer: ", f"EPBuffer: rank {self.rank}: ", 1)) from None
         if transport_cls is not CollectiveTransport:
             # The blocked layout needs R x N records of the widest kind in the receive area.
             blocked_bytes = self.num_ranks * num_max_tokens_per_rank * sizing.record_bytes(

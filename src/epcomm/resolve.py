@@ -21,6 +21,10 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
     c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
     if do_expand is None:
         do_expand = handle.do_expand if isinstance(handle, EPHandle) else False
+    for name, flag in (("do_expand", do_expand), ("do_zero_padding", do_zero_padding),
+                       ("emit_expert_ids", emit_expert_ids), ("do_cpu_sync", do_cpu_sync)):
+        if flag is not None and not isinstance(flag, (bool, int)):  # ints 0/1 pass, as bools do in torch code
+            c.fail(TypeError, f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
     do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
     xs = check_x(c, x, allow_fp8=True)
     _warn_if_grad(buf, "dispatch", xs.data, topk_weights)
