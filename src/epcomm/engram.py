@@ -161,7 +161,8 @@ class EngramBuffer(ContextLifecycle):
         Args:
             group: the group (or its size); the formula does not depend on it.
             num_entries_per_layer: [L] ints > 0 -- rows per rank of each layer's shard (N_l).
-            hidden: elements per row; `hidden * elem % 64 == 0` (reference precondition).
+            hidden: elements per row, any size (the reference requires `hidden * elem % 64 == 0`; epcomm's
+                transports do not, and `set_config` accepts what this accepts).
             num_max_tokens: T, tokens per fetch; num_entries_per_token: E, rows per token.
             dtype: bf16 (default), fp16, fp32 or FP8 e4m3. num_sf_packs: P, 4-byte scale packs per row (FP8 only).
 
@@ -169,14 +170,11 @@ class EngramBuffer(ContextLifecycle):
             `(num_gpu_bytes, num_rdma_storage_bytes)` -- ints, multiples of 2 MiB.
 
         Raises:
-            TypeError: bad dtype or list. ValueError: non-positive sizes; packs without FP8; row bytes % 64.
+            TypeError: bad dtype or list. ValueError: non-positive sizes; packs without FP8.
         """
         who = "EngramBuffer.get_storage_size_hint"
         entries = check_config(who, num_entries_per_layer, hidden, num_max_tokens, num_entries_per_token, dtype,
                                num_sf_packs)
-        if hidden * dtype.itemsize % 64:
-            raise ValueError(f"{who}: hidden * element size must be a multiple of 64 bytes, got {hidden} x "
-                             f"{dtype.itemsize}")
         area, scales, table = needs(entries, hidden, num_max_tokens, num_entries_per_token, dtype.itemsize,
                                     num_sf_packs)
         a = sizing.ALLOCATION_ALIGNMENT
