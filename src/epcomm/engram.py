@@ -435,11 +435,14 @@ class EngramBuffer(ContextLifecycle):
                           (counts_R if counts_R is not None else torch.zeros(self.num_ranks, dtype=torch.int64,
                                                                              device=self.device)).view(-1, 1)], 1)
         rows = self.context.exchange(send.contiguous(), call).tolist()
-        if err is not None:
-            raise err
-        for r, row in enumerate(rows):
-            if row[0]:
-                raise _EXC[row[0]](f"{call}: rank {self.rank}: group rank {r} rejected the call (see its message)")
+        failed = [r for r, row in enumerate(rows) if row[0]]
+        if failed:  # every rank learns the first failing rank's message (one more exchange, on failure only)
+            messages = [None] * self.num_ranks
+            dist.all_gather_object(messages, str(err) if err is not None else "", group=self.context.group)
+            if err is not None:
+                raise err
+            r = failed[0]
+            raise _EXC[rows[r][0]](f"{call}: rank {self.rank}: group rank {r} rejected the call: {messages[r]}")
         for r, row in enumerate(rows):
             if row[1] != op:
                 raise ValueError(f"{call}: rank {self.rank}: group rank {r} is in EngramBuffer.{_OPS.get(row[1])} "
