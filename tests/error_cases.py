@@ -206,6 +206,18 @@ def missing_peer(rank: int, world: int, timeout_s: float):
     return None
 
 
+def missing_at_construction(rank: int, world: int, timeout_s: float):
+    """Rank 1 never constructs the buffer: rank 0's constructor raises TimeoutError naming it."""
+    if rank == 1:
+        time.sleep(timeout_s + 4)
+        return "skipped"
+    try:
+        epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)
+    except TimeoutError as e:
+        return str(e)
+    return None
+
+
 def construct_one_bad(rank: int, world: int, kind: str):
     """Rank 1 passes a bad constructor argument (or another transport): every rank must raise."""
     kwargs = dict(num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)

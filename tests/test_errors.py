@@ -123,6 +123,12 @@ def test_missing_peer_times_out_naming_it():
     assert results[1] == "skipped"
 
 
+def test_missing_peer_at_construction_times_out_naming_it():
+    msg, skipped = run_in_fresh_world(2, error_cases.missing_at_construction, 3.0, timeout=60)
+    assert re.search(r"^EPBuffer construction: .*rank 0 waited 3 s .* group ranks \[1\] did not arrive", msg), msg
+    assert skipped == "skipped"
+
+
 def test_constructor_checks(run_ranks):
     with pytest.raises(ValueError, match=r"get_buffer_size_hint: num_max_tokens_per_rank \(0\)"):
         epcomm.EPBuffer.get_buffer_size_hint(2, 0, 128)

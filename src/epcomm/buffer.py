@@ -203,7 +203,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                  (self.num_bytes, self.num_max_tokens_per_rank, self.hidden)] if err is None else [0, 0, 0]
         mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code, *shape],
                             dtype=torch.int64, device=self.device)
-        rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 9).contiguous(), wait=True, call_id=0)
+        try:
+            rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 9).contiguous(), wait=True, call_id=0)
+        except TimeoutError as e:  # name the call: the transport's message starts with its own step
+            raise type(e)(f"EPBuffer construction: {e}") from None
         rows = rows.tolist()
         failed = [s for s, row in enumerate(rows) if row[4] != agreement.STATUS_OK]
         if failed:
