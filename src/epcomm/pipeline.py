@@ -207,19 +207,14 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     wdt = None if call.topk_weights is None else call.topk_weights.dtype
     spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=True)
     with phase("move_rows"):
-        recv_XB = _move(tr, spec, tensors, send_src_X, blocked, send_splits, recv_splits, n, call_id)
+        recv_XB = _push(tr, spec, tensors, send_src_X, n, call_id)
     return dict(launched, spec=spec, recv_XB=recv_XB)
 
 
-def _move(tr, spec: RecordSpec, tensors: dict, src_X: Tensor, blocked: bool, send_splits, recv_splits, cap: int,
-          call_id: int, back: bool = False) -> Tensor:
-    """Pack and move records: in blocks of `cap` rows per rank (the transport may push them directly), or
-    packed back to back with exact splits."""
-    if blocked:
-        return tr.push_rows(spec, tensors, src_X, cap, call_id=call_id)
-    send_XB = spec.pack(tensors, src_X, holes=False)
-    move = tr.combine_rows if back else tr.dispatch_rows
-    return move(send_XB, send_splits, recv_splits, call_id=call_id)
+def _push(tr, spec: RecordSpec, tensors: dict, src_X: Tensor, cap: int, call_id: int) -> Tensor:
+    """Blocked layout (sync-free calls): records in blocks of `cap` rows per rank (the transport may write them
+    straight into peers). CPU-synced calls move fields instead (`_move_fields`)."""
+    return tr.push_rows(spec, tensors, src_X, cap, call_id=call_id)
 
 
 def _compaction(recv_counts_R: Tensor, blocked: bool, num_ranks: int, n: int, num_recv: int) -> tuple:
@@ -333,8 +328,8 @@ def cached_launch(buf, call: DispatchCall, call_id: int) -> dict:
                                         call_id))
     wdt = None if call.topk_weights is None else call.topk_weights.dtype
     spec = dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=False)
-    recv_XB = _move(buf.transport, spec, _record_tensors(call.x, call.topk_weights), plan.send_src_X, plan.blocked,
-                    plan.send_splits, plan.recv_splits, call.n, call_id)
+    recv_XB = _push(buf.transport, spec, _record_tensors(call.x, call.topk_weights), plan.send_src_X, call.n,
+                    call_id)
     return dict(spec=spec, recv_XB=recv_XB)
 
 
@@ -396,8 +391,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             back = _memo(plan, "route_back", plan.route.back)
             return dict(fields=_move_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id))
         with phase("move_rows"):
-            recv_XB = _move(buf.transport, spec, {"x": y_MH, "w": w_MK}, plan.buf_out_X, plan.blocked,
-                            plan.recv_splits, plan.send_splits, n, call_id, back=True)
+            recv_XB = _push(buf.transport, spec, {"x": y_MH, "w": w_MK}, plan.buf_out_X, n, call_id)
         return dict(spec=spec, recv_XB=recv_XB)
     with phase("move_rows"):
         recv_XB = buf.transport.combine_rows(send_XB, send_splits, recv_splits, call_id=call_id)
