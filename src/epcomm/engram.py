@@ -37,7 +37,8 @@ from torch import Tensor
 
 from . import sizing
 from .comm import ContextLifecycle, CommContext, new_comm_stream
-from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan, widest_word
+from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan
+from .moves import transfer_word
 from .engram_nvlink import NVLinkTable, choose_transport
 from .events import EventHandle
 
@@ -282,7 +283,7 @@ class EngramBuffer(ContextLifecycle):
                 self._nvlink.release()
                 self._table = self._scales = self.rdma_storage = None
             self._nvlink = NVLinkTable(self.context.group, self.device, need, int(self.num_gpu_timeout_secs * 1000))
-        self._nvlink.configure(rows, row, sf_bytes, widest_word(row), widest_word(sf_bytes))
+        self._nvlink.configure(rows, row, sf_bytes, transfer_word(row), transfer_word(sf_bytes))
         self.rdma_storage = self._nvlink.region.local
 
     def write(self, storages: Sequence[Tensor], sfs: Optional[Sequence[Tensor]] = None) -> None:
@@ -415,7 +416,7 @@ class EngramBuffer(ContextLifecycle):
         # NOTE: rows move as the widest integer words that divide them: uint8 advanced indexing of 512-byte
         # rows ran at ~0.5 GB/s on CPU (2 ranks, 2048 rows, 1.8 ms per index_put); int64 words are ~8x faster.
         row, sf_bytes = cfg["row"], cfg["packs"] * 4
-        wide = widest_word(row, sf_bytes)
+        wide = transfer_word(row, sf_bytes)
         served = self._table.view(wide).index_select(0, ids)
         if sf_bytes:
             served = torch.cat([served, self._scales.view(wide).index_select(0, ids)], dim=1)

@@ -20,17 +20,9 @@ from torch import Tensor
 
 from .epilogue import place_sf
 
-__all__ = ["DTYPES", "check_config", "make_hooks", "needs", "place", "plan", "widest_word"]
+__all__ = ["DTYPES", "check_config", "make_hooks", "needs", "place", "plan"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-
-
-def widest_word(*sizes: int) -> torch.dtype:
-    """The widest integer dtype whose size divides every non-zero byte count in `sizes`."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if all(n % dtype.itemsize == 0 for n in sizes):
-            return dtype
-    return torch.uint8
 
 
 def needs(entries: Sequence[int], hidden: int, num_max_tokens: int, num_entries_per_token: int, elem: int,

@@ -77,16 +77,19 @@ def offsets(splits: list) -> list:
     return out
 
 
-def as_words(t: Tensor) -> Tensor:
-    """[rows, W] view of a contiguous tensor's rows as int64, int32 or uint8 words (the widest dividing the row bytes).
+def transfer_word(*sizes: int) -> torch.dtype:
+    """int64, int32 or uint8: the widest integer type dividing every byte count in `sizes` that gloo and NCCL
+    both move (neither moves int16). Row gathers and copies then move words instead of bytes."""
+    for dtype in (torch.int64, torch.int32):
+        if all(n % dtype.itemsize == 0 for n in sizes):
+            return dtype
+    return torch.uint8
 
-    Gathers and copies then move 8-byte words instead of bytes (torch's index kernels work per element).
-    """
+
+def as_words(t: Tensor) -> Tensor:
+    """[rows, W] view of a contiguous tensor's rows in `transfer_word` of the row bytes."""
     rows, numel = t.shape[0], 1
     for d in t.shape[1:]:
         numel *= d
     raw = t.reshape(rows, numel).view(torch.uint8)
-    for dtype in (torch.int64, torch.int32):  # no int16: neither gloo nor NCCL moves it
-        if raw.shape[1] % dtype.itemsize == 0:
-            return raw.view(dtype)
-    return raw
+    return raw.view(transfer_word(raw.shape[1]))
