@@ -99,20 +99,30 @@ def _split(value: str) -> list:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def resolve_ranks(requested: Optional[int], minimum: int = 1, why: str = "") -> tuple:
+    """`(ranks, num_gpus)`: one rank per visible GPU by default (NCCL), else `CPU_DEFAULTS["ranks"]` gloo ranks.
+
+    Raises:
+        ValueError: fewer than `minimum` ranks (`why` says why), or more ranks than visible GPUs.
+    """
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = requested if requested is not None else (num_gpus or CPU_DEFAULTS["ranks"])
+    if ranks < minimum:
+        raise ValueError(f"--ranks must be >= {minimum}{why}, got {ranks}")
+    if num_gpus and ranks > num_gpus:
+        raise ValueError(f"--ranks {ranks}: only {num_gpus} GPUs are visible (one rank per GPU)")
+    return ranks, num_gpus
+
+
 def make_plan(opts: argparse.Namespace) -> Plan:
     """Resolve defaults against the machine (GPUs present or not).
 
     Raises:
         ValueError: an option that cannot run here (unknown preset, too many ranks, bad counts).
     """
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks, num_gpus = resolve_ranks(opts.ranks)
     backend = "nccl" if num_gpus else "gloo"
     defaults = GPU_DEFAULTS if num_gpus else CPU_DEFAULTS
-    ranks = opts.ranks if opts.ranks is not None else (num_gpus or CPU_DEFAULTS["ranks"])
-    if ranks < 1:
-        raise ValueError(f"--ranks must be >= 1, got {ranks}")
-    if num_gpus and ranks > num_gpus:
-        raise ValueError(f"--ranks {ranks}: only {num_gpus} GPUs are visible (one rank per GPU)")
     names = list(PRESETS) if opts.preset == "all" else _split(opts.preset)
     for name in names:
         if name not in PRESETS:

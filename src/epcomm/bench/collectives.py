@@ -49,6 +49,7 @@ from ..engram import EngramBuffer
 from ..pp import PPBuffer
 from ..sizing import ALLOCATION_ALIGNMENT, align
 from ..testing import RankFailure, WatchdogTimeout, WorkerPool
+from .cli import resolve_ranks
 from .runner import PEER_COPY_BYTES, device_info, first_mismatch, measure_peer_copy
 from .timing import Timer, combine_ranks, quantile
 
@@ -252,13 +253,8 @@ def _lb_op(rank: int, world: int, op: str, params: int, device, timer: Timer) ->
 # parent: plan, run, table
 # ----------------------------------------------------------------------------------------------------------
 def _plan(opts) -> dict:
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks, num_gpus = resolve_ranks(opts.ranks, 2, " (collectives need peers)")
     defaults = GPU_DEFAULTS if num_gpus else CPU_DEFAULTS
-    ranks = opts.ranks if opts.ranks is not None else (num_gpus or CPU_DEFAULTS["ranks"])
-    if ranks < 2:
-        raise ValueError(f"--ranks must be >= 2 (collectives need peers), got {ranks}")
-    if num_gpus and ranks > num_gpus:
-        raise ValueError(f"--ranks {ranks}: only {num_gpus} GPUs are visible (one rank per GPU)")
     ops = [o.strip() for o in opts.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
     if bad or not ops:
