@@ -13,6 +13,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .streams import capturing
+
 STATUS_OK, STATUS_TYPE, STATUS_VALUE = 0, 1, 2
 _EXC = {STATUS_TYPE: TypeError, STATUS_VALUE: ValueError}
 _STATUS = {TypeError: STATUS_TYPE, ValueError: STATUS_VALUE}
@@ -52,7 +54,7 @@ def pack(header_row: list, counts_R: Optional[Tensor], num_ranks: int, device: t
     transports need to find their rows in peers' memory; `recv[s, HEADER_LEN + me]` is what s sends me.
     """
     send = torch.empty(num_ranks, HEADER_LEN + num_ranks, dtype=torch.int64, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         # A CUDA graph cannot capture a copy from pageable host memory: write the (then constant) header with
         # fills instead. Sync-free calls on GPU never check headers on the host, so a constant one is harmless.
         for i, v in enumerate(header_row):

@@ -20,6 +20,7 @@ from . import pipeline, sizing
 from .events import EventHandle, EventOverlap
 from .fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
 from .kernels import weighted_reduce_torch
+from .streams import capturing
 from .validate import Checker
 
 
@@ -192,7 +193,7 @@ class LowLatencyMixin:
                 # Values are compared on the host, except under CUDA-graph capture (a host read cannot be
                 # captured): a captured combine trusts the routing it is replayed with.
                 same = tuple(topk_idx.shape) == tuple(h.topk_idx.shape) and (
-                    _capturing(self.device) or topk_idx is h.topk_idx or torch.equal(topk_idx, h.topk_idx))
+                    capturing(self.device) or topk_idx is h.topk_idx or torch.equal(topk_idx, h.topk_idx))
             except ValueError as e:
                 c.fail(ValueError, str(e))
             c.require(same, "topk_idx must be the routing of the low_latency_dispatch that made the handle")
@@ -219,6 +220,3 @@ class LowLatencyMixin:
         event = EventOverlap(EventHandle(self.device) if async_finish else None)
         return combined, event, ((lambda: None) if return_recv_hook else None)
 
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

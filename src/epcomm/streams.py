@@ -17,6 +17,11 @@ from torch import Tensor
 from .events import EventHandle, EventOverlap
 
 
+def capturing(device: torch.device) -> bool:
+    """The current stream of `device` is being captured into a CUDA graph (no host reads, no pageable copies)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @contextmanager
 def on_comm_stream(device: torch.device, comm: Optional["torch.cuda.Stream"], previous_event: Optional[EventHandle]):
     """Run the enclosed launch on `comm` after `previous_event` (or after the current stream)."""

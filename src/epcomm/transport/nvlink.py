@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import envs
+from .. import envs, streams
 from ..debug import phase
 from ..kernels import push
 from ..sizing import align
@@ -175,8 +175,7 @@ class NVLinkTransport(Transport):
         self._stage_calls += 1
         # A CUDA graph replays this call on one staging area, so the alternation that makes one barrier enough
         # does not hold: a captured call waits for its peers before staging and after pulling.
-        cuda = self.device.type == "cuda"
-        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        capturing = streams.capturing(self.device)
         if capturing:
             self._barrier()
         # The second stream overlaps the own-rows gather and the pulls with the staging: a gain in a graph, but

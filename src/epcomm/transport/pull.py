@@ -18,6 +18,7 @@ Worked example (2 ranks, matrix [[2, 3], [1, 4]]: rank 0 sends 2 rows to itself,
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -146,15 +147,4 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
 
 
 def _on(stream: Optional["torch.cuda.Stream"]):
-    return torch.cuda.stream(stream) if stream is not None else _NULL
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
