@@ -386,7 +386,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             y_MH = call.x
             w_MK = call.topk_weights
         if w_MK is not None:
-            w_MK = w_MK.masked_fill(local_MK < 0, 0)
+            w_MK = w_MK.masked_fill(_memo(plan, "nonlocal_MK", lambda: local_MK < 0), 0)
         if plan.route is not None:
             back = _memo(plan, "route_back", plan.route.back)
             return dict(fields=_move_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id))
