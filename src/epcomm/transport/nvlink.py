@@ -160,7 +160,13 @@ class NVLinkTransport(Transport):
         return self.region.peer(self.rank, self._rows_off, (need,), torch.uint8).view(num_ranks * cap, rec)
 
     def move_fields(self, moves: list, route, *, call_id: int) -> None:
-        """Pull (transport/pull.py): stage my rows for the peers, barrier, copy my rows out of the peers' areas."""
+        """Pull (transport/pull.py): stage my rows for the peers, barrier, copy my rows out of the peers' areas.
+
+        Args and result as `Transport.move_fields`; `route.matrix` (the split matrix) is required.
+
+        Raises:
+            ValueError: the rows a rank stages exceed a staging area (`num_bytes` of the buffer).
+        """
         plan = route.cache.get("nvlink")
         if plan is None:
             plan = route.cache["nvlink"] = PullPlan(route, self.rank, self.num_ranks, self.device)
