@@ -45,3 +45,9 @@ def test_low_latency_size_hint_holds_every_returned_pair():
         hint = EPBuffer.get_low_latency_rdma_size_hint(n, hidden, ranks, experts)
         assert hint % (2 << 20) == 0
         assert hint >= ranks * n * min(32, experts // ranks) * hidden * 2, (n, hidden, ranks, experts, hint)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_low_latency_nvlink_matches_portable_path(pools):
+    assert pools.get(2, "nccl").run(ll_cases.low_latency_paths_agree) == [12, 12]

@@ -4,8 +4,11 @@ Semantics, on every transport: the dispatch is a sync-free expand-layout dispatc
 128 channels), laid out expert-major and padded: `[num_local_experts, num_ranks * N, hidden]` with
 `recv_count[e]` valid rows per expert, ascending token key inside each expert (docs/decisions.md). The combine
 returns every (token, expert) row to its token and sums `w_j * y_j` in fp32 in ascending top-k position with one
-rounding. This is the portable path (no host synchronisation on GPU); the latency-optimised kernels of the
-decode issue plug in under the same API.
+rounding. Two paths give the same results: on the nvlink transport, two Triton kernels per call with flags in
+symmetric memory (`lowlatency_nvlink.py`); on every other transport, the portable path here (a sync-free
+dispatch through the transport, then a scatter into the expert-major layout; no host synchronisation on GPU).
+Rows past `recv_count[e]` of the expert-major output are unspecified (the nvlink path leaves them unwritten, as
+DeepEP V1 does).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from . import pipeline, sizing
 from .events import EventHandle, EventOverlap
 from .fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
 from .kernels import weighted_reduce_torch
+from .lowlatency_nvlink import Layout, LowLatencyNVLink
 from .streams import capturing
-from .validate import Checker
+from .validate import Checker, check_topk_idx
 
 
 @dataclass(frozen=True)
@@ -29,18 +33,25 @@ class LowLatencyHandle:
     """What `low_latency_dispatch` returns as its handle (pass it to `low_latency_combine`).
 
     Fields:
-        handle: the underlying expand-layout `EPHandle`.
+        handle: the underlying expand-layout `EPHandle` (portable path), or None (nvlink path).
         num_max_dispatch_tokens_per_rank: N of the call.
         hidden: H of the dispatched rows.
-        expert_idx_S, row_in_expert_S: [S] int64 -- for each expanded row, its local expert and its row in that
-            expert's block of the expert-major output (-1 for padding / the unused tail).
+        num_local_experts: L.
+        topk_idx: [T, K] -- the routing of the dispatch.
+        expert_idx_S, row_in_expert_S: [S] int64 -- portable path: for each expanded row, its local expert and its
+            row in that expert's block of the expert-major output (-1 for padding / the unused tail).
+        item_map: [R * N * K] int32 -- nvlink path: the output row `e * R * N + row` of each (source rank, token,
+            top-k position), -1 for none.
     """
 
     handle: object
     num_max_dispatch_tokens_per_rank: int
     hidden: int
-    expert_idx_S: Tensor
-    row_in_expert_S: Tensor
+    num_local_experts: int
+    topk_idx: Tensor
+    expert_idx_S: Optional[Tensor] = None
+    row_in_expert_S: Optional[Tensor] = None
+    item_map: Optional[Tensor] = None
 
 
 class LowLatencyMixin:
@@ -59,6 +70,26 @@ class LowLatencyMixin:
         per_pair = num_ranks * n * min(sizing.MAX_TOPK, max(1, num_experts // num_ranks)) * sizing.align(hidden * 2, 64)
         return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
                             sizing.ALLOCATION_ALIGNMENT)
+
+    def _low_latency_nvlink(self) -> Optional[LowLatencyNVLink]:
+        """The nvlink fast path of this buffer (made at first use), or None on other transports."""
+        if self.transport.name != "nvlink":
+            return None
+        if getattr(self, "_ll_nvlink", None) is None:
+            from .kernels.push import region_deltas
+            from .transport.symm import SymmetricRegion
+
+            def allocate(layout: Layout):
+                region = SymmetricRegion(self.group, layout.nbytes, self.device)
+                region.local.zero_()
+                # No peer may write into a region before its owner has zeroed it (stream order after the barrier).
+                region.barrier(timeout_ms=int(self.num_gpu_timeout_secs * 1000))
+                self._ll_region = region
+                return region.local, region_deltas(region.ptrs, self.rank)
+
+            self._ll_nvlink = LowLatencyNVLink(self.rank, self.num_ranks, self.device, self.num_gpu_timeout_secs,
+                                               allocate)
+        return self._ll_nvlink
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Accepted for API compatibility: epcomm's low-latency calls keep no state between calls (no-op)."""
@@ -111,9 +142,33 @@ class LowLatencyMixin:
                       f"x has {x.shape[0]} tokens but num_max_dispatch_tokens_per_rank="
                       f"{num_max_dispatch_tokens_per_rank}; size the call (and the buffer, with "
                       "get_low_latency_rdma_size_hint) for the largest decode batch")
+            fast = self._low_latency_nvlink()
+            if fast is not None:
+                fast.check_status(name)
+                c.require(isinstance(num_experts, int) and num_experts > 0 and num_experts % self.num_ranks == 0,
+                          f"num_experts must be a positive multiple of the group size {self.num_ranks}, got "
+                          f"{num_experts!r}")
+                c.tensor("x", x, ndim=2, dtypes=(torch.bfloat16,), shape=(None, None))
+                c.require(x.stride(1) == 1, f"x must have contiguous rows (stride 1 along hidden), got strides "
+                                            f"{tuple(x.stride())}")
+                check_topk_idx(c, topk_idx, x.shape[0])
+                if cumulative_local_expert_recv_stats is not None:
+                    c.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, ndim=1,
+                             dtypes=(torch.int32,), shape=(num_experts // self.num_ranks,))
         except (TypeError, ValueError) as e:
             self._reject(name, e)
         n = num_max_dispatch_tokens_per_rank
+        if fast is not None:
+            fast.prepare(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1], num_experts // self.num_ranks),
+                         name)
+            recv_x, recv_count, item_map, receive = fast.dispatch(
+                x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0)
+            if not return_recv_hook:
+                receive()
+            ll_handle = LowLatencyHandle(None, n, x.shape[1], num_experts // self.num_ranks, topk_idx,
+                                         item_map=item_map)
+            event = EventOverlap(EventHandle(self.device) if async_finish else None)
+            return recv_x, recv_count, ll_handle, event, (receive if return_recv_hook else None)
         if use_fp8:
             data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
             if round_scale and not use_ue8m0:
@@ -146,7 +201,7 @@ class LowLatencyMixin:
             recv_x = (expert_major(recv[0]), scales_LRP)
         else:
             recv_x = expert_major(recv)
-        ll_handle = LowLatencyHandle(handle, n, x.shape[1], expert_S, row_S)
+        ll_handle = LowLatencyHandle(handle, n, x.shape[1], num_local, topk_idx, expert_S, row_S)
         recv_count = handle.num_unaligned_recv_tokens_per_expert.clone()
         event = EventOverlap(EventHandle(self.device) if async_finish else None)
         hook: Optional[Callable] = (lambda: None) if return_recv_hook else None
@@ -186,27 +241,39 @@ class LowLatencyMixin:
             if not isinstance(handle, LowLatencyHandle):
                 c.fail(TypeError, f"handle must be the LowLatencyHandle of low_latency_dispatch, got "
                                   f"{type(handle).__name__}")
-            h = handle.handle
-            num_local, rows = h.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank
+            num_local, rows = handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank
             c.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,), shape=(num_local, rows, handle.hidden))
             try:
                 # Values are compared on the host, except under CUDA-graph capture (a host read cannot be
                 # captured): a captured combine trusts the routing it is replayed with.
-                same = tuple(topk_idx.shape) == tuple(h.topk_idx.shape) and (
-                    capturing(self.device) or topk_idx is h.topk_idx or torch.equal(topk_idx, h.topk_idx))
+                same = tuple(topk_idx.shape) == tuple(handle.topk_idx.shape) and (
+                    capturing(self.device) or topk_idx is handle.topk_idx or torch.equal(topk_idx, handle.topk_idx))
             except ValueError as e:
                 c.fail(ValueError, str(e))
             c.require(same, "topk_idx must be the routing of the low_latency_dispatch that made the handle")
             c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), shape=tuple(topk_idx.shape))
             if out is not None:
                 c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
+            fast = self._low_latency_nvlink() if handle.item_map is not None else None
+            if fast is not None:
+                fast.check_status(name)
+                c.require(x.is_contiguous(), "x must be contiguous")
         except (TypeError, ValueError) as e:
             self._reject(name, e)
+        if fast is not None:
+            combined = out if out is not None else torch.empty(topk_idx.shape[0], handle.hidden,
+                                                               dtype=torch.bfloat16, device=self.device)
+            receive = fast.combine(x, topk_idx, topk_weights, handle.item_map, combined)
+            if not return_recv_hook:
+                receive()
+            event = EventOverlap(EventHandle(self.device) if async_finish else None)
+            return combined, event, (receive if return_recv_hook else None)
         # Back to the expand layout (padding rows read the zero row), then every (token, expert) row home.
         slot_S = (handle.expert_idx_S * rows + handle.row_in_expert_S).masked_fill(handle.expert_idx_S < 0,
                                                                                     num_local * rows)
         flat = torch.cat([x.reshape(num_local * rows, -1), x.new_zeros(1, x.shape[2])])
         x_S = flat.index_select(0, slot_S)
+        h = handle.handle
         call = pipeline.CombineCall(x=x_S, handle=h, topk_weights=None, bias_0=None, bias_1=None, per_pair=True)
         call_id = self._next_call_id()
         self._exchange_header("EPBuffer.low_latency_combine", call_id, call.signature(), None)

@@ -1,0 +1,332 @@
+"""Triton bodies of the low-latency (decode) path on NVLink (imported lazily by `lowlatency_nvlink.py`).
+
+Four kernels, two per call; the layout of the symmetric region they share is `lowlatency_nvlink.Layout`:
+
+* `dispatch_send` (one program per token slot): casts its token to FP8 (or keeps BF16), writes it once to every
+  rank that holds one of its experts (rank dedup), with its local expert ids and its position among this rank's
+  rows for each expert; the last program to finish raises the `ready` flag in every peer.
+* `dispatch_recv` (one program per (source rank, token slot)): waits for the `ready` flags, expands the row into
+  the expert-major output (row = rows of lower source ranks + position: ascending token key), records where each
+  (token, top-k) item went for the combine; the last program sums the counts and acknowledges (`freed`).
+* `combine_send` (one program per (source rank, token slot)): writes each expert output row of that token back
+  to the token's rank, at slot (token, top-k position).
+* `combine_recv` (one program per (token, channel block)): waits, then `sum_k w_k * y_k` in fp32, ascending k,
+  one rounding to bf16.
+
+Flags are call counters (`epoch + 1`), never reset, so there is no cleaning pass. Two areas alternate by call
+parity; a sender waits for the `freed` flag of the call two before, so no peer can overwrite rows still being
+read. Every wait is bounded: on timeout the kernel prints the missing rank, records it in `status` and (on GPU)
+traps, as DESIGN.md's error table says for device-side waits.
+"""
+
+import triton
+import triton.language as tl
+
+# Flag slots: ((kind * 2 + what) * 2 + parity) * R + rank, int64 each.
+DISPATCH = tl.constexpr(0)
+COMBINE = tl.constexpr(1)
+READY = tl.constexpr(0)
+FREED = tl.constexpr(1)
+
+
+@triton.jit
+def _clock(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    else:
+        return tl.zeros([], dtype=tl.int64)
+
+
+@triton.jit
+def _region(local_ptr, delta16_ptr, rank):
+    """uint8 pointer to `rank`'s region: `delta16 * 16` bytes from ours. Stating the distance in 16-byte units
+    keeps every address provably 16-byte aligned, so row copies compile to 16-byte vector accesses."""
+    return local_ptr + tl.load(delta16_ptr + rank) * 16
+
+
+@triton.jit
+def _flag(base, kind, what, parity, rank, R: tl.constexpr):
+    """Pointer to one int64 flag of the region starting at `base` (uint8 pointer)."""
+    return base.to(tl.pointer_type(tl.int64)) + ((kind * 2 + what) * 2 + parity) * R + rank
+
+
+@triton.jit
+def _wait(flag_ptr, target, peer, timeout_ns, status_ptr, USE_TIMER: tl.constexpr):
+    """Spin until `*flag_ptr >= target` (acquire, system scope). On timeout: print, record `peer`, trap (GPU)."""
+    start = _clock(USE_TIMER)
+    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    spins = tl.zeros([], dtype=tl.int32)
+    late = tl.zeros([], dtype=tl.int32)
+    while (value < target) & (late == 0):
+        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        spins += 1
+        if USE_TIMER:
+            elapsed = _clock(USE_TIMER) - start
+        else:
+            elapsed = spins.to(tl.int64) * 1000000  # the interpreter has no clock: count a millisecond per poll
+        late = (elapsed > timeout_ns).to(tl.int32)
+    if value < target:
+        missing = peer + tl.zeros([], dtype=tl.int64)
+        tl.device_print("epcomm low-latency call: timed out waiting for rank", missing)
+        status = status_ptr.to(tl.int64).to(tl.pointer_type(tl.int64))  # host memory the host reads unsynchronised
+        tl.atomic_xchg(status, missing + 1, sem="relaxed", scope="sys")
+        if USE_TIMER:
+            tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()  # the rows the flag covers are read by every thread of the program
+
+
+@triton.jit
+def _to_bf16(v):
+    """fp32 -> bf16 rounded to nearest even, by integer arithmetic (the interpreter's conversion truncates)."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """float8_e4m3fn bits of fp32 `v` (|v| <= 448), rounded to nearest even, by integer arithmetic.
+
+    Spelled out rather than `.to(tl.float8e4nv)` so that the interpreter (whose conversion mis-rounds values that
+    carry into the exponent) and the GPU give the same bits as torch; a few integer ops per element are free here.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    # Normal results (|v| >= 2**-6): keep 3 mantissa bits; a carry out of them rounds into the exponent.
+    keep = mant >> 20
+    rest = mant & 0xFFFFF
+    up = (rest > 0x80000) | ((rest == 0x80000) & ((keep & 1) == 1))
+    normal = ((exp - 120) << 3 | keep) + up.to(tl.int32)
+    # Subnormal results: round(|v| * 2**9) = (1.mant) >> shift, to nearest even.
+    shift = tl.minimum(141 - exp, 31)
+    full = mant | 0x800000
+    q = full >> shift
+    rest_s = full & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up_s = (rest_s > half) | ((rest_s == half) & ((q & 1) == 1))
+    sub = q + up_s.to(tl.int32)
+    code = tl.where(exp >= 121, tl.minimum(normal, 0x7E), tl.where(exp == 0, 0, sub))
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _last_to_finish(counter_ptr, num_programs):
+    """Every program calls this after its writes; True in exactly one: the last (it resets the counter)."""
+    tl.debug_barrier()  # every thread's writes happen before this program's release below
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    last = done == num_programs - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def dispatch_send(
+    x_ptr, topk_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
+    num_tokens, stride_x, stride_topk, me, timeout_ns,
+    hdr_off, rows_off, row_bytes, scale_off, meta_off,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, USE_TIMER: tl.constexpr,
+    K_POW2: tl.constexpr, NB_POW2: tl.constexpr, CHUNK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    epoch = tl.load(state_ptr + DISPATCH)
+    parity = epoch % 2
+    if t == 0:
+        tl.store(ticket_ptr, epoch)
+    own = local_ptr
+    kk = tl.arange(0, K_POW2)
+    live = t < num_tokens
+    expert_k = tl.load(topk_ptr + t * stride_topk + kk, mask=kk < tl.where(live, K, 0), other=-1).to(tl.int32)
+    dest_k = tl.where(expert_k >= 0, expert_k // L, -1)
+
+    # Position of each item among this rank's items for the same expert, in (token, k) order, and whether a later
+    # item has the same expert (the last one writes the count).
+    mine = t * K + kk
+    before_k = tl.zeros([K_POW2], dtype=tl.int32)
+    after_k = tl.zeros([K_POW2], dtype=tl.int32)
+    num_items = tl.where(live, num_tokens * K, 0)
+    for start in range(0, num_items, CHUNK):
+        f = start + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ptr + (f // K) * stride_topk + f % K, mask=f < num_items, other=-1).to(tl.int32)
+        same = (ids[None, :] == expert_k[:, None]) & (expert_k[:, None] >= 0)
+        before_k += tl.sum((same & (f[None, :] < mine[:, None])).to(tl.int32), axis=1)
+        after_k += tl.sum((same & (f[None, :] > mine[:, None])).to(tl.int32), axis=1)
+
+    # The token row, cast once: [NB_POW2 blocks, 128 channels].
+    blk = tl.arange(0, NB_POW2)
+    ch = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+    inside = ch < H
+    row = tl.load(x_ptr + t.to(tl.int64) * stride_x + ch, mask=ch < tl.where(live, H, 0), other=0.0)
+    if USE_FP8:
+        xf = row.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4)
+        scale = tl.math.div_rn(amax, tl.full([NB_POW2], 448.0, tl.float32))
+        if POW2_SCALES:  # round up to a power of two, exactly (fp8.py's _round_up_pow2)
+            bits = scale.to(tl.int32, bitcast=True)
+            exp = (bits >> 23) & 0xFF
+            exp = tl.minimum(exp + ((bits & 0x7FFFFF) != 0).to(tl.int32), 255)
+            scale = (exp << 23).to(tl.float32, bitcast=True)
+        payload = _e4m3_bits(tl.math.div_rn(xf, scale[:, None]))
+    else:
+        payload = row
+
+    for r in tl.static_range(R):
+        dest = _region(local_ptr, delta16_ptr, r)
+        # Rank r must have finished reading the call two before (same area).
+        _wait(_flag(own, DISPATCH, FREED, parity, r, R), epoch - 1, r, timeout_ns, status_ptr, USE_TIMER)
+        slot = dest + rows_off + ((parity * R + me) * N + t).to(tl.int64) * row_bytes
+        local_k = tl.where(dest_k == r, expert_k - r * L, -1)
+        meta = (slot + meta_off).to(tl.pointer_type(tl.int32))
+        tl.store(meta + kk, local_k, mask=kk < K)
+        tl.store(meta + K + kk, before_k, mask=kk < K)
+        if tl.sum((dest_k == r).to(tl.int32), axis=0) > 0:
+            if USE_FP8:
+                tl.store(slot + ch, payload, mask=inside)
+                tl.store((slot + scale_off).to(tl.pointer_type(tl.float32)) + blk, scale, mask=blk * 128 < H)
+            else:
+                tl.store(slot.to(tl.pointer_type(tl.bfloat16)) + ch, payload, mask=inside)
+        hdr = (dest + hdr_off).to(tl.pointer_type(tl.int32)) + (parity * R + me) * L
+        tl.store(hdr + tl.maximum(local_k, 0), before_k + 1, mask=(local_k >= 0) & (after_k == 0) & (kk < K))
+
+    if _last_to_finish(state_ptr + 2, tl.num_programs(0)):
+        tl.atomic_xchg(state_ptr + DISPATCH, epoch + 1, sem="relaxed", scope="gpu")
+        for r in tl.static_range(R):
+            dest = _region(local_ptr, delta16_ptr, r)
+            tl.atomic_xchg(_flag(dest, DISPATCH, READY, parity, me, R), epoch + 1, sem="release", scope="sys")
+
+
+@triton.jit
+def dispatch_recv(
+    local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, out_ptr, scales_ptr, count_ptr, stats_ptr, item_ptr,
+    me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr, USE_TIMER: tl.constexpr,
+    NB: tl.constexpr, NB_POW2: tl.constexpr, L_POW2: tl.constexpr, SCALE_COLS: tl.constexpr,
+    K_POW2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    src = pid // N
+    t = pid % N
+    epoch = tl.load(ticket_ptr)
+    parity = epoch % 2
+    own = local_ptr
+    for r in tl.static_range(R):
+        _wait(_flag(own, DISPATCH, READY, parity, r, R), epoch + 1, r, timeout_ns, status_ptr, USE_TIMER)
+    slot = own + rows_off + ((parity * R + src) * N + t).to(tl.int64) * row_bytes
+    meta = (slot + meta_off).to(tl.pointer_type(tl.int32))
+    hdr = (own + hdr_off).to(tl.pointer_type(tl.int32)) + parity * R * L
+    rows = R * N  # rows per expert in the output
+    kk = tl.arange(0, K_POW2)
+    items = item_ptr + (src * N + t) * K
+    if tl.max(tl.load(meta + kk, mask=kk < K, other=-1), axis=0) < 0:  # no expert of this token lives here
+        tl.store(items + kk, tl.full([K_POW2], -1, tl.int32), mask=kk < K)
+    else:
+        blk = tl.arange(0, NB_POW2)
+        ch = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+        inside = ch < H
+        if USE_FP8:
+            payload = tl.load(slot + ch, mask=inside, other=0)
+            scale = tl.load((slot + scale_off).to(tl.pointer_type(tl.float32)) + blk, mask=blk < NB, other=0.0)
+            if UE8M0:  # four exponent bytes per int32, block 4i+j in byte j (fp8.pack_ue8m0)
+                exps = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                packs = tl.sum(tl.reshape(exps, [NB_POW2 // 4, 4]) << (tl.arange(0, 4) * 8)[None, :], axis=1)
+        else:
+            payload = tl.load(slot.to(tl.pointer_type(tl.bfloat16)) + ch, mask=inside, other=0.0)
+        for k in tl.static_range(K):
+            expert = tl.load(meta + k)
+            item = tl.full([], -1, tl.int32)
+            if expert >= 0:
+                offset = tl.load(meta + K + k)
+                for s in range(src):  # rows of lower source ranks come first (ascending token key)
+                    offset += tl.load(hdr + s * L + expert)
+                item = expert * rows + offset
+                tl.store(out_ptr + item.to(tl.int64) * H + ch, payload, mask=inside)
+                if USE_FP8:  # scales token-contiguous per expert: [L, SCALE_COLS, rows]
+                    col = expert.to(tl.int64) * SCALE_COLS * rows + offset
+                    if UE8M0:
+                        p = tl.arange(0, NB_POW2 // 4)
+                        tl.store(scales_ptr + col + p * rows, packs, mask=p < SCALE_COLS)
+                    else:
+                        tl.store(scales_ptr + col + blk * rows, scale, mask=blk < NB)
+            tl.store(items + k, item)
+
+    if _last_to_finish(state_ptr + 3, tl.num_programs(0)):
+        e = tl.arange(0, L_POW2)
+        total = tl.zeros([L_POW2], dtype=tl.int32)
+        for s in tl.static_range(R):
+            total += tl.load(hdr + s * L + e, mask=e < L, other=0)
+            tl.store(hdr + s * L + e, tl.zeros([L_POW2], dtype=tl.int32), mask=e < L)  # counts start at 0
+        tl.store(count_ptr + e, total, mask=e < L)
+        if HAS_STATS:
+            tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e < L) + total, mask=e < L)
+        for r in tl.static_range(R):
+            dest = _region(local_ptr, delta16_ptr, r)
+            tl.atomic_xchg(_flag(dest, DISPATCH, FREED, parity, me, R), epoch + 1, sem="release", scope="sys")
+
+
+@triton.jit
+def combine_send(
+    x_ptr, item_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
+    me, timeout_ns, comb_off, crow_bytes,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dst_rank = pid // N
+    t = pid % N
+    epoch = tl.load(state_ptr + COMBINE)
+    parity = epoch % 2
+    if pid == 0:
+        tl.store(ticket_ptr, epoch)
+    own = local_ptr
+    _wait(_flag(own, COMBINE, FREED, parity, dst_rank, R), epoch - 1, dst_rank, timeout_ns, status_ptr, USE_TIMER)
+    dest = _region(local_ptr, delta16_ptr, dst_rank)
+    area = dest + comb_off + (parity * N * K).to(tl.int64) * crow_bytes
+    for k in tl.static_range(K):
+        item = tl.load(item_ptr + (dst_rank * N + t) * K + k)
+        if item >= 0:
+            out = (area + (t * K + k).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
+            for c in tl.static_range(0, H, BLOCK_H):
+                offs = c + tl.arange(0, BLOCK_H)
+                tl.store(out + offs, tl.load(x_ptr + item.to(tl.int64) * H + offs, mask=offs < H), mask=offs < H)
+    if _last_to_finish(state_ptr + 4, tl.num_programs(0)):
+        tl.atomic_xchg(state_ptr + COMBINE, epoch + 1, sem="relaxed", scope="gpu")
+        for r in tl.static_range(R):
+            peer = _region(local_ptr, delta16_ptr, r)
+            tl.atomic_xchg(_flag(peer, COMBINE, READY, parity, me, R), epoch + 1, sem="release", scope="sys")
+
+
+@triton.jit
+def combine_recv(
+    topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
+    num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, crow_bytes,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    epoch = tl.load(ticket_ptr)
+    parity = epoch % 2
+    own = local_ptr
+    for r in tl.static_range(R):
+        _wait(_flag(own, COMBINE, READY, parity, r, R), epoch + 1, r, timeout_ns, status_ptr, USE_TIMER)
+    if t < num_tokens:
+        area = own + comb_off + (parity * N * K).to(tl.int64) * crow_bytes
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(K):
+            expert = tl.load(topk_ptr + t * stride_topk + k)
+            w = tl.load(weights_ptr + t * stride_w + k)
+            y_ptr = (area + (t * K + k).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
+            y = tl.load(y_ptr + offs, mask=offs < tl.where(expert >= 0, H, 0), other=0.0).to(tl.float32)
+            # One fp32 product and one fp32 sum per position (the launch turns off FMA contraction).
+            acc = tl.where(expert >= 0, acc + w * y, acc)
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, _to_bf16(acc),
+                 mask=offs < H)
+    if _last_to_finish(state_ptr + 5, tl.num_programs(0) * tl.num_programs(1)):
+        for r in tl.static_range(R):
+            peer = _region(local_ptr, delta16_ptr, r)
+            tl.atomic_xchg(_flag(peer, COMBINE, FREED, parity, me, R), epoch + 1, sem="release", scope="sys")

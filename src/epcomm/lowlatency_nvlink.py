@@ -1,0 +1,199 @@
+"""The latency-optimised low-latency (decode) path on the nvlink transport: two Triton kernels per call.
+
+`low_latency_dispatch` launches a send kernel (FP8 cast fused, each token written once per destination rank) and
+a receive kernel (expands the rows into the expert-major output); `low_latency_combine` launches a send kernel
+(every expert output row back to its token's rank) and a receive kernel (the weighted sum). Ranks signal each
+other with flags in symmetric memory, inside the kernels: no device barrier, no host synchronisation, nothing
+sized for more than the call's tokens on the link. With `return_recv_hook=True` the call launches only the send
+kernel and the hook launches the receive kernel. Kernels: `kernels/_lowlatency_triton.py`.
+
+Region of every rank (its own symmetric allocation, made at the first low-latency call; `Layout`):
+
+    [ flags | counts: 2 x R x L int32 | dispatch rows: 2 x R x N rows | combine rows: 2 x N*K rows ]
+
+Each area exists twice and calls alternate between the two by parity, so two calls of a kind may be in flight
+(issued, hooks not yet called) per buffer, as in DeepEP V1. Results are identical to the portable path
+(`lowlatency.py`), except that rows past `recv_count[e]` of the expert-major output are left unwritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .sizing import align
+from .streams import capturing
+
+_CHUNK = 1024  # (token, k) items compared per step when the send kernel ranks its items
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of the low-latency region for one call shape (every rank computes the same)."""
+
+    num_ranks: int
+    num_max_tokens: int  # N
+    hidden: int
+    num_topk: int
+    num_local_experts: int
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.hidden // 128)
+
+    @property
+    def scale_off(self) -> int:  # inside a dispatch row: data (BF16-sized) | fp32 scales | expert ids | positions
+        return align(2 * self.hidden, 16)
+
+    @property
+    def meta_off(self) -> int:
+        return self.scale_off + align(4 * self.num_blocks, 16)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.meta_off + align(8 * self.num_topk, 16)
+
+    @property
+    def crow_bytes(self) -> int:
+        return align(2 * self.hidden, 16)
+
+    hdr_off = 4096  # after the flags: [kind 2][ready/freed 2][parity 2][R] int64
+
+    @property
+    def rows_off(self) -> int:
+        return self.hdr_off + align(2 * self.num_ranks * self.num_local_experts * 4, 4096)
+
+    @property
+    def comb_off(self) -> int:
+        return align(self.rows_off + 2 * self.num_ranks * self.num_max_tokens * self.row_bytes, 4096)
+
+    @property
+    def nbytes(self) -> int:
+        return align(self.comb_off + 2 * self.num_max_tokens * self.num_topk * self.crow_bytes, 1 << 21)
+
+
+class LowLatencyNVLink:
+    """Per-buffer state of the fast path: the region, the call counters, and the timeout record.
+
+    Fields:
+        local: [nbytes] uint8 -- this rank's region; `delta16`: [R] int64 -- every region's base relative to it,
+            in 16-byte units.
+        state: [8] int64 (device) -- call counters (dispatch, combine) and the kernels' finish counters.
+        status: [1] int64 (host memory the GPU writes) -- 0, or 1 + the rank a wait timed out on.
+    """
+
+    def __init__(self, rank: int, num_ranks: int, device: torch.device, timeout_s: float, allocate: Callable):
+        self.rank, self.num_ranks, self.device = rank, num_ranks, device
+        self.timeout_ns = int(timeout_s * 1e9)
+        self._allocate = allocate  # layout -> (local, delta16): collective
+        self.layout: Optional[Layout] = None
+        self.local = self.delta16 = None
+        self.state = torch.zeros(8, dtype=torch.int64, device=device)
+        pinned = device.type == "cuda"
+        self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        self.use_timer = device.type == "cuda"
+
+    def check_status(self, call: str) -> None:
+        """Raises: TimeoutError -- an earlier low-latency call of this buffer timed out waiting for a rank."""
+        missing = int(self.status[0])
+        if missing:
+            raise TimeoutError(f"{call}: rank {self.rank}: an earlier low-latency call timed out after "
+                               f"{self.timeout_ns / 1e9:g} s (num_gpu_timeout_secs) waiting for rank {missing - 1}; "
+                               "the buffer is unusable, restart the process group")
+
+    def prepare(self, layout: Layout, call: str) -> None:
+        """Allocate (collectively) the region for this call shape at the first call, or when the shape changes."""
+        if layout == self.layout:
+            return
+        if capturing(self.device):
+            raise ValueError(f"{call}: rank {self.rank}: the first low-latency call of a shape (here N="
+                             f"{layout.num_max_tokens}, hidden={layout.hidden}, top-k={layout.num_topk}) allocates "
+                             "symmetric memory and cannot be captured; make one eager call of this shape before "
+                             "capturing a CUDA graph")
+        self.local, self.delta16 = self._allocate(layout)
+        self.state.zero_()
+        self.layout = layout
+
+    def _common(self) -> dict:
+        lay = self.layout
+        return dict(N=lay.num_max_tokens, H=lay.hidden, K=lay.num_topk, R=self.num_ranks, USE_TIMER=self.use_timer)
+
+    # -- dispatch ----------------------------------------------------------------------------------
+    def dispatch(self, x: Tensor, topk_idx: Tensor, stats: Optional[Tensor], use_fp8: bool, pow2_scales: bool,
+                 use_ue8m0: bool):
+        """Launch the send kernel; returns `(recv_x, recv_count, item_map, receive)` -- `receive()` launches the
+        receive kernel, which fills recv_x, recv_count, the stats and item_map ([R * N * K] int32: the output row
+        `e * R * N + row` of each (source rank, token, top-k) item, -1 for none)."""
+        from .kernels import _lowlatency_triton as k
+
+        import triton
+
+        lay = self.layout
+        n, h, num_local, r = lay.num_max_tokens, lay.hidden, lay.num_local_experts, self.num_ranks
+        rows = r * n
+        nb = lay.num_blocks
+        nb_pow2 = max(4, triton.next_power_of_2(nb))
+        k_pow2 = triton.next_power_of_2(lay.num_topk)
+        ticket = torch.empty(1, dtype=torch.int64, device=self.device)
+        topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
+        offsets = dict(hdr_off=lay.hdr_off, rows_off=lay.rows_off, row_bytes=lay.row_bytes,
+                       scale_off=lay.scale_off, meta_off=lay.meta_off)
+        k.dispatch_send[(n,)](
+            x, topk, self.local, self.delta16, self.state, ticket, self.status.data_ptr(),
+            x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
+            L=num_local, USE_FP8=use_fp8, POW2_SCALES=pow2_scales, K_POW2=k_pow2, NB_POW2=nb_pow2, CHUNK=_CHUNK,
+            num_warps=8, **self._common())
+
+        if use_fp8:
+            data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=self.device)
+            cols = -(-nb // 4) if use_ue8m0 else nb
+            scales = torch.empty(num_local, cols, rows, dtype=torch.int32 if use_ue8m0 else torch.float32,
+                                 device=self.device)
+            recv_x = (data, scales.transpose(1, 2))  # token-contiguous scales per expert
+            out, scales_arg = data.view(torch.uint8), scales
+        else:
+            cols = nb
+            out = torch.empty(num_local, rows, h, dtype=torch.bfloat16, device=self.device)
+            recv_x, scales_arg = out, out
+        count = torch.empty(num_local, dtype=torch.int32, device=self.device)
+        item_map = torch.empty(rows * lay.num_topk, dtype=torch.int32, device=self.device)
+
+        def receive() -> None:
+            k.dispatch_recv[(rows,)](
+                self.local, self.delta16, self.state, ticket, self.status.data_ptr(), out, scales_arg, count,
+                stats if stats is not None else count, item_map, self.rank, self.timeout_ns, **offsets,
+                L=num_local, USE_FP8=use_fp8, UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
+                NB_POW2=nb_pow2, L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols, K_POW2=k_pow2,
+                num_warps=8, **self._common())
+
+        return recv_x, count, item_map, receive
+
+    # -- combine -----------------------------------------------------------------------------------
+    def combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, item_map: Tensor, out: Tensor):
+        """Launch the send kernel; returns `receive`, which launches the weighted sum into `out` ([T, H] bf16)."""
+        from .kernels import _lowlatency_triton as k
+
+        import triton
+
+        lay = self.layout
+        block_h = min(2048, triton.next_power_of_2(lay.hidden))
+        ticket = torch.empty(1, dtype=torch.int64, device=self.device)
+        offsets = dict(comb_off=lay.comb_off, crow_bytes=lay.crow_bytes)
+        k.combine_send[(self.num_ranks * lay.num_max_tokens,)](
+            x, item_map, self.local, self.delta16, self.state, ticket, self.status.data_ptr(), self.rank,
+            self.timeout_ns, **offsets, BLOCK_H=block_h, num_warps=8, **self._common())
+        topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
+        weights = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
+        num_tokens = topk.shape[0]
+
+        def receive() -> None:
+            block = min(1024, triton.next_power_of_2(lay.hidden))
+            k.combine_recv[(max(num_tokens, 1), triton.cdiv(lay.hidden, block))](
+                topk, weights, out, self.local, self.delta16, self.state, ticket, self.status.data_ptr(),
+                num_tokens, topk.stride(0), weights.stride(0), out.stride(0), self.rank, self.timeout_ns,
+                **offsets, BLOCK_H=block, num_warps=4, enable_fp_fusion=False, **self._common())
+
+        return receive

@@ -1,0 +1,121 @@
+"""The nvlink low-latency kernels under TRITON_INTERPRET=1: ranks simulated one after another in one process.
+
+Every rank's region is a CPU tensor and the kernels address the others through the same 16-byte deltas as on
+GPU. A call's send kernels run for every rank before its receive kernels (the order the flags enforce on GPU),
+so the waits are satisfied, and a receive whose peer never sent checks the bounded wait. Run as a script:
+`python lowlatency_sim.py CASE` (the test sets TRITON_INTERPRET=1, which must precede the triton import).
+"""
+
+import sys
+
+import torch
+
+from epcomm.fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
+from epcomm.lowlatency_nvlink import Layout, LowLatencyNVLink
+
+
+def engines(num_ranks, layout, timeout_s=30.0):
+    regions = [torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
+    ptrs = torch.tensor([t.data_ptr() for t in regions], dtype=torch.int64)
+
+    def allocate_for(r):
+        return lambda _layout: (regions[r], torch.div(ptrs - ptrs[r], 16, rounding_mode="floor"))
+
+    out = [LowLatencyNVLink(r, num_ranks, torch.device("cpu"), timeout_s, allocate_for(r)) for r in range(num_ranks)]
+    for e in out:
+        e.prepare(layout, "test")
+    return out
+
+
+def routing(gen, num_tokens, num_experts, num_topk):
+    idx = torch.stack([torch.randperm(num_experts, generator=gen)[:num_topk] for _ in range(num_tokens)]) \
+        if num_tokens else torch.empty(0, num_topk, dtype=torch.int64)
+    idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1
+    return idx
+
+
+def cast(x, use_fp8, pow2, ue8m0):
+    """What the low-latency dispatch sends for x (lowlatency.py's portable path)."""
+    if not use_fp8:
+        return x
+    data, scales = per_token_cast_to_fp8(x, use_ue8m0=pow2 or ue8m0)
+    return data, (unpack_ue8m0(scales, num_sf_packs(x.shape[1])) if pow2 and not ue8m0 else scales)
+
+
+def check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0):
+    """Each expert's rows are the tokens that chose it, in ascending (source rank, token), as the reference."""
+    num_ranks = len(xs)
+    sent = [cast(x, use_fp8, pow2, ue8m0) for x in xs]
+    for r in range(num_ranks):
+        recv_x, count, _, _ = pend[r]
+        for e in range(num_local):
+            rows = [(s, t) for s in range(num_ranks) for t in range(xs[s].shape[0])
+                    if r * num_local + e in idx[s][t].tolist()]
+            assert int(count[e]) == len(rows), (r, e, count.tolist(), rows)
+            for j, (s, t) in enumerate(rows):
+                if use_fp8:
+                    assert torch.equal(recv_x[0][e, j].view(torch.uint8), sent[s][0][t].view(torch.uint8)), (r, e, j)
+                    assert torch.equal(recv_x[1][e, j], sent[s][1][t]), (r, e, j)
+                    assert recv_x[1].stride(1) == 1
+                else:
+                    assert torch.equal(recv_x[e, j], sent[s][t]), (r, e, j)
+
+
+def run(case: str) -> None:
+    gen = torch.Generator().manual_seed(len(case))
+    if case == "two-ranks":
+        num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 6, 256, 8, 3, [5, 3]
+    elif case == "three-ranks":  # a partial last FP8 block, an empty rank, top-2
+        num_ranks, n, hidden, num_experts, num_topk, tokens = 3, 4, 200, 6, 2, [4, 0, 2]
+    elif case == "timeout":
+        num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 2, 128, 4, 2, [2, 2]
+    num_local = num_experts // num_ranks
+    layout = Layout(num_ranks, n, hidden, num_topk, num_local)
+    eng = engines(num_ranks, layout, timeout_s=0.05 if case == "timeout" else 30.0)
+    xs = [torch.randn(t, hidden, generator=gen).bfloat16() for t in tokens]
+    idx = [routing(gen, t, num_experts, num_topk) for t in tokens]
+    if case == "timeout":  # rank 0 waits for a dispatch rank 1 never sends: the wait ends and names rank 1
+        eng[0].dispatch(xs[0], idx[0], None, False, False, False)[3]()
+        assert int(eng[0].status[0]) == 2, eng[0].status
+        try:
+            eng[0].check_status("EPBuffer.low_latency_dispatch")
+        except TimeoutError as e:
+            assert "waiting for rank 1" in str(e), e
+        else:
+            raise AssertionError("no TimeoutError after a timed-out wait")
+        return
+    # Several calls in a row: both parities, counters past the first round, every scale format.
+    for use_fp8, ue8m0, pow2 in [(False, False, False), (True, False, False), (True, True, True),
+                                 (True, False, True), (False, False, False)]:
+        stats = [torch.zeros(num_local, dtype=torch.int32) for _ in range(num_ranks)]
+        pend = [eng[r].dispatch(xs[r], idx[r], stats[r], use_fp8, pow2, ue8m0) for r in range(num_ranks)]
+        for p in pend:
+            p[3]()
+        check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0)
+        for r in range(num_ranks):
+            assert torch.equal(stats[r], pend[r][1]), (stats[r], pend[r][1])
+        if use_fp8:
+            continue
+        # Expert e of rank r multiplies by (1 + e); the combine weights and sums in ascending top-k position.
+        ws = [torch.rand(t, num_topk, generator=gen) for t in tokens]
+        outs = [torch.empty(t, hidden, dtype=torch.bfloat16) for t in tokens]
+        ys = [(pend[r][0].float() * (1 + torch.arange(num_local)).view(-1, 1, 1)).bfloat16()
+              for r in range(num_ranks)]
+        receives = [eng[r].combine(ys[r], idx[r], ws[r], pend[r][2], outs[r]) for r in range(num_ranks)]
+        for f in receives:
+            f()
+        for r in range(num_ranks):
+            acc = torch.zeros(tokens[r], hidden)
+            for j in range(num_topk):
+                for t in range(tokens[r]):
+                    e = int(idx[r][t, j])
+                    if e >= 0:
+                        acc[t] = acc[t] + ws[r][t, j] * (xs[r][t].float() * (1 + e % num_local)).bfloat16().float()
+            assert torch.equal(outs[r], acc.bfloat16()), (r, (outs[r].float() - acc).abs().max())
+    for e in eng:
+        assert int(e.status[0]) == 0
+
+
+if __name__ == "__main__":
+    run(sys.argv[1])
+    print("ok")
