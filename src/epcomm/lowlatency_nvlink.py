@@ -28,6 +28,9 @@ from .sizing import align
 from .streams import capturing
 
 _CHUNK = 1024  # (token, k) items compared per step when the send kernel ranks its items
+# Blocks of 128 channels per dispatch program (a multiple of 4: UE8M0 packs four blocks per word). Splitting a
+# row over several programs puts more loads and stores in flight at decode sizes.
+_BLOCKS_PER_PROGRAM = 16
 
 
 @dataclass(frozen=True)
@@ -135,17 +138,18 @@ class LowLatencyNVLink:
         n, h, num_local, r = lay.num_max_tokens, lay.hidden, lay.num_local_experts, self.num_ranks
         rows = r * n
         nb = lay.num_blocks
-        nb_pow2 = max(4, triton.next_power_of_2(nb))
+        nbc = min(_BLOCKS_PER_PROGRAM, max(4, triton.next_power_of_2(nb)))  # blocks of 128 channels per program
+        grid_c = triton.cdiv(nb, nbc)
         k_pow2 = triton.next_power_of_2(lay.num_topk)
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         offsets = dict(hdr_off=lay.hdr_off, rows_off=lay.rows_off, row_bytes=lay.row_bytes,
                        scale_off=lay.scale_off, meta_off=lay.meta_off)
-        k.dispatch_send[(n,)](
+        k.dispatch_send[(n, grid_c)](
             x, topk, self.local, self.delta16, self.state, ticket, self.status.data_ptr(),
             x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
-            L=num_local, USE_FP8=use_fp8, POW2_SCALES=pow2_scales, K_POW2=k_pow2, NB_POW2=nb_pow2, CHUNK=_CHUNK,
-            num_warps=8, **self._common())
+            L=num_local, USE_FP8=use_fp8, POW2_SCALES=pow2_scales, K_POW2=k_pow2, NBC=nbc, CHUNK=_CHUNK,
+            num_warps=4, **self._common())
 
         if use_fp8:
             data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=self.device)
@@ -162,12 +166,12 @@ class LowLatencyNVLink:
         item_map = torch.empty(rows * lay.num_topk, dtype=torch.int32, device=self.device)
 
         def receive() -> None:
-            k.dispatch_recv[(rows,)](
+            k.dispatch_recv[(rows, grid_c)](
                 self.local, self.delta16, self.state, ticket, self.status.data_ptr(), out, scales_arg, count,
                 stats if stats is not None else count, item_map, self.rank, self.timeout_ns, **offsets,
                 L=num_local, USE_FP8=use_fp8, UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
-                NB_POW2=nb_pow2, L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols, K_POW2=k_pow2,
-                num_warps=8, **self._common())
+                NBC=nbc, L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols, K_POW2=k_pow2,
+                num_warps=4, **self._common())
 
         return recv_x, count, item_map, receive
 
@@ -182,9 +186,9 @@ class LowLatencyNVLink:
         block_h = min(2048, triton.next_power_of_2(lay.hidden))
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         offsets = dict(comb_off=lay.comb_off, crow_bytes=lay.crow_bytes)
-        k.combine_send[(self.num_ranks * lay.num_max_tokens,)](
+        k.combine_send[(self.num_ranks * lay.num_max_tokens, lay.num_topk)](
             x, item_map, self.local, self.delta16, self.state, ticket, self.status.data_ptr(), self.rank,
-            self.timeout_ns, **offsets, BLOCK_H=block_h, num_warps=8, **self._common())
+            self.timeout_ns, **offsets, BLOCK_H=block_h, num_warps=4, **self._common())
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         weights = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
         num_tokens = topk.shape[0]

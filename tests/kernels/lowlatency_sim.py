@@ -64,7 +64,7 @@ def check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0):
 def run(case: str) -> None:
     gen = torch.Generator().manual_seed(len(case))
     if case == "two-ranks":
-        num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 6, 256, 8, 3, [5, 3]
+        num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 6, 2200, 8, 3, [5, 3]  # 18 blocks: 2 per row
     elif case == "three-ranks":  # a partial last FP8 block, an empty rank, top-2
         num_ranks, n, hidden, num_experts, num_topk, tokens = 3, 4, 200, 6, 2, [4, 0, 2]
     elif case == "timeout":

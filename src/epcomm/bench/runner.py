@@ -212,6 +212,9 @@ def measure_epcomm(rank: int, world_size: int, cfg: EpcommConfig, iters: int, wa
                 sms=handle.num_sms if device.type == "cuda" else None)
 
 
+GRAPH_CALLS = 8  # decode: calls captured back to back in one graph for the `graph-x8` mode
+
+
 def measure_low_latency(rank: int, world_size: int, cfg: EpcommConfig, iters: int, warmup: int) -> dict:
     """Decode on GPU (docs/benchmarks.md "Decode"): CUDA-graph replays of `low_latency_dispatch` (BF16 in, FP8
     cast inside) and `low_latency_combine` (BF16, weighted), and of the normal path without CPU sync (expand
@@ -230,11 +233,16 @@ def measure_low_latency(rank: int, world_size: int, cfg: EpcommConfig, iters: in
         y = random_like_rows(case, rank, recv_x[0].shape[0] * recv_x[0].shape[1], moe.hidden, device,
                              "expert-out").view(recv_x[0].shape)
         weights = inp.topk_weights.float()
+        def ll_dispatch():
+            return buf.low_latency_dispatch(x, inp.topk_idx, n, moe.num_experts)
+
+        def ll_combine():
+            return buf.low_latency_combine(y, inp.topk_idx, weights, ll_handle)
         times = {
-            ("ll-dispatch", "graph"): timer.measure_graph(
-                lambda: buf.low_latency_dispatch(x, inp.topk_idx, n, moe.num_experts)),
-            ("ll-combine", "graph"): timer.measure_graph(
-                lambda: buf.low_latency_combine(y, inp.topk_idx, weights, ll_handle)),
+            ("ll-dispatch", "graph"): timer.measure_graph(ll_dispatch),
+            ("ll-combine", "graph"): timer.measure_graph(ll_combine),
+            ("ll-dispatch", f"graph-x{GRAPH_CALLS}"): timer.measure_graph(ll_dispatch, calls=GRAPH_CALLS),
+            ("ll-combine", f"graph-x{GRAPH_CALLS}"): timer.measure_graph(ll_combine, calls=GRAPH_CALLS),
         }
         _, _, _, handle, _ = buf.dispatch(inp.x, inp.topk_idx, num_experts=moe.num_experts, do_cpu_sync=False,
                                           do_expand=True)

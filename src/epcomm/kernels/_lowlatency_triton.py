@@ -2,13 +2,13 @@
 
 Four kernels, two per call; the layout of the symmetric region they share is `lowlatency_nvlink.Layout`:
 
-* `dispatch_send` (one program per token slot): casts its token to FP8 (or keeps BF16), writes it once to every
+* `dispatch_send` (one program per token slot and block of channels): casts its token to FP8 (or keeps BF16), writes it once to every
   rank that holds one of its experts (rank dedup), with its local expert ids and its position among this rank's
   rows for each expert; the last program to finish raises the `ready` flag in every peer.
-* `dispatch_recv` (one program per (source rank, token slot)): waits for the `ready` flags, expands the row into
+* `dispatch_recv` (one program per (source rank, token slot, block of channels)): waits for the `ready` flags, expands the row into
   the expert-major output (row = rows of lower source ranks + position: ascending token key), records where each
   (token, top-k) item went for the combine; the last program sums the counts and acknowledges (`freed`).
-* `combine_send` (one program per (source rank, token slot)): writes each expert output row of that token back
+* `combine_send` (one program per (source rank, token slot, top-k position)): writes each expert output row of that token back
   to the token's rank, at slot (token, top-k position).
 * `combine_recv` (one program per (token, channel block)): waits, then `sum_k w_k * y_k` in fp32, ascending k,
   one rounding to bf16.
@@ -59,13 +59,14 @@ def _wait(flag_ptr, target, peer, timeout_ns, status_ptr, USE_TIMER: tl.constexp
     spins = tl.zeros([], dtype=tl.int32)
     late = tl.zeros([], dtype=tl.int32)
     while (value < target) & (late == 0):
-        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        value = tl.load(flag_ptr, volatile=True)
         spins += 1
         if USE_TIMER:
             elapsed = _clock(USE_TIMER) - start
         else:
             elapsed = spins.to(tl.int64) * 1000000  # the interpreter has no clock: count a millisecond per poll
         late = (elapsed > timeout_ns).to(tl.int32)
+    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")  # what the flag covers is visible from here
     if value < target:
         missing = peer + tl.zeros([], dtype=tl.int64)
         tl.device_print("epcomm low-latency call: timed out waiting for rank", missing)
@@ -130,12 +131,13 @@ def dispatch_send(
     hdr_off, rows_off, row_bytes, scale_off, meta_off,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, USE_TIMER: tl.constexpr,
-    K_POW2: tl.constexpr, NB_POW2: tl.constexpr, CHUNK: tl.constexpr,
+    K_POW2: tl.constexpr, NBC: tl.constexpr, CHUNK: tl.constexpr,
 ):
     t = tl.program_id(0)
+    c = tl.program_id(1)  # which NBC blocks of 128 channels this program moves
     epoch = tl.load(state_ptr + DISPATCH)
     parity = epoch % 2
-    if t == 0:
+    if (t == 0) & (c == 0):
         tl.store(ticket_ptr, epoch)
     own = local_ptr
     kk = tl.arange(0, K_POW2)
@@ -156,15 +158,15 @@ def dispatch_send(
         before_k += tl.sum((same & (f[None, :] < mine[:, None])).to(tl.int32), axis=1)
         after_k += tl.sum((same & (f[None, :] > mine[:, None])).to(tl.int32), axis=1)
 
-    # The token row, cast once: [NB_POW2 blocks, 128 channels].
-    blk = tl.arange(0, NB_POW2)
+    # This program's part of the token row, cast once: [NBC blocks, 128 channels].
+    blk = c * NBC + tl.arange(0, NBC)
     ch = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
     inside = ch < H
     row = tl.load(x_ptr + t.to(tl.int64) * stride_x + ch, mask=ch < tl.where(live, H, 0), other=0.0)
     if USE_FP8:
         xf = row.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4)
-        scale = tl.math.div_rn(amax, tl.full([NB_POW2], 448.0, tl.float32))
+        scale = tl.math.div_rn(amax, tl.full([NBC], 448.0, tl.float32))
         if POW2_SCALES:  # round up to a power of two, exactly (fp8.py's _round_up_pow2)
             bits = scale.to(tl.int32, bitcast=True)
             exp = (bits >> 23) & 0xFF
@@ -180,19 +182,20 @@ def dispatch_send(
         _wait(_flag(own, DISPATCH, FREED, parity, r, R), epoch - 1, r, timeout_ns, status_ptr, USE_TIMER)
         slot = dest + rows_off + ((parity * R + me) * N + t).to(tl.int64) * row_bytes
         local_k = tl.where(dest_k == r, expert_k - r * L, -1)
-        meta = (slot + meta_off).to(tl.pointer_type(tl.int32))
-        tl.store(meta + kk, local_k, mask=kk < K)
-        tl.store(meta + K + kk, before_k, mask=kk < K)
+        if c == 0:
+            meta = (slot + meta_off).to(tl.pointer_type(tl.int32))
+            tl.store(meta + kk, local_k, mask=kk < K)
+            tl.store(meta + K + kk, before_k, mask=kk < K)
+            hdr = (dest + hdr_off).to(tl.pointer_type(tl.int32)) + (parity * R + me) * L
+            tl.store(hdr + tl.maximum(local_k, 0), before_k + 1, mask=(local_k >= 0) & (after_k == 0) & (kk < K))
         if tl.sum((dest_k == r).to(tl.int32), axis=0) > 0:
             if USE_FP8:
                 tl.store(slot + ch, payload, mask=inside)
                 tl.store((slot + scale_off).to(tl.pointer_type(tl.float32)) + blk, scale, mask=blk * 128 < H)
             else:
                 tl.store(slot.to(tl.pointer_type(tl.bfloat16)) + ch, payload, mask=inside)
-        hdr = (dest + hdr_off).to(tl.pointer_type(tl.int32)) + (parity * R + me) * L
-        tl.store(hdr + tl.maximum(local_k, 0), before_k + 1, mask=(local_k >= 0) & (after_k == 0) & (kk < K))
 
-    if _last_to_finish(state_ptr + 2, tl.num_programs(0)):
+    if _last_to_finish(state_ptr + 2, tl.num_programs(0) * tl.num_programs(1)):
         tl.atomic_xchg(state_ptr + DISPATCH, epoch + 1, sem="relaxed", scope="gpu")
         for r in tl.static_range(R):
             dest = _region(local_ptr, delta16_ptr, r)
@@ -205,12 +208,13 @@ def dispatch_recv(
     me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr, USE_TIMER: tl.constexpr,
-    NB: tl.constexpr, NB_POW2: tl.constexpr, L_POW2: tl.constexpr, SCALE_COLS: tl.constexpr,
+    NB: tl.constexpr, NBC: tl.constexpr, L_POW2: tl.constexpr, SCALE_COLS: tl.constexpr,
     K_POW2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     src = pid // N
     t = pid % N
+    c = tl.program_id(1)  # which NBC blocks of 128 channels this program moves
     epoch = tl.load(ticket_ptr)
     parity = epoch % 2
     own = local_ptr
@@ -223,9 +227,10 @@ def dispatch_recv(
     kk = tl.arange(0, K_POW2)
     items = item_ptr + (src * N + t) * K
     if tl.max(tl.load(meta + kk, mask=kk < K, other=-1), axis=0) < 0:  # no expert of this token lives here
-        tl.store(items + kk, tl.full([K_POW2], -1, tl.int32), mask=kk < K)
+        if c == 0:
+            tl.store(items + kk, tl.full([K_POW2], -1, tl.int32), mask=kk < K)
     else:
-        blk = tl.arange(0, NB_POW2)
+        blk = c * NBC + tl.arange(0, NBC)
         ch = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
         inside = ch < H
         if USE_FP8:
@@ -233,7 +238,7 @@ def dispatch_recv(
             scale = tl.load((slot + scale_off).to(tl.pointer_type(tl.float32)) + blk, mask=blk < NB, other=0.0)
             if UE8M0:  # four exponent bytes per int32, block 4i+j in byte j (fp8.pack_ue8m0)
                 exps = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-                packs = tl.sum(tl.reshape(exps, [NB_POW2 // 4, 4]) << (tl.arange(0, 4) * 8)[None, :], axis=1)
+                packs = tl.sum(tl.reshape(exps, [NBC // 4, 4]) << (tl.arange(0, 4) * 8)[None, :], axis=1)
         else:
             payload = tl.load(slot.to(tl.pointer_type(tl.bfloat16)) + ch, mask=inside, other=0.0)
         for k in tl.static_range(K):
@@ -248,13 +253,14 @@ def dispatch_recv(
                 if USE_FP8:  # scales token-contiguous per expert: [L, SCALE_COLS, rows]
                     col = expert.to(tl.int64) * SCALE_COLS * rows + offset
                     if UE8M0:
-                        p = tl.arange(0, NB_POW2 // 4)
+                        p = c * (NBC // 4) + tl.arange(0, NBC // 4)
                         tl.store(scales_ptr + col + p * rows, packs, mask=p < SCALE_COLS)
                     else:
                         tl.store(scales_ptr + col + blk * rows, scale, mask=blk < NB)
-            tl.store(items + k, item)
+            if c == 0:
+                tl.store(items + k, item)
 
-    if _last_to_finish(state_ptr + 3, tl.num_programs(0)):
+    if _last_to_finish(state_ptr + 3, tl.num_programs(0) * tl.num_programs(1)):
         e = tl.arange(0, L_POW2)
         total = tl.zeros([L_POW2], dtype=tl.int32)
         for s in tl.static_range(R):
@@ -278,22 +284,22 @@ def combine_send(
     pid = tl.program_id(0)
     dst_rank = pid // N
     t = pid % N
+    k = tl.program_id(1)
     epoch = tl.load(state_ptr + COMBINE)
     parity = epoch % 2
-    if pid == 0:
+    if (pid == 0) & (k == 0):
         tl.store(ticket_ptr, epoch)
     own = local_ptr
     _wait(_flag(own, COMBINE, FREED, parity, dst_rank, R), epoch - 1, dst_rank, timeout_ns, status_ptr, USE_TIMER)
     dest = _region(local_ptr, delta16_ptr, dst_rank)
     area = dest + comb_off + (parity * N * K).to(tl.int64) * crow_bytes
-    for k in tl.static_range(K):
-        item = tl.load(item_ptr + (dst_rank * N + t) * K + k)
-        if item >= 0:
-            out = (area + (t * K + k).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
-            for c in tl.static_range(0, H, BLOCK_H):
-                offs = c + tl.arange(0, BLOCK_H)
-                tl.store(out + offs, tl.load(x_ptr + item.to(tl.int64) * H + offs, mask=offs < H), mask=offs < H)
-    if _last_to_finish(state_ptr + 4, tl.num_programs(0)):
+    item = tl.load(item_ptr + (dst_rank * N + t) * K + k)
+    if item >= 0:
+        out = (area + (t * K + k).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
+        for c in tl.static_range(0, H, BLOCK_H):
+            offs = c + tl.arange(0, BLOCK_H)
+            tl.store(out + offs, tl.load(x_ptr + item.to(tl.int64) * H + offs, mask=offs < H), mask=offs < H)
+    if _last_to_finish(state_ptr + 4, tl.num_programs(0) * tl.num_programs(1)):
         tl.atomic_xchg(state_ptr + COMBINE, epoch + 1, sem="relaxed", scope="gpu")
         for r in tl.static_range(R):
             peer = _region(local_ptr, delta16_ptr, r)
