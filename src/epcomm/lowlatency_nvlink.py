@@ -31,6 +31,7 @@ _CHUNK = 1024  # (token, k) items compared per step when the send kernel ranks i
 # Blocks of 128 channels per dispatch program (a multiple of 4: UE8M0 packs four blocks per word). Splitting a
 # row over several programs puts more loads and stores in flight at decode sizes.
 _BLOCKS_PER_PROGRAM = 16
+_ROWS_PER_PROGRAM = 2  # combine rows (top-k positions of one token) per send program
 
 
 @dataclass(frozen=True)
@@ -184,11 +185,13 @@ class LowLatencyNVLink:
 
         lay = self.layout
         block_h = min(2048, triton.next_power_of_2(lay.hidden))
+        num_ch = triton.next_power_of_2(triton.cdiv(lay.hidden, block_h))
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         offsets = dict(comb_off=lay.comb_off, crow_bytes=lay.crow_bytes)
-        k.combine_send[(self.num_ranks * lay.num_max_tokens, lay.num_topk)](
+        kp = _ROWS_PER_PROGRAM
+        k.combine_send[(self.num_ranks * lay.num_max_tokens, triton.cdiv(lay.num_topk, kp))](
             x, item_map, self.local, self.delta16, self.state, ticket, self.status.data_ptr(), self.rank,
-            self.timeout_ns, **offsets, BLOCK_H=block_h, num_warps=4, **self._common())
+            self.timeout_ns, **offsets, BLOCK_H=block_h, NUM_CH=num_ch, KP=kp, num_warps=4, **self._common())
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         weights = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
         num_tokens = topk.shape[0]
