@@ -162,9 +162,8 @@ class LowLatencyMixin:
             fast.prepare(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1], num_experts // self.num_ranks),
                          name)
             recv_x, recv_count, item_map, receive = fast.dispatch(
-                x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0)
-            if not return_recv_hook:
-                receive()
+                x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0,
+                hook=return_recv_hook)
             ll_handle = LowLatencyHandle(None, n, x.shape[1], num_experts // self.num_ranks, topk_idx,
                                          item_map=item_map)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
@@ -263,9 +262,7 @@ class LowLatencyMixin:
         if fast is not None:
             combined = out if out is not None else torch.empty(topk_idx.shape[0], handle.hidden,
                                                                dtype=torch.bfloat16, device=self.device)
-            receive = fast.combine(x, topk_idx, topk_weights, handle.item_map, combined)
-            if not return_recv_hook:
-                receive()
+            receive = fast.combine(x, topk_idx, topk_weights, handle.item_map, combined, hook=return_recv_hook)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
             return combined, event, (receive if return_recv_hook else None)
         # Back to the expand layout (padding rows read the zero row), then every (token, expert) row home.

@@ -1,11 +1,11 @@
 """The latency-optimised low-latency (decode) path on the nvlink transport: two Triton kernels per call.
 
-`low_latency_dispatch` launches a send kernel (FP8 cast fused, each token written once per destination rank) and
-a receive kernel (expands the rows into the expert-major output); `low_latency_combine` launches a send kernel
-(every expert output row back to its token's rank) and a receive kernel (the weighted sum). Ranks signal each
-other with flags in symmetric memory, inside the kernels: no device barrier, no host synchronisation, nothing
-sized for more than the call's tokens on the link. With `return_recv_hook=True` the call launches only the send
-kernel and the hook launches the receive kernel. Kernels: `kernels/_lowlatency_triton.py`.
+`low_latency_dispatch` sends (FP8 cast fused, each token written once per destination rank) and receives
+(expands the rows into the expert-major output); `low_latency_combine` sends every expert output row back to its
+token's rank and receives (the weighted sum). Each call is one kernel launch; ranks signal each other with flags in
+symmetric memory, inside the kernel: no device barrier, no host synchronisation, nothing sized for more than the
+call's tokens on the link. With `return_recv_hook=True` the call launches a send kernel and the hook launches the
+receive kernel. Kernels: `kernels/_lowlatency_triton.py`.
 
 Region of every rank (its own symmetric allocation, made at the first low-latency call; `Layout`):
 
@@ -30,8 +30,9 @@ from .streams import capturing
 _CHUNK = 1024  # (token, k) items compared per step when the send kernel ranks its items
 # Blocks of 128 channels per dispatch program (a multiple of 4: UE8M0 packs four blocks per word). Splitting a
 # row over several programs puts more loads and stores in flight at decode sizes.
-_BLOCKS_PER_PROGRAM = 16
-_ROWS_PER_PROGRAM = 2  # combine rows (top-k positions of one token) per send program
+_BLOCKS_PER_PROGRAM = 32
+_ROWS_PER_PROGRAM = 4  # combine rows (top-k positions of one token) per send item
+_FUSED_PROGRAMS_PER_SM = 2  # fused kernels: programs per SM (all resident; see LowLatencyNVLink._fused_grid)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class LowLatencyNVLink:
         pinned = device.type == "cuda"
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self.use_timer = device.type == "cuda"
+        self._num_sms: Optional[int] = None
 
     def check_status(self, call: str) -> None:
         """Raises: TimeoutError -- an earlier low-latency call of this buffer timed out waiting for a rank."""
@@ -127,9 +129,10 @@ class LowLatencyNVLink:
 
     # -- dispatch ----------------------------------------------------------------------------------
     def dispatch(self, x: Tensor, topk_idx: Tensor, stats: Optional[Tensor], use_fp8: bool, pow2_scales: bool,
-                 use_ue8m0: bool):
-        """Launch the send kernel; returns `(recv_x, recv_count, item_map, receive)` -- `receive()` launches the
-        receive kernel, which fills recv_x, recv_count, the stats and item_map ([R * N * K] int32: the output row
+                 use_ue8m0: bool, hook: bool):
+        """Launch the call; returns `(recv_x, recv_count, item_map, receive)`. Without `hook`, one fused kernel does
+        everything and `receive` is None; with it, the send kernel runs now and `receive()` launches the receive
+        kernel. The receive fills recv_x, recv_count, the stats and item_map ([R * N * K] int32: the output row
         `e * R * N + row` of each (source rank, token, top-k) item, -1 for none)."""
         from .kernels import _lowlatency_triton as k
 
@@ -139,19 +142,9 @@ class LowLatencyNVLink:
         n, h, num_local, r = lay.num_max_tokens, lay.hidden, lay.num_local_experts, self.num_ranks
         rows = r * n
         nb = lay.num_blocks
-        nbc = min(_BLOCKS_PER_PROGRAM, max(4, triton.next_power_of_2(nb)))  # blocks of 128 channels per program
-        grid_c = triton.cdiv(nb, nbc)
-        k_pow2 = triton.next_power_of_2(lay.num_topk)
-        ticket = torch.empty(1, dtype=torch.int64, device=self.device)
+        nbc = min(_BLOCKS_PER_PROGRAM, max(4, triton.next_power_of_2(nb)))  # blocks of 128 channels per item
+        num_c = triton.cdiv(nb, nbc)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
-        offsets = dict(hdr_off=lay.hdr_off, rows_off=lay.rows_off, row_bytes=lay.row_bytes,
-                       scale_off=lay.scale_off, meta_off=lay.meta_off)
-        k.dispatch_send[(n, grid_c)](
-            x, topk, self.local, self.delta16, self.state, ticket, self.status.data_ptr(),
-            x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
-            L=num_local, USE_FP8=use_fp8, POW2_SCALES=pow2_scales, K_POW2=k_pow2, NBC=nbc, CHUNK=_CHUNK,
-            num_warps=4, **self._common())
-
         if use_fp8:
             data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=self.device)
             cols = -(-nb // 4) if use_ue8m0 else nb
@@ -165,42 +158,80 @@ class LowLatencyNVLink:
             recv_x, scales_arg = out, out
         count = torch.empty(num_local, dtype=torch.int32, device=self.device)
         item_map = torch.empty(rows * lay.num_topk, dtype=torch.int32, device=self.device)
+        stats_arg = stats if stats is not None else count
+        status = self.status.data_ptr()
+        offsets = dict(hdr_off=lay.hdr_off, rows_off=lay.rows_off, row_bytes=lay.row_bytes,
+                       scale_off=lay.scale_off, meta_off=lay.meta_off)
+        shape = dict(L=num_local, USE_FP8=use_fp8, NBC=nbc, K_POW2=triton.next_power_of_2(lay.num_topk), num_warps=4,
+                     **self._common())
+        recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
+                         L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols)
+        if not hook:
+            k.dispatch_fused[(self._fused_grid(rows * num_c),)](
+                x, topk, self.local, self.delta16, self.state, status, out, scales_arg, count, stats_arg, item_map,
+                x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
+                POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, **recv_opts, **shape)
+            return recv_x, count, item_map, None
+
+        ticket = torch.empty(1, dtype=torch.int64, device=self.device)
+        k.dispatch_send[(n, num_c)](
+            x, topk, self.local, self.delta16, self.state, ticket, status, x.shape[0], x.stride(0), topk.stride(0),
+            self.rank, self.timeout_ns, **offsets, POW2_SCALES=pow2_scales, CHUNK=_CHUNK, **shape)
 
         def receive() -> None:
-            k.dispatch_recv[(rows, grid_c)](
-                self.local, self.delta16, self.state, ticket, self.status.data_ptr(), out, scales_arg, count,
-                stats if stats is not None else count, item_map, self.rank, self.timeout_ns, **offsets,
-                L=num_local, USE_FP8=use_fp8, UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
-                NBC=nbc, L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols, K_POW2=k_pow2,
-                num_warps=4, **self._common())
+            k.dispatch_recv[(rows, num_c)](
+                self.local, self.delta16, self.state, ticket, status, out, scales_arg, count, stats_arg, item_map,
+                self.rank, self.timeout_ns, **offsets, **recv_opts, **shape)
 
         return recv_x, count, item_map, receive
 
     # -- combine -----------------------------------------------------------------------------------
-    def combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, item_map: Tensor, out: Tensor):
-        """Launch the send kernel; returns `receive`, which launches the weighted sum into `out` ([T, H] bf16)."""
+    def combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, item_map: Tensor, out: Tensor, hook: bool):
+        """Launch the call (one fused kernel, or the send kernel now and `receive()` later, as `dispatch`); the
+        weighted sums land in `out` ([T, H] bf16). Returns `receive` or None."""
         from .kernels import _lowlatency_triton as k
 
         import triton
 
         lay = self.layout
-        block_h = min(2048, triton.next_power_of_2(lay.hidden))
-        num_ch = triton.next_power_of_2(triton.cdiv(lay.hidden, block_h))
-        ticket = torch.empty(1, dtype=torch.int64, device=self.device)
-        offsets = dict(comb_off=lay.comb_off, crow_bytes=lay.crow_bytes)
+        send_block = min(2048, triton.next_power_of_2(lay.hidden))
+        num_ch = triton.next_power_of_2(triton.cdiv(lay.hidden, send_block))
         kp = _ROWS_PER_PROGRAM
-        k.combine_send[(self.num_ranks * lay.num_max_tokens, triton.cdiv(lay.num_topk, kp))](
-            x, item_map, self.local, self.delta16, self.state, ticket, self.status.data_ptr(), self.rank,
-            self.timeout_ns, **offsets, BLOCK_H=block_h, NUM_CH=num_ch, KP=kp, num_warps=4, **self._common())
+        num_kb = triton.cdiv(lay.num_topk, kp)
+        recv_block = min(1024, triton.next_power_of_2(lay.hidden))
+        num_hc = triton.cdiv(lay.hidden, recv_block)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         weights = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
         num_tokens = topk.shape[0]
+        status = self.status.data_ptr()
+        offsets = dict(comb_off=lay.comb_off, crow_bytes=lay.crow_bytes)
+        if not hook:
+            num_items = max(self.num_ranks * lay.num_max_tokens * num_kb, num_tokens * num_hc)
+            k.combine_fused[(self._fused_grid(num_items),)](
+                x, item_map, topk, weights, out, self.local, self.delta16, self.state, status, num_tokens,
+                topk.stride(0), weights.stride(0), out.stride(0), self.rank, self.timeout_ns, **offsets,
+                SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
+                num_warps=4, enable_fp_fusion=False, **self._common())
+            return None
+
+        ticket = torch.empty(1, dtype=torch.int64, device=self.device)
+        k.combine_send[(self.num_ranks * lay.num_max_tokens, num_kb)](
+            x, item_map, self.local, self.delta16, self.state, ticket, status, self.rank, self.timeout_ns, **offsets,
+            BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, num_warps=4, **self._common())
 
         def receive() -> None:
-            block = min(1024, triton.next_power_of_2(lay.hidden))
-            k.combine_recv[(max(num_tokens, 1), triton.cdiv(lay.hidden, block))](
-                topk, weights, out, self.local, self.delta16, self.state, ticket, self.status.data_ptr(),
-                num_tokens, topk.stride(0), weights.stride(0), out.stride(0), self.rank, self.timeout_ns,
-                **offsets, BLOCK_H=block, num_warps=4, enable_fp_fusion=False, **self._common())
+            k.combine_recv[(max(num_tokens, 1), num_hc)](
+                topk, weights, out, self.local, self.delta16, self.state, ticket, status, num_tokens,
+                topk.stride(0), weights.stride(0), out.stride(0), self.rank, self.timeout_ns, **offsets,
+                BLOCK_H=recv_block, num_warps=4, enable_fp_fusion=False, **self._common())
 
         return receive
+
+    def _fused_grid(self, num_items: int) -> int:
+        """Programs of a fused kernel: each waits for every program's sends, so all must be resident at once. A
+        few 4-warp programs per SM always fit; the interpreter runs programs one after another, so it gets one."""
+        if self.device.type != "cuda":
+            return 1
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, min(num_items, _FUSED_PROGRAMS_PER_SM * self._num_sms))

@@ -1,8 +1,10 @@
 """The nvlink low-latency kernels under TRITON_INTERPRET=1: ranks simulated one after another in one process.
 
 Every rank's region is a CPU tensor and the kernels address the others through the same 16-byte deltas as on
-GPU. A call's send kernels run for every rank before its receive kernels (the order the flags enforce on GPU),
-so the waits are satisfied, and a receive whose peer never sent checks the bounded wait. Run as a script:
+GPU. With several ranks a call runs as split kernels (`return_recv_hook=True`): the send kernels of every rank
+before the receive kernels (the order the flags enforce on GPU), so the waits are satisfied; a receive whose
+peer never sent checks the bounded wait. A single rank runs the fused kernels (one program: the interpreter runs
+programs one after another, and a fused program waits for every program's sends). Run as a script:
 `python lowlatency_sim.py CASE` (the test sets TRITON_INTERPRET=1, which must precede the triton import).
 """
 
@@ -67,6 +69,8 @@ def run(case: str) -> None:
         num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 6, 2200, 8, 3, [5, 3]  # 18 blocks: 2 per row
     elif case == "three-ranks":  # a partial last FP8 block, an empty rank, top-2
         num_ranks, n, hidden, num_experts, num_topk, tokens = 3, 4, 200, 6, 2, [4, 0, 2]
+    elif case == "one-rank-fused":
+        num_ranks, n, hidden, num_experts, num_topk, tokens = 1, 5, 4200, 6, 3, [4]  # 33 blocks: 2 per row
     elif case == "timeout":
         num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 2, 128, 4, 2, [2, 2]
     num_local = num_experts // num_ranks
@@ -75,7 +79,7 @@ def run(case: str) -> None:
     xs = [torch.randn(t, hidden, generator=gen).bfloat16() for t in tokens]
     idx = [routing(gen, t, num_experts, num_topk) for t in tokens]
     if case == "timeout":  # rank 0 waits for a dispatch rank 1 never sends: the wait ends and names rank 1
-        eng[0].dispatch(xs[0], idx[0], None, False, False, False)[3]()
+        eng[0].dispatch(xs[0], idx[0], None, False, False, False, hook=True)[3]()
         assert int(eng[0].status[0]) == 2, eng[0].status
         try:
             eng[0].check_status("EPBuffer.low_latency_dispatch")
@@ -84,13 +88,15 @@ def run(case: str) -> None:
         else:
             raise AssertionError("no TimeoutError after a timed-out wait")
         return
+    hook = num_ranks > 1
     # Several calls in a row: both parities, counters past the first round, every scale format.
     for use_fp8, ue8m0, pow2 in [(False, False, False), (True, False, False), (True, True, True),
                                  (True, False, True), (False, False, False)]:
         stats = [torch.zeros(num_local, dtype=torch.int32) for _ in range(num_ranks)]
-        pend = [eng[r].dispatch(xs[r], idx[r], stats[r], use_fp8, pow2, ue8m0) for r in range(num_ranks)]
+        pend = [eng[r].dispatch(xs[r], idx[r], stats[r], use_fp8, pow2, ue8m0, hook=hook) for r in range(num_ranks)]
         for p in pend:
-            p[3]()
+            if hook:
+                p[3]()
         check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0)
         for r in range(num_ranks):
             assert torch.equal(stats[r], pend[r][1]), (stats[r], pend[r][1])
@@ -101,9 +107,10 @@ def run(case: str) -> None:
         outs = [torch.empty(t, hidden, dtype=torch.bfloat16) for t in tokens]
         ys = [(pend[r][0].float() * (1 + torch.arange(num_local)).view(-1, 1, 1)).bfloat16()
               for r in range(num_ranks)]
-        receives = [eng[r].combine(ys[r], idx[r], ws[r], pend[r][2], outs[r]) for r in range(num_ranks)]
+        receives = [eng[r].combine(ys[r], idx[r], ws[r], pend[r][2], outs[r], hook=hook) for r in range(num_ranks)]
         for f in receives:
-            f()
+            if hook:
+                f()
         for r in range(num_ranks):
             acc = torch.zeros(tokens[r], hidden)
             for j in range(num_topk):

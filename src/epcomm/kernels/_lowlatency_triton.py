@@ -1,23 +1,27 @@
 """Triton bodies of the low-latency (decode) path on NVLink (imported lazily by `lowlatency_nvlink.py`).
 
-Four kernels, two per call; the layout of the symmetric region they share is `lowlatency_nvlink.Layout`:
+The region the kernels share is laid out by `lowlatency_nvlink.Layout`. The work of a call comes in items:
 
-* `dispatch_send` (one program per token slot and block of channels): casts its token to FP8 (or keeps BF16), writes it once to every
+* dispatch send (token slot, block of channels): cast the token to FP8 (or keep BF16) and write it once to every
   rank that holds one of its experts (rank dedup), with its local expert ids and its position among this rank's
-  rows for each expert; the last program to finish raises the `ready` flag in every peer.
-* `dispatch_recv` (one program per (source rank, token slot, block of channels)): waits for the `ready` flags, expands the row into
-  the expert-major output (row = rows of lower source ranks + position: ascending token key), records where each
-  (token, top-k) item went for the combine; the last program sums the counts and acknowledges (`freed`).
-* `combine_send` (one program per (source rank, token slot, KP top-k positions)): writes each expert output row of that token back
-  to the token's rank, at slot (token, top-k position).
-* `combine_recv` (one program per (token, channel block)): waits, then `sum_k w_k * y_k` in fp32, ascending k,
-  one rounding to bf16.
+  rows for each expert;
+* dispatch receive (source rank, token slot, block of channels): expand the row into the expert-major output
+  (row = rows of lower source ranks + position: ascending token key) and record where each (token, top-k) item
+  went, for the combine;
+* combine send (source rank, token slot, KP top-k positions): each expert output row back to its token's rank,
+  at slot (token, top-k position);
+* combine receive (token, block of channels): `sum_k w_k * y_k` in fp32, ascending k, one rounding to bf16.
 
-Flags are counters that only grow (one increment per call of their parity: a fire-and-forget `red.add`, about
-twice as fast as a returning exchange over NVLink), so there is no cleaning pass. Two areas alternate by call
-parity; call `e` waits for `ready >= e // 2 + 1`, and its sender first waits for `freed >= e // 2` (the call two
-before has been read), so no peer can overwrite rows still being read. Every wait is bounded: on timeout the kernel prints the missing rank, records it in `status` and (on GPU)
-traps, as DESIGN.md's error table says for device-side waits.
+A call runs as one fused kernel (`*_fused`: a persistent grid does the send items, signals, waits, does the
+receive items) or, with `return_recv_hook=True`, as a send kernel now and a receive kernel when the hook is called.
+The last program to finish the sends raises the `ready` flag in every rank; the last to finish the receives
+writes the counts and raises `freed` in every rank.
+
+Flags are counters that only grow (one increment per call of their parity, a fire-and-forget add), so there is no
+cleaning pass. Two areas alternate by call parity; call `e` waits for `ready >= e // 2 + 1`, and its sender first
+waits for `freed >= e // 2` (the call two before has been read), so no peer overwrites rows still being read.
+Every wait is bounded: on timeout the kernel prints the missing rank, records it in `status` and (on GPU) traps,
+as DESIGN.md's error table says for device-side waits.
 """
 
 import triton
@@ -139,21 +143,24 @@ def _last_to_finish(counter_ptr, num_programs):
 
 
 @triton.jit
-def dispatch_send(
-    x_ptr, topk_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
-    num_tokens, stride_x, stride_topk, me, timeout_ns,
-    hdr_off, rows_off, row_bytes, scale_off, meta_off,
+def _as_tensor(i):
+    """A loop index as an int32 scalar tensor (the interpreter hands plain ints to `range` loop bodies)."""
+    return i + tl.zeros([], dtype=tl.int32)
+
+
+# -- dispatch ------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dispatch_send_item(
+    t, c, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr,
+    num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, USE_TIMER: tl.constexpr,
     K_POW2: tl.constexpr, NBC: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    c = tl.program_id(1)  # which NBC blocks of 128 channels this program moves
-    epoch = tl.load(state_ptr + DISPATCH)
+    """Token slot t, channel blocks c*NBC ..: cast and write to every rank that holds one of its experts."""
+    t = _as_tensor(t)
+    c = _as_tensor(c)
     parity = epoch % 2
-    if (t == 0) & (c == 0):
-        tl.store(ticket_ptr, epoch)
-    own = local_ptr
     kk = tl.arange(0, K_POW2)
     live = t < num_tokens
     expert_k = tl.load(topk_ptr + t * stride_topk + kk, mask=kk < tl.where(live, K, 0), other=-1).to(tl.int32)
@@ -172,7 +179,7 @@ def dispatch_send(
         before_k += tl.sum((same & (f[None, :] < mine[:, None])).to(tl.int32), axis=1)
         after_k += tl.sum((same & (f[None, :] > mine[:, None])).to(tl.int32), axis=1)
 
-    # This program's part of the token row, cast once: [NBC blocks, 128 channels].
+    # This item's part of the token row, cast once: [NBC blocks, 128 channels].
     blk = c * NBC + tl.arange(0, NBC)
     ch = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
     inside = ch < H
@@ -193,7 +200,7 @@ def dispatch_send(
     for r in tl.static_range(R):
         dest = _region(local_ptr, delta16_ptr, r)
         # Rank r must have finished reading the call two before (same area).
-        _wait(_flag(own, DISPATCH, FREED, parity, r, R), epoch // 2, r, timeout_ns, status_ptr, USE_TIMER)
+        _wait(_flag(local_ptr, DISPATCH, FREED, parity, r, R), epoch // 2, r, timeout_ns, status_ptr, USE_TIMER)
         slot = dest + rows_off + ((parity * R + me) * N + t).to(tl.int64) * row_bytes
         local_k = tl.where(dest_k == r, expert_k - r * L, -1)
         if c == 0:
@@ -209,32 +216,22 @@ def dispatch_send(
             else:
                 tl.store(slot.to(tl.pointer_type(tl.bfloat16)) + ch, payload, mask=inside)
 
-    if _last_to_finish(state_ptr + 2, tl.num_programs(0) * tl.num_programs(1)):
-        tl.atomic_xchg(state_ptr + DISPATCH, epoch + 1, sem="relaxed", scope="gpu")
-        _signal_all(local_ptr, delta16_ptr, DISPATCH, READY, parity, me, R)
-
 
 @triton.jit
-def dispatch_recv(
-    local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, out_ptr, scales_ptr, count_ptr, stats_ptr, item_ptr,
-    me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
+def _dispatch_recv_item(
+    src, t, c, epoch, local_ptr, out_ptr, scales_ptr, item_ptr, hdr_off, rows_off, row_bytes, scale_off, meta_off,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
-    USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr, USE_TIMER: tl.constexpr,
-    NB: tl.constexpr, NBC: tl.constexpr, L_POW2: tl.constexpr, SCALE_COLS: tl.constexpr,
+    USE_FP8: tl.constexpr, UE8M0: tl.constexpr, NB: tl.constexpr, NBC: tl.constexpr, SCALE_COLS: tl.constexpr,
     K_POW2: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    src = pid // N
-    t = pid % N
-    c = tl.program_id(1)  # which NBC blocks of 128 channels this program moves
-    epoch = tl.load(ticket_ptr)
+    """Row t of source rank src, channel blocks c*NBC ..: copy it to each of its local experts' rows."""
+    src = _as_tensor(src)
+    t = _as_tensor(t)
+    c = _as_tensor(c)
     parity = epoch % 2
-    own = local_ptr
-    for r in tl.static_range(R):
-        _wait(_flag(own, DISPATCH, READY, parity, r, R), epoch // 2 + 1, r, timeout_ns, status_ptr, USE_TIMER)
-    slot = own + rows_off + ((parity * R + src) * N + t).to(tl.int64) * row_bytes
+    slot = local_ptr + rows_off + ((parity * R + src) * N + t).to(tl.int64) * row_bytes
     meta = (slot + meta_off).to(tl.pointer_type(tl.int32))
-    hdr = (own + hdr_off).to(tl.pointer_type(tl.int32)) + parity * R * L
+    hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int32)) + parity * R * L
     rows = R * N  # rows per expert in the output
     kk = tl.arange(0, K_POW2)
     items = item_ptr + (src * N + t) * K
@@ -272,7 +269,28 @@ def dispatch_recv(
             if c == 0:
                 tl.store(items + k, item)
 
-    if _last_to_finish(state_ptr + 3, tl.num_programs(0) * tl.num_programs(1)):
+
+@triton.jit
+def _dispatch_sent(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
+    """After a program's sends: the last program of the call advances the call counter and raises `ready`."""
+    if _last_to_finish(state_ptr + 2, num_programs):
+        tl.atomic_xchg(state_ptr + DISPATCH, epoch + 1, sem="relaxed", scope="gpu")
+        _signal_all(local_ptr, delta16_ptr, DISPATCH, READY, epoch % 2, me, R)
+
+
+@triton.jit
+def _dispatch_wait(epoch, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, USE_TIMER: tl.constexpr):
+    for r in tl.static_range(R):
+        _wait(_flag(local_ptr, DISPATCH, READY, epoch % 2, r, R), epoch // 2 + 1, r, timeout_ns, status_ptr,
+              USE_TIMER)
+
+
+@triton.jit
+def _dispatch_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, count_ptr, stats_ptr, hdr_off, me,
+                       R: tl.constexpr, L: tl.constexpr, HAS_STATS: tl.constexpr, L_POW2: tl.constexpr):
+    """After a program's receives: the last one writes the counts (and stats), clears them, frees the area."""
+    if _last_to_finish(state_ptr + 3, num_programs):
+        hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int32)) + (epoch % 2) * R * L
         e = tl.arange(0, L_POW2)
         total = tl.zeros([L_POW2], dtype=tl.int32)
         for s in tl.static_range(R):
@@ -281,39 +299,157 @@ def dispatch_recv(
         tl.store(count_ptr + e, total, mask=e < L)
         if HAS_STATS:
             tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e < L) + total, mask=e < L)
-        _signal_all(local_ptr, delta16_ptr, DISPATCH, FREED, parity, me, R)
+        _signal_all(local_ptr, delta16_ptr, DISPATCH, FREED, epoch % 2, me, R)
 
 
 @triton.jit
-def combine_send(
-    x_ptr, item_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
-    me, timeout_ns, comb_off, crow_bytes,
+def dispatch_send(
+    x_ptr, topk_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
+    num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, USE_TIMER: tl.constexpr,
+    K_POW2: tl.constexpr, NBC: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Grid (N, channel chunks); the receive kernel runs later (`return_recv_hook=True`)."""
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    epoch = tl.load(state_ptr + DISPATCH)
+    if (t == 0) & (c == 0):
+        tl.store(ticket_ptr, epoch)
+    _dispatch_send_item(t, c, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr, num_tokens, stride_x,
+                        stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
+                        N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
+    _dispatch_sent(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
+
+
+@triton.jit
+def dispatch_recv(
+    local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, out_ptr, scales_ptr, count_ptr, stats_ptr, item_ptr,
+    me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr, USE_TIMER: tl.constexpr,
+    NB: tl.constexpr, NBC: tl.constexpr, L_POW2: tl.constexpr, SCALE_COLS: tl.constexpr,
+    K_POW2: tl.constexpr,
+):
+    """Grid (R * N, channel chunks)."""
+    pid = tl.program_id(0)
+    epoch = tl.load(ticket_ptr)
+    _dispatch_wait(epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _dispatch_recv_item(pid // N, pid % N, tl.program_id(1), epoch, local_ptr, out_ptr, scales_ptr, item_ptr, hdr_off,
+                        rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8, UE8M0, NB, NBC,
+                        SCALE_COLS, K_POW2)
+    _dispatch_received(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, count_ptr,
+                       stats_ptr, hdr_off, me, R, L, HAS_STATS, L_POW2)
+
+
+@triton.jit
+def dispatch_fused(
+    x_ptr, topk_ptr, local_ptr, delta16_ptr, state_ptr, status_ptr, out_ptr, scales_ptr, count_ptr, stats_ptr,
+    item_ptr, num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr,
+    USE_TIMER: tl.constexpr, NB: tl.constexpr, NBC: tl.constexpr, C: tl.constexpr, L_POW2: tl.constexpr,
+    SCALE_COLS: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Send and receive in one launch: a persistent grid no larger than the GPU holds at once (every program must be
+    resident, since each waits for all programs' sends), striding over the send items, then the receive items."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    epoch = tl.load(state_ptr + DISPATCH)
+    for item in range(pid, N * C, grid):
+        _dispatch_send_item(item // C, item % C, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr,
+                            num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes,
+                            scale_off, meta_off, N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
+    _dispatch_sent(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
+    _dispatch_wait(epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    for item in range(pid, R * N * C, grid):
+        _dispatch_recv_item(item // (N * C), (item // C) % N, item % C, epoch, local_ptr, out_ptr, scales_ptr,
+                            item_ptr, hdr_off, rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8,
+                            UE8M0, NB, NBC, SCALE_COLS, K_POW2)
+    _dispatch_received(epoch, grid, local_ptr, delta16_ptr, state_ptr, count_ptr, stats_ptr, hdr_off, me, R, L,
+                       HAS_STATS, L_POW2)
+
+
+# -- combine -------------------------------------------------------------------------------------------------------
+@triton.jit
+def _combine_send_item(
+    dst_rank, t, kb, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, timeout_ns, comb_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
     NUM_CH: tl.constexpr, KP: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    dst_rank = pid // N
-    t = pid % N
-    k = tl.program_id(1)
-    epoch = tl.load(state_ptr + COMBINE)
+    """Top-k positions kb*KP .. of token t of rank dst_rank: each expert output row back to slot (t, k) there."""
+    dst_rank = _as_tensor(dst_rank)
+    t = _as_tensor(t)
+    kb = _as_tensor(kb)
     parity = epoch % 2
-    if (pid == 0) & (k == 0):
-        tl.store(ticket_ptr, epoch)
-    own = local_ptr
-    _wait(_flag(own, COMBINE, FREED, parity, dst_rank, R), epoch // 2, dst_rank, timeout_ns, status_ptr, USE_TIMER)
-    dest = _region(local_ptr, delta16_ptr, dst_rank)
-    area = dest + comb_off + (parity * N * K).to(tl.int64) * crow_bytes
+    _wait(_flag(local_ptr, COMBINE, FREED, parity, dst_rank, R), epoch // 2, dst_rank, timeout_ns, status_ptr,
+          USE_TIMER)
+    area = _region(local_ptr, delta16_ptr, dst_rank) + comb_off + (parity * N * K).to(tl.int64) * crow_bytes
     offs = tl.arange(0, NUM_CH)[:, None] * BLOCK_H + tl.arange(0, BLOCK_H)[None, :]
-    for j in tl.static_range(KP):  # top-k positions k*KP .. k*KP + KP - 1
-        kj = k * KP + j
+    for j in tl.static_range(KP):
+        kj = kb * KP + j
         item = tl.load(item_ptr + (dst_rank * N + t) * K + kj, mask=kj < K, other=-1)
         if item >= 0:
             # The whole row in one load, then one store: every load is in flight before the first store.
             out = (area + (t * K + kj).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
             tl.store(out + offs, tl.load(x_ptr + item.to(tl.int64) * H + offs, mask=offs < H), mask=offs < H)
-    if _last_to_finish(state_ptr + 4, tl.num_programs(0) * tl.num_programs(1)):
+
+
+@triton.jit
+def _combine_recv_item(
+    t, hc, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk, stride_w, stride_out, comb_off, crow_bytes,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Channels hc*BLOCK_H .. of token t: sum_k w_k * y_k in fp32, ascending k, one rounding to bf16."""
+    t = _as_tensor(t)
+    offs = hc * BLOCK_H + tl.arange(0, BLOCK_H)
+    area = local_ptr + comb_off + ((epoch % 2) * N * K).to(tl.int64) * crow_bytes
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(K):
+        expert = tl.load(topk_ptr + t * stride_topk + k)
+        w = tl.load(weights_ptr + t * stride_w + k)
+        y_ptr = (area + (t * K + k).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
+        y = tl.load(y_ptr + offs, mask=offs < tl.where(expert >= 0, H, 0), other=0.0).to(tl.float32)
+        # One fp32 product and one fp32 sum per position (the launch turns off FMA contraction).
+        acc = tl.where(expert >= 0, acc + w * y, acc)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, _to_bf16(acc), mask=offs < H)
+
+
+@triton.jit
+def _combine_sent(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
+    if _last_to_finish(state_ptr + 4, num_programs):
         tl.atomic_xchg(state_ptr + COMBINE, epoch + 1, sem="relaxed", scope="gpu")
-        _signal_all(local_ptr, delta16_ptr, COMBINE, READY, parity, me, R)
+        _signal_all(local_ptr, delta16_ptr, COMBINE, READY, epoch % 2, me, R)
+
+
+@triton.jit
+def _combine_wait(epoch, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, USE_TIMER: tl.constexpr):
+    for r in tl.static_range(R):
+        _wait(_flag(local_ptr, COMBINE, READY, epoch % 2, r, R), epoch // 2 + 1, r, timeout_ns, status_ptr,
+              USE_TIMER)
+
+
+@triton.jit
+def _combine_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
+    if _last_to_finish(state_ptr + 5, num_programs):
+        _signal_all(local_ptr, delta16_ptr, COMBINE, FREED, epoch % 2, me, R)
+
+
+@triton.jit
+def combine_send(
+    x_ptr, item_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, me, timeout_ns, comb_off, crow_bytes,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+    NUM_CH: tl.constexpr, KP: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    """Grid (R * N, ceil(K / KP)); the receive kernel runs later (`return_recv_hook=True`)."""
+    pid = tl.program_id(0)
+    kb = tl.program_id(1)
+    epoch = tl.load(state_ptr + COMBINE)
+    if (pid == 0) & (kb == 0):
+        tl.store(ticket_ptr, epoch)
+    _combine_send_item(pid // N, pid % N, kb, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, timeout_ns,
+                       comb_off, crow_bytes, N, H, K, R, BLOCK_H, NUM_CH, KP, USE_TIMER)
+    _combine_sent(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
 
 
 @triton.jit
@@ -323,24 +459,35 @@ def combine_recv(
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
+    """Grid (max(T, 1), channel blocks)."""
     t = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     epoch = tl.load(ticket_ptr)
-    parity = epoch % 2
-    own = local_ptr
-    for r in tl.static_range(R):
-        _wait(_flag(own, COMBINE, READY, parity, r, R), epoch // 2 + 1, r, timeout_ns, status_ptr, USE_TIMER)
+    _combine_wait(epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     if t < num_tokens:
-        area = own + comb_off + (parity * N * K).to(tl.int64) * crow_bytes
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k in tl.static_range(K):
-            expert = tl.load(topk_ptr + t * stride_topk + k)
-            w = tl.load(weights_ptr + t * stride_w + k)
-            y_ptr = (area + (t * K + k).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
-            y = tl.load(y_ptr + offs, mask=offs < tl.where(expert >= 0, H, 0), other=0.0).to(tl.float32)
-            # One fp32 product and one fp32 sum per position (the launch turns off FMA contraction).
-            acc = tl.where(expert >= 0, acc + w * y, acc)
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, _to_bf16(acc),
-                 mask=offs < H)
-    if _last_to_finish(state_ptr + 5, tl.num_programs(0) * tl.num_programs(1)):
-        _signal_all(local_ptr, delta16_ptr, COMBINE, FREED, parity, me, R)
+        _combine_recv_item(t, tl.program_id(1), epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
+                           stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
+    _combine_received(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
+
+
+@triton.jit
+def combine_fused(
+    x_ptr, item_ptr, topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, status_ptr,
+    num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, crow_bytes,
+    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, SEND_BLOCK_H: tl.constexpr,
+    NUM_CH: tl.constexpr, KP: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr, HC: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    """Send and receive in one launch (persistent grid, every program resident; see `dispatch_fused`)."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    epoch = tl.load(state_ptr + COMBINE)
+    for item in range(pid, R * N * KB, grid):
+        _combine_send_item(item // (N * KB), (item // KB) % N, item % KB, epoch, x_ptr, item_ptr, local_ptr,
+                           delta16_ptr, status_ptr, timeout_ns, comb_off, crow_bytes, N, H, K, R, SEND_BLOCK_H,
+                           NUM_CH, KP, USE_TIMER)
+    _combine_sent(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
+    _combine_wait(epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    for item in range(pid, num_tokens * HC, grid):
+        _combine_recv_item(item // HC, item % HC, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
+                           stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
+    _combine_received(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
