@@ -100,7 +100,8 @@ class LowLatencyNVLink:
         pinned = device.type == "cuda"
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self.use_timer = device.type == "cuda"
-        self._num_sms: Optional[int] = None
+        self._props = None  # CUDA device properties, read at the first fused launch
+        self._per_sm: dict = {}  # fused kernel kind -> programs one SM holds (`_note_occupancy`)
 
     def check_status(self, call: str) -> None:
         """Raises: TimeoutError -- an earlier low-latency call of this buffer timed out waiting for a rank."""
@@ -167,10 +168,11 @@ class LowLatencyNVLink:
         recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
                          L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols)
         if not hook:
-            k.dispatch_fused[(self._fused_grid(rows * num_c),)](
+            launched = k.dispatch_fused[(self._fused_grid("dispatch", rows * num_c),)](
                 x, topk, self.local, self.delta16, self.state, status, out, scales_arg, count, stats_arg, item_map,
                 x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
                 POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, **recv_opts, **shape)
+            self._note_occupancy("dispatch", launched, 4)
             return recv_x, count, item_map, None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
@@ -207,11 +209,12 @@ class LowLatencyNVLink:
         offsets = dict(comb_off=lay.comb_off, crow_bytes=lay.crow_bytes)
         if not hook:
             num_items = max(self.num_ranks * lay.num_max_tokens * num_kb, num_tokens * num_hc)
-            k.combine_fused[(self._fused_grid(num_items),)](
+            launched = k.combine_fused[(self._fused_grid("combine", num_items),)](
                 x, item_map, topk, weights, out, self.local, self.delta16, self.state, status, num_tokens,
                 topk.stride(0), weights.stride(0), out.stride(0), self.rank, self.timeout_ns, **offsets,
                 SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
                 num_warps=4, enable_fp_fusion=False, **self._common())
+            self._note_occupancy("combine", launched, 4)
             return None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
@@ -227,11 +230,31 @@ class LowLatencyNVLink:
 
         return receive
 
-    def _fused_grid(self, num_items: int) -> int:
-        """Programs of a fused kernel: each waits for every program's sends, so all must be resident at once. A
-        few 4-warp programs per SM always fit; the interpreter runs programs one after another, so it gets one."""
+    def _fused_grid(self, kind: str, num_items: int) -> int:
+        """Programs of a fused kernel. Each waits for every program's sends, so all must be resident at once: the
+        first launch of a kind uses one program per SM (always resident), later ones as many as the compiled
+        kernel's registers and shared memory let every SM hold (`_note_occupancy`), at most
+        `_FUSED_PROGRAMS_PER_SM`. The interpreter runs programs one after another, so it gets one."""
         if self.device.type != "cuda":
             return 1
-        if self._num_sms is None:
-            self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, min(num_items, _FUSED_PROGRAMS_PER_SM * self._num_sms))
+        if self._props is None:
+            self._props = torch.cuda.get_device_properties(self.device)
+        per_sm = min(_FUSED_PROGRAMS_PER_SM, self._per_sm.get(kind, 1))
+        return max(1, min(num_items, per_sm * self._props.multi_processor_count))
+
+    def _note_occupancy(self, kind: str, launched, num_warps: int) -> None:
+        """Programs of `launched` (a compiled Triton kernel) that one SM holds at once, by threads, registers and
+        shared memory (registers rounded up to whole 256-register warp allocations)."""
+        regs = getattr(launched, "n_regs", None)
+        if regs is None or self._props is None:
+            return
+        threads = 32 * num_warps
+        props = self._props
+        max_threads = getattr(props, "max_threads_per_multi_processor", 2048)
+        regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        warp_regs = -(-max(regs, 1) * 32 // 256) * 256
+        shared = getattr(getattr(launched, "metadata", None), "shared", 0) or 0
+        fit = min(max_threads // threads, regs_per_sm // (warp_regs * num_warps),
+                  smem_per_sm // shared if shared else max_threads // threads)
+        self._per_sm[kind] = max(1, fit)
