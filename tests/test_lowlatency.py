@@ -1,4 +1,10 @@
-"""DeepEP V1's low-latency API on the portable path (CPU): layouts and sums against the reference."""
+"""DeepEP V1's low-latency API: the portable path on CPU (layouts and sums against the reference); on 2 GPUs the
+nvlink kernels against the portable path, CUDA-graph replay, and the bounded device-side wait."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +57,16 @@ def test_low_latency_size_hint_holds_every_returned_pair():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_low_latency_nvlink_matches_portable_path(pools):
     assert pools.get(2, "nccl").run(ll_cases.low_latency_paths_agree) == [12, 12]
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_low_latency_device_wait_names_missing_rank_on_gpu():
+    """Issue 3 item 4 on the low-latency kernels: a peer that never signals ends the wait after
+    num_gpu_timeout_secs with a message naming it, and the kernel aborts (DESIGN.md's error table)."""
+    script = Path(__file__).with_name("ll_timeout_script.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, str(script), "29561"], capture_output=True, env=env, timeout=180)
+    out = res.stdout.decode() + res.stderr.decode()
+    assert res.returncode != 0 and "NO ERROR" not in out, out[-3000:]
+    assert "timed out waiting for rank: 1" in out, out[-3000:]

@@ -32,7 +32,9 @@ _CHUNK = 1024  # (token, k) items compared per step when the send kernel ranks i
 # row over several programs puts more loads and stores in flight at decode sizes.
 _BLOCKS_PER_PROGRAM = 32
 _ROWS_PER_PROGRAM = 4  # combine rows (top-k positions of one token) per send item
-_FUSED_PROGRAMS_PER_SM = 2  # fused kernels: programs per SM (all resident; see LowLatencyNVLink._fused_grid)
+# Fused kernels: at most this many programs per SM, fewer when the compiled kernel does not fit them (measured on
+# 2x H200: 4 dispatch and 8 combine programs per SM beat 1 and 2 at 128-256 tokens).
+_FUSED_PROGRAMS_PER_SM = 8
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class LowLatencyNVLink:
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self.use_timer = device.type == "cuda"
         self._props = None  # CUDA device properties, read at the first fused launch
-        self._per_sm: dict = {}  # fused kernel kind -> programs one SM holds (`_note_occupancy`)
+        self._per_sm: dict = {}  # fused kernel variant -> programs one SM holds (`_note_occupancy`)
 
     def check_status(self, call: str) -> None:
         """Raises: TimeoutError -- an earlier low-latency call of this buffer timed out waiting for a rank."""
@@ -168,11 +170,12 @@ class LowLatencyNVLink:
         recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
                          L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols)
         if not hook:
-            launched = k.dispatch_fused[(self._fused_grid("dispatch", rows * num_c),)](
+            variant = ("dispatch", lay, use_fp8, pow2_scales, use_ue8m0, stats is not None)
+            launched = k.dispatch_fused[(self._fused_grid(variant, rows * num_c),)](
                 x, topk, self.local, self.delta16, self.state, status, out, scales_arg, count, stats_arg, item_map,
                 x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
                 POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, **recv_opts, **shape)
-            self._note_occupancy("dispatch", launched, 4)
+            self._note_occupancy(variant, launched, 4)
             return recv_x, count, item_map, None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
@@ -209,12 +212,13 @@ class LowLatencyNVLink:
         offsets = dict(comb_off=lay.comb_off, crow_bytes=lay.crow_bytes)
         if not hook:
             num_items = max(self.num_ranks * lay.num_max_tokens * num_kb, num_tokens * num_hc)
-            launched = k.combine_fused[(self._fused_grid("combine", num_items),)](
+            variant = ("combine", lay)
+            launched = k.combine_fused[(self._fused_grid(variant, num_items),)](
                 x, item_map, topk, weights, out, self.local, self.delta16, self.state, status, num_tokens,
                 topk.stride(0), weights.stride(0), out.stride(0), self.rank, self.timeout_ns, **offsets,
                 SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
                 num_warps=4, enable_fp_fusion=False, **self._common())
-            self._note_occupancy("combine", launched, 4)
+            self._note_occupancy(variant, launched, 4)
             return None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
@@ -230,19 +234,19 @@ class LowLatencyNVLink:
 
         return receive
 
-    def _fused_grid(self, kind: str, num_items: int) -> int:
+    def _fused_grid(self, variant: tuple, num_items: int) -> int:
         """Programs of a fused kernel. Each waits for every program's sends, so all must be resident at once: the
-        first launch of a kind uses one program per SM (always resident), later ones as many as the compiled
-        kernel's registers and shared memory let every SM hold (`_note_occupancy`), at most
-        `_FUSED_PROGRAMS_PER_SM`. The interpreter runs programs one after another, so it gets one."""
+        first launch of a variant (kernel, layout, options) uses one program per SM (always resident), later ones
+        as many as the compiled kernel's registers and shared memory let every SM hold (`_note_occupancy`), at
+        most `_FUSED_PROGRAMS_PER_SM`. The interpreter runs programs one after another, so it gets one."""
         if self.device.type != "cuda":
             return 1
         if self._props is None:
             self._props = torch.cuda.get_device_properties(self.device)
-        per_sm = min(_FUSED_PROGRAMS_PER_SM, self._per_sm.get(kind, 1))
+        per_sm = min(_FUSED_PROGRAMS_PER_SM, self._per_sm.get(variant, 1))
         return max(1, min(num_items, per_sm * self._props.multi_processor_count))
 
-    def _note_occupancy(self, kind: str, launched, num_warps: int) -> None:
+    def _note_occupancy(self, variant: tuple, launched, num_warps: int) -> None:
         """Programs of `launched` (a compiled Triton kernel) that one SM holds at once, by threads, registers and
         shared memory (registers rounded up to whole 256-register warp allocations)."""
         regs = getattr(launched, "n_regs", None)
@@ -257,4 +261,4 @@ class LowLatencyNVLink:
         shared = getattr(getattr(launched, "metadata", None), "shared", 0) or 0
         fit = min(max_threads // threads, regs_per_sm // (warp_regs * num_warps),
                   smem_per_sm // shared if shared else max_threads // threads)
-        self._per_sm[kind] = max(1, fit)
+        self._per_sm[variant] = max(1, fit)

@@ -27,6 +27,10 @@ as DESIGN.md's error table says for device-side waits.
 import triton
 import triton.language as tl
 
+# Integer arguments that change between calls or ranks: one compiled variant for all their values (the fused
+# kernels' grids come from the variant's occupancy, so a variant must not change under a new token count).
+_RUNTIME_INTS = ["num_tokens", "me", "timeout_ns", "stride_x", "stride_topk", "stride_w", "stride_out"]
+
 # Flag slots: ((kind * 2 + what) * 2 + parity) * R + rank, int64 each.
 DISPATCH = tl.constexpr(0)
 COMBINE = tl.constexpr(1)
@@ -302,7 +306,7 @@ def _dispatch_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, c
         _signal_all(local_ptr, delta16_ptr, DISPATCH, FREED, epoch % 2, me, R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dispatch_send(
     x_ptr, topk_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
     num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
@@ -322,7 +326,7 @@ def dispatch_send(
     _dispatch_sent(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dispatch_recv(
     local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, out_ptr, scales_ptr, count_ptr, stats_ptr, item_ptr,
     me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
@@ -342,7 +346,7 @@ def dispatch_recv(
                        stats_ptr, hdr_off, me, R, L, HAS_STATS, L_POW2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dispatch_fused(
     x_ptr, topk_ptr, local_ptr, delta16_ptr, state_ptr, status_ptr, out_ptr, scales_ptr, count_ptr, stats_ptr,
     item_ptr, num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
@@ -435,7 +439,7 @@ def _combine_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me
         _signal_all(local_ptr, delta16_ptr, COMBINE, FREED, epoch % 2, me, R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_send(
     x_ptr, item_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, me, timeout_ns, comb_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -452,7 +456,7 @@ def combine_send(
     _combine_sent(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_recv(
     topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
     num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, crow_bytes,
@@ -469,7 +473,7 @@ def combine_recv(
     _combine_received(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_fused(
     x_ptr, item_ptr, topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, status_ptr,
     num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, crow_bytes,
