@@ -64,7 +64,9 @@ class LowLatencyMixin:
 
         The larger of the expand-layout dispatch of BF16 rows with top-k up to 32 and the combine's return of every
         (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that write
-        into a receive area hold them all at once).
+        into a receive area hold them all at once). The nvlink transport's low-latency kernels use their own
+        symmetric region (`lowlatency_nvlink.Layout`, a few tens of MB at decode sizes), allocated collectively by
+        the first low-latency call of a shape.
         """
         n = num_max_dispatch_tokens_per_rank
         per_pair = num_ranks * n * min(sizing.MAX_TOPK, max(1, num_experts // num_ranks)) * sizing.align(hidden * 2, 64)
@@ -92,7 +94,8 @@ class LowLatencyMixin:
         return self._ll_nvlink
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Accepted for API compatibility: epcomm's low-latency calls keep no state between calls (no-op)."""
+        """Accepted for API compatibility (no-op): the nvlink kernels' flags are counters that never need
+        clearing, and the portable path keeps no state between calls."""
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle):
         """Raises: ValueError -- epcomm has no registered zero-copy combine buffer; pass `x` to the combine."""
@@ -122,10 +125,18 @@ class LowLatencyMixin:
         Returns:
             `(recv_x, recv_count, handle, event, hook)`: recv_x is [L, R*N, H] bf16, or `(data [L, R*N, H] e4m3,
             scales [L, R*N, P])` with scales laid out token-contiguous (column-major per expert); recv_count [L]
-            int32 valid rows per expert; a `LowLatencyHandle`; an `EventOverlap`; a callable or None.
+            int32 valid rows per expert (rows past them are unspecified); a `LowLatencyHandle`; an `EventOverlap`;
+            with `return_recv_hook`, a callable that receives (on nvlink it launches the receive kernel: call it
+            before reading the outputs), else None. At most two calls of a kind may be in flight (issued, hooks
+            not yet called) per buffer, as in DeepEP V1.
 
         Raises:
             TypeError / ValueError: bad arguments (as `dispatch`), unsupported options.
+            TimeoutError: an earlier low-latency call of this buffer timed out on the GPU (nvlink; the message
+                names the rank that never signalled).
+
+        Source: DeepEP V1 `Buffer.low_latency_dispatch` (../shared/reference/peers.md §1.2); nvlink kernels in
+        `lowlatency_nvlink.py`.
         """
         name = "EPBuffer.low_latency_dispatch"
         c = Checker(name, self.rank, self.device)
@@ -225,7 +236,8 @@ class LowLatencyMixin:
             out: [T, H] bf16 or None -- written in place and returned when given.
 
         Returns:
-            `(combined_x [T, H] bf16, event, hook)`.
+            `(combined_x [T, H] bf16, event, hook)`; with `return_recv_hook`, `combined_x` is complete once the hook
+            has been called.
 
         Raises:
             TypeError / ValueError: bad arguments, unsupported options.

@@ -275,25 +275,26 @@ def _dispatch_recv_item(
 
 
 @triton.jit
-def _dispatch_sent(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
-    """After a program's sends: the last program of the call advances the call counter and raises `ready`."""
-    if _last_to_finish(state_ptr + 2, num_programs):
-        tl.atomic_xchg(state_ptr + DISPATCH, epoch + 1, sem="relaxed", scope="gpu")
-        _signal_all(local_ptr, delta16_ptr, DISPATCH, READY, epoch % 2, me, R)
+def _sent(kind, epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
+    """After a program's sends: the last program of the call advances the kind's call counter (`state[kind]`) and
+    raises `ready` in every rank. Finish counters: `state[2 + 2 * kind]` (sends), `state[3 + 2 * kind]` (receives)."""
+    if _last_to_finish(state_ptr + 2 + 2 * kind, num_programs):
+        tl.atomic_xchg(state_ptr + kind, epoch + 1, sem="relaxed", scope="gpu")
+        _signal_all(local_ptr, delta16_ptr, kind, READY, epoch % 2, me, R)
 
 
 @triton.jit
-def _dispatch_wait(epoch, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, USE_TIMER: tl.constexpr):
+def _wait_ready(kind, epoch, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Wait until every rank has sent this call's rows."""
     for r in tl.static_range(R):
-        _wait(_flag(local_ptr, DISPATCH, READY, epoch % 2, r, R), epoch // 2 + 1, r, timeout_ns, status_ptr,
-              USE_TIMER)
+        _wait(_flag(local_ptr, kind, READY, epoch % 2, r, R), epoch // 2 + 1, r, timeout_ns, status_ptr, USE_TIMER)
 
 
 @triton.jit
 def _dispatch_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, count_ptr, stats_ptr, hdr_off, me,
                        R: tl.constexpr, L: tl.constexpr, HAS_STATS: tl.constexpr, L_POW2: tl.constexpr):
     """After a program's receives: the last one writes the counts (and stats), clears them, frees the area."""
-    if _last_to_finish(state_ptr + 3, num_programs):
+    if _last_to_finish(state_ptr + 3 + 2 * DISPATCH, num_programs):
         hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int32)) + (epoch % 2) * R * L
         e = tl.arange(0, L_POW2)
         total = tl.zeros([L_POW2], dtype=tl.int32)
@@ -323,7 +324,7 @@ def dispatch_send(
     _dispatch_send_item(t, c, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr, num_tokens, stride_x,
                         stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
                         N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
-    _dispatch_sent(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
+    _sent(DISPATCH, epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -338,7 +339,7 @@ def dispatch_recv(
     """Grid (R * N, channel chunks)."""
     pid = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
-    _dispatch_wait(epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _wait_ready(DISPATCH, epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     _dispatch_recv_item(pid // N, pid % N, tl.program_id(1), epoch, local_ptr, out_ptr, scales_ptr, item_ptr, hdr_off,
                         rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8, UE8M0, NB, NBC,
                         SCALE_COLS, K_POW2)
@@ -364,8 +365,8 @@ def dispatch_fused(
         _dispatch_send_item(item // C, item % C, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr,
                             num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes,
                             scale_off, meta_off, N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
-    _dispatch_sent(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
-    _dispatch_wait(epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _sent(DISPATCH, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
+    _wait_ready(DISPATCH, epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     for item in range(pid, R * N * C, grid):
         _dispatch_recv_item(item // (N * C), (item // C) % N, item % C, epoch, local_ptr, out_ptr, scales_ptr,
                             item_ptr, hdr_off, rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8,
@@ -420,22 +421,8 @@ def _combine_recv_item(
 
 
 @triton.jit
-def _combine_sent(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
-    if _last_to_finish(state_ptr + 4, num_programs):
-        tl.atomic_xchg(state_ptr + COMBINE, epoch + 1, sem="relaxed", scope="gpu")
-        _signal_all(local_ptr, delta16_ptr, COMBINE, READY, epoch % 2, me, R)
-
-
-@triton.jit
-def _combine_wait(epoch, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, USE_TIMER: tl.constexpr):
-    for r in tl.static_range(R):
-        _wait(_flag(local_ptr, COMBINE, READY, epoch % 2, r, R), epoch // 2 + 1, r, timeout_ns, status_ptr,
-              USE_TIMER)
-
-
-@triton.jit
 def _combine_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
-    if _last_to_finish(state_ptr + 5, num_programs):
+    if _last_to_finish(state_ptr + 3 + 2 * COMBINE, num_programs):
         _signal_all(local_ptr, delta16_ptr, COMBINE, FREED, epoch % 2, me, R)
 
 
@@ -453,7 +440,7 @@ def combine_send(
         tl.store(ticket_ptr, epoch)
     _combine_send_item(pid // N, pid % N, kb, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, timeout_ns,
                        comb_off, crow_bytes, N, H, K, R, BLOCK_H, NUM_CH, KP, USE_TIMER)
-    _combine_sent(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
+    _sent(COMBINE, epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -466,7 +453,7 @@ def combine_recv(
     """Grid (max(T, 1), channel blocks)."""
     t = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
-    _combine_wait(epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _wait_ready(COMBINE, epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     if t < num_tokens:
         _combine_recv_item(t, tl.program_id(1), epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
                            stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
@@ -489,8 +476,8 @@ def combine_fused(
         _combine_send_item(item // (N * KB), (item // KB) % N, item % KB, epoch, x_ptr, item_ptr, local_ptr,
                            delta16_ptr, status_ptr, timeout_ns, comb_off, crow_bytes, N, H, K, R, SEND_BLOCK_H,
                            NUM_CH, KP, USE_TIMER)
-    _combine_sent(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
-    _combine_wait(epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _sent(COMBINE, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
+    _wait_ready(COMBINE, epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     for item in range(pid, num_tokens * HC, grid):
         _combine_recv_item(item // HC, item % HC, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
                            stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
