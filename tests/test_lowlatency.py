@@ -70,3 +70,11 @@ def test_low_latency_device_wait_names_missing_rank_on_gpu():
     out = res.stdout.decode() + res.stderr.decode()
     assert res.returncode != 0 and "NO ERROR" not in out, out[-3000:]
     assert "timed out waiting for rank: 1" in out, out[-3000:]
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_low_latency_shape_disagreement_raises_on_every_rank_on_gpu(pools):
+    for msg in pools.get(2, "nccl").run(ll_cases.low_latency_shape_disagreement):
+        assert "ranks disagree on the call's shape" in msg, msg
+        assert "num_max_dispatch_tokens_per_rank: rank 0=8, rank 1=16" in msg, msg

@@ -82,6 +82,18 @@ class LowLatencyMixin:
             from .transport.symm import SymmetricRegion
 
             def allocate(layout: Layout):
+                # The allocation is collective and sized by the call's shape: agree on the shape first (once per
+                # shape, so the host wait costs nothing per call), so ranks that disagree raise instead of hanging.
+                shape = [layout.num_max_tokens, layout.hidden, layout.num_topk, layout.num_local_experts]
+                mine = torch.tensor(shape, dtype=torch.int64, device=self.device)
+                rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 4).contiguous(), wait=True,
+                                                      call_id=self._next_call_id()).tolist()
+                if any(row != shape for row in rows):
+                    names = ("num_max_dispatch_tokens_per_rank", "hidden", "num_topk", "num_local_experts")
+                    diff = "; ".join(f"{name}: " + ", ".join(f"rank {s}={row[i]}" for s, row in enumerate(rows))
+                                     for i, name in enumerate(names) if len({row[i] for row in rows}) > 1)
+                    raise ValueError(f"EPBuffer low-latency call: rank {self.rank}: ranks disagree on the call's "
+                                     f"shape ({diff}); every rank must pass the same shapes")
                 region = SymmetricRegion(self.group, layout.nbytes, self.device)
                 region.local.zero_()
                 # No peer may write into a region before its owner has zeroed it (stream order after the barrier).
