@@ -237,3 +237,41 @@ def low_latency_shape_disagreement(rank: int, world: int):
     assert totals[0] == totals[1], totals.tolist()
     buf.destroy()
     return msg
+
+
+def low_latency_more_errors(rank: int, world: int):
+    """Malformed arguments raise TypeError/ValueError naming the low-latency call on every rank (rank 1 alone is
+    wrong where marked), never a foreign exception on one rank and a hang on the other."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
+    other = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = random_routing(gen, 4, 4, 2, masked_ratio=0.0)
+    x = torch.randn(4, 128, generator=gen).bfloat16()
+    msgs = []
+
+    def expect(call):
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("no error")
+
+    one = rank == 1
+    expect(lambda: buf.low_latency_dispatch(torch.tensor(1.0).bfloat16() if one else x, idx, 4, 4))
+    expect(lambda: buf.low_latency_dispatch(x.view(4, 2, 64) if one else x, idx, 4, 4, use_fp8=True))
+    expect(lambda: buf.low_latency_dispatch(x, idx, True, 4))
+    expect(lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, round_scale=True))
+    expect(lambda: buf.low_latency_dispatch(x, idx, 4, 4, async_finish=True, return_recv_hook=True))
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    _, _, other_handle, _, _ = other.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    expect(lambda: buf.low_latency_combine(recv_x, None if one else idx, w, handle))
+    expect(lambda: buf.low_latency_combine(recv_x, idx.float() if one else idx, w, handle))
+    expect(lambda: buf.low_latency_combine(recv_x, idx, w, other_handle))
+    idx[0, 0] = -1  # an in-place edit after the dispatch
+    expect(lambda: buf.low_latency_combine(recv_x, idx, w, handle))
+    expect(lambda: epcomm.EPBuffer.get_low_latency_rdma_size_hint(0, 128, 2, 4))
+    other.destroy()
+    buf.destroy()
+    expect(lambda: buf.low_latency_combine(recv_x, idx, w, handle))
+    return msgs

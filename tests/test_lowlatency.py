@@ -78,3 +78,23 @@ def test_low_latency_shape_disagreement_raises_on_every_rank_on_gpu(pools):
     for msg in pools.get(2, "nccl").run(ll_cases.low_latency_shape_disagreement):
         assert "ranks disagree on the call's shape" in msg, msg
         assert "num_max_dispatch_tokens_per_rank: rank 0=8, rank 1=16" in msg, msg
+
+
+def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
+    for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_more_errors)):
+        assert len(msgs) == 11 and "no error" not in msgs, msgs
+        dispatch, combine = "EPBuffer.low_latency_dispatch", "EPBuffer.low_latency_combine"
+        if rank == 1:
+            assert dispatch in msgs[0] and "x must be 2-D" in msgs[0], msgs[0]
+            assert dispatch in msgs[1] and "x must be 2-D" in msgs[1], msgs[1]
+            assert combine in msgs[5] and "topk_idx must be a torch.Tensor" in msgs[5], msgs[5]
+            assert combine in msgs[6] and "topk_idx must have dtype" in msgs[6], msgs[6]
+        else:  # the peer of the rank with the bad argument raises too
+            assert all("group rank 1 rejected the call" in msgs[i] for i in (0, 1, 5, 6)), msgs
+        assert "num_max_dispatch_tokens_per_rank must be an int, got bool" in msgs[2], msgs[2]
+        assert "round_scale=True require use_fp8=True" in msgs[3], msgs[3]
+        assert "async_finish=True and return_recv_hook=True cannot be combined" in msgs[4], msgs[4]
+        assert "handle comes from another EPBuffer" in msgs[7], msgs[7]
+        assert "topk_idx was modified in place" in msgs[8], msgs[8]
+        assert "num_max_dispatch_tokens_per_rank must be >= 1, got 0" in msgs[9], msgs[9]
+        assert "the buffer was destroyed" in msgs[10], msgs[10]

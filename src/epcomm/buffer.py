@@ -389,6 +389,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         if self._broken is None:
             self._barrier("EPBuffer.destroy", agreement.OP_DESTROY)
         self.transport.destroy()
+        self._ll_nvlink, self._ll_regions = None, []  # the low-latency areas (lowlatency.py)
         self._destroyed = True
 
     def __enter__(self) -> "EPBuffer":

@@ -25,7 +25,14 @@ from .fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
 from .kernels import weighted_reduce_torch
 from .lowlatency_nvlink import Layout, LowLatencyNVLink
 from .streams import capturing
-from .validate import Checker, check_topk_idx
+from .handle import EPHandle
+from .validate import TOPK_IDX_DTYPES, Checker, check_topk_idx, check_topk_values
+
+
+def _check_flags(c: Checker, **flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            c.fail(TypeError, f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ class LowLatencyHandle:
             row in that expert's block of the expert-major output (-1 for padding / the unused tail).
         item_map: [R * N * K] int32 -- nvlink path: the output row `e * R * N + row` of each (source rank, token,
             top-k position), -1 for none.
+        buffer_uid: the id of the buffer that made it; topk_idx_version: `topk_idx`'s version counter at the
+            dispatch (None for inference tensors), so an in-place edit before the combine is caught.
+        area: nvlink path: the `lowlatency_nvlink.Area` of the call's shape.
     """
 
     handle: object
@@ -49,9 +59,12 @@ class LowLatencyHandle:
     hidden: int
     num_local_experts: int
     topk_idx: Tensor
+    buffer_uid: int
+    topk_idx_version: Optional[int]
     expert_idx_S: Optional[Tensor] = None
     row_in_expert_S: Optional[Tensor] = None
     item_map: Optional[Tensor] = None
+    area: object = None
 
 
 class LowLatencyMixin:
@@ -60,7 +73,7 @@ class LowLatencyMixin:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes a buffer needs for low-latency calls of this shape (a multiple of 2 MiB); allocates nothing.
+        """Bytes a buffer needs for low-latency calls of this shape (a positive multiple of 2 MiB); allocates nothing.
 
         The larger of the expand-layout dispatch of BF16 rows with top-k up to 32 and the combine's return of every
         (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that write
@@ -68,7 +81,12 @@ class LowLatencyMixin:
         symmetric region (`lowlatency_nvlink.Layout`, a few tens of MB at decode sizes), allocated collectively by
         the first low-latency call of a shape.
         """
-        n = num_max_dispatch_tokens_per_rank
+        c = Checker("EPBuffer.get_low_latency_rdma_size_hint", 0, torch.device("cpu"))
+        n = c.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        c.positive_int("hidden", hidden)
+        c.positive_int("num_ranks", num_ranks)
+        c.positive_int("num_experts", num_experts)
+        c.require(num_experts % num_ranks == 0, f"num_experts={num_experts} must be a multiple of num_ranks={num_ranks}")
         per_pair = num_ranks * n * min(sizing.MAX_TOPK, max(1, num_experts // num_ranks)) * sizing.align(hidden * 2, 64)
         return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
                             sizing.ALLOCATION_ALIGNMENT)
@@ -79,6 +97,8 @@ class LowLatencyMixin:
             return None
         if getattr(self, "_ll_nvlink", None) is None:
             from .kernels.push import region_deltas
+
+            self._ll_regions = []
             from .transport.symm import SymmetricRegion
 
             def allocate(layout: Layout):
@@ -98,7 +118,7 @@ class LowLatencyMixin:
                 region.local.zero_()
                 # No peer may write into a region before its owner has zeroed it (stream order after the barrier).
                 region.barrier(timeout_ms=int(self.num_gpu_timeout_secs * 1000))
-                self._ll_region = region
+                self._ll_regions.append(region)  # kept alive with the buffer
                 return region.local, region_deltas(region.ptrs, self.rank)
 
             self._ll_nvlink = LowLatencyNVLink(self.rank, self.num_ranks, self.device, self.num_gpu_timeout_secs,
@@ -139,11 +159,15 @@ class LowLatencyMixin:
             scales [L, R*N, P])` with scales laid out token-contiguous (column-major per expert); recv_count [L]
             int32 valid rows per expert (rows past them are unspecified); a `LowLatencyHandle`; an `EventOverlap`;
             with `return_recv_hook`, a callable that receives (on nvlink it launches the receive kernel: call it
-            before reading the outputs), else None. At most two calls of a kind may be in flight (issued, hooks
-            not yet called) per buffer, as in DeepEP V1.
+            before reading the outputs; its first call receives, later calls do nothing), else None. Two calls of
+            a kind may be in flight (issued, hooks not yet called), as in DeepEP V1: call e reuses the area of
+            call e - 2, so that call's hook must have been called before call e is issued (checked; ValueError).
 
         Raises:
-            TypeError / ValueError: bad arguments (as `dispatch`), unsupported options.
+            TypeError / ValueError: bad arguments, unsupported options, a hook two calls back not yet called. On
+                CPU every rank raises; on GPU the offending rank raises before any data moves (no header is
+                exchanged, docs/decisions.md), and `topk_idx` values are not read (that would synchronise): ids
+                outside [-1, num_experts) or repeated in a row give unspecified results there.
             TimeoutError: an earlier low-latency call of this buffer timed out on the GPU (nvlink; the message
                 names the rank that never signalled).
 
@@ -151,46 +175,53 @@ class LowLatencyMixin:
         `lowlatency_nvlink.py`.
         """
         name = "EPBuffer.low_latency_dispatch"
+        self._check_alive(name)
         c = Checker(name, self.rank, self.device)
+        fast = None
         try:
+            n = c.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+            c.positive_int("num_experts", num_experts)
+            c.require(num_experts % self.num_ranks == 0,
+                      f"num_experts={num_experts} must be a multiple of the group size {self.num_ranks}")
+            _check_flags(c, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+                         return_recv_hook=return_recv_hook)
+            c.require(dispatch_wait_recv_cost_stats is None,
+                      "dispatch_wait_recv_cost_stats is not implemented by epcomm; pass None")
+            c.require(use_fp8 or not (use_ue8m0 or round_scale), "use_ue8m0=True and round_scale=True require "
+                      "use_fp8=True")
+            c.require(not (async_finish and return_recv_hook), "async_finish=True and return_recv_hook=True cannot "
+                      "be combined (with a hook, the data is complete when the hook returns)")
             if not isinstance(x, Tensor) or x.dtype != torch.bfloat16:
                 c.fail(TypeError, f"x must be a bf16 tensor (the FP8 cast happens inside), got "
                                   f"{getattr(x, 'dtype', type(x).__name__)}")
-            c.require(dispatch_wait_recv_cost_stats is None,
-                      "dispatch_wait_recv_cost_stats is not implemented by epcomm; pass None")
-            c.require(not (use_ue8m0 and not use_fp8), "use_ue8m0=True requires use_fp8=True")
-            c.require(isinstance(num_max_dispatch_tokens_per_rank, int) and num_max_dispatch_tokens_per_rank > 0,
-                      f"num_max_dispatch_tokens_per_rank must be an int > 0, got {num_max_dispatch_tokens_per_rank!r}")
-            c.require(x.shape[0] <= num_max_dispatch_tokens_per_rank,
-                      f"x has {x.shape[0]} tokens but num_max_dispatch_tokens_per_rank="
-                      f"{num_max_dispatch_tokens_per_rank}; size the call (and the buffer, with "
-                      "get_low_latency_rdma_size_hint) for the largest decode batch")
+            c.tensor("x", x, ndim=2, dtypes=(torch.bfloat16,))
+            c.require(x.shape[1] > 0, f"x must have hidden > 0 columns, got shape {tuple(x.shape)}")
+            c.require(x.shape[0] <= n, f"x has {x.shape[0]} tokens but num_max_dispatch_tokens_per_rank={n}; size "
+                      "the call for the largest decode batch")
+            check_topk_idx(c, topk_idx, x.shape[0])
+            if cumulative_local_expert_recv_stats is not None:
+                c.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, ndim=1,
+                         dtypes=(torch.int32,), shape=(num_experts // self.num_ranks,))
+                c.require(cumulative_local_expert_recv_stats.is_contiguous(),
+                          "cumulative_local_expert_recv_stats must be contiguous")
+            if self.device.type == "cpu":  # values need a host read: free on CPU, a synchronisation on GPU
+                check_topk_values(c, topk_idx, num_experts)
             fast = self._low_latency_nvlink()
             if fast is not None:
                 fast.check_status(name)
-                c.require(isinstance(num_experts, int) and num_experts > 0 and num_experts % self.num_ranks == 0,
-                          f"num_experts must be a positive multiple of the group size {self.num_ranks}, got "
-                          f"{num_experts!r}")
-                c.tensor("x", x, ndim=2, dtypes=(torch.bfloat16,), shape=(None, None))
-                c.require(x.stride(1) == 1, f"x must have contiguous rows (stride 1 along hidden), got strides "
-                                            f"{tuple(x.stride())}")
-                check_topk_idx(c, topk_idx, x.shape[0])
-                if cumulative_local_expert_recv_stats is not None:
-                    c.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, ndim=1,
-                             dtypes=(torch.int32,), shape=(num_experts // self.num_ranks,))
         except (TypeError, ValueError) as e:
             self._reject(name, e)
-        n = num_max_dispatch_tokens_per_rank
+        num_local = num_experts // self.num_ranks
+        version = EPHandle.capture_version(topk_idx)
         if fast is not None:
-            fast.prepare(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1], num_experts // self.num_ranks),
-                         name)
+            area = fast.prepare(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1], num_local), name)
             recv_x, recv_count, item_map, receive = fast.dispatch(
-                x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0,
+                area, x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0,
                 hook=return_recv_hook)
-            ll_handle = LowLatencyHandle(None, n, x.shape[1], num_experts // self.num_ranks, topk_idx,
-                                         item_map=item_map)
+            ll_handle = LowLatencyHandle(None, n, x.shape[1], num_local, topk_idx, self.uid, version,
+                                         item_map=item_map, area=area)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
-            return recv_x, recv_count, ll_handle, event, (receive if return_recv_hook else None)
+            return recv_x, recv_count, ll_handle, event, receive
         if use_fp8:
             data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
             if round_scale and not use_ue8m0:
@@ -201,7 +232,7 @@ class LowLatencyMixin:
         recv, _, _, handle, _ = self.dispatch(payload, topk_idx, None, cumulative_local_expert_recv_stats,
                                               num_experts=num_experts, num_max_tokens_per_rank=n, do_expand=True,
                                               do_cpu_sync=False, emit_expert_ids=True)
-        num_local, rows = num_experts // self.num_ranks, self.num_ranks * n
+        rows = self.num_ranks * n
         expert_S = handle.recv_expert_ids.long()
         start_L = (handle.psum_num_recv_tokens_per_expert - handle.num_unaligned_recv_tokens_per_expert).long()
         row_S = (torch.arange(expert_S.numel(), device=self.device) - start_L[expert_S.clamp(min=0)])
@@ -223,7 +254,7 @@ class LowLatencyMixin:
             recv_x = (expert_major(recv[0]), scales_LRP)
         else:
             recv_x = expert_major(recv)
-        ll_handle = LowLatencyHandle(handle, n, x.shape[1], num_local, topk_idx, expert_S, row_S)
+        ll_handle = LowLatencyHandle(handle, n, x.shape[1], num_local, topk_idx, self.uid, version, expert_S, row_S)
         recv_count = handle.num_unaligned_recv_tokens_per_expert.clone()
         event = EventOverlap(EventHandle(self.device) if async_finish else None)
         hook: Optional[Callable] = (lambda: None) if return_recv_hook else None
@@ -255,40 +286,48 @@ class LowLatencyMixin:
             TypeError / ValueError: bad arguments, unsupported options.
         """
         name = "EPBuffer.low_latency_combine"
+        self._check_alive(name)
         c = Checker(name, self.rank, self.device)
+        fast = None
         try:
+            _check_flags(c, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
+                         return_recv_hook=return_recv_hook)
             c.require(not use_logfmt, "use_logfmt=True (LogFMT combine payloads) is not implemented by epcomm")
             c.require(not zero_copy, "zero_copy=True is not implemented by epcomm (no registered combine buffer)")
             c.require(combine_wait_recv_cost_stats is None,
                       "combine_wait_recv_cost_stats is not implemented by epcomm; pass None")
+            c.require(not (async_finish and return_recv_hook), "async_finish=True and return_recv_hook=True cannot "
+                      "be combined (with a hook, the data is complete when the hook returns)")
             if not isinstance(handle, LowLatencyHandle):
                 c.fail(TypeError, f"handle must be the LowLatencyHandle of low_latency_dispatch, got "
                                   f"{type(handle).__name__}")
+            c.require(handle.buffer_uid == self.uid, "handle comes from another EPBuffer; combine on the buffer "
+                      "whose low_latency_dispatch made it")
             num_local, rows = handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank
             c.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,), shape=(num_local, rows, handle.hidden))
-            try:
-                # Values are compared on the host, except under CUDA-graph capture (a host read cannot be
-                # captured): a captured combine trusts the routing it is replayed with.
-                same = tuple(topk_idx.shape) == tuple(handle.topk_idx.shape) and (
-                    capturing(self.device) or topk_idx is handle.topk_idx or torch.equal(topk_idx, handle.topk_idx))
-            except ValueError as e:
-                c.fail(ValueError, str(e))
-            c.require(same, "topk_idx must be the routing of the low_latency_dispatch that made the handle")
+            c.tensor("topk_idx", topk_idx, ndim=2, dtypes=TOPK_IDX_DTYPES, shape=tuple(handle.topk_idx.shape))
+            if topk_idx is handle.topk_idx:
+                c.require(handle.topk_idx_version is None or EPHandle.capture_version(topk_idx) ==
+                          handle.topk_idx_version, "topk_idx was modified in place after the low_latency_dispatch "
+                          "that made the handle; pass the routing of that dispatch")
+            elif not capturing(self.device):  # a host read cannot be captured: a captured combine trusts its routing
+                c.require(torch.equal(topk_idx, handle.topk_idx),
+                          "topk_idx must be the routing of the low_latency_dispatch that made the handle")
             c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), shape=tuple(topk_idx.shape))
             if out is not None:
                 c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
-            fast = self._low_latency_nvlink() if handle.item_map is not None else None
-            if fast is not None:
+            if handle.area is not None:
+                fast = self._low_latency_nvlink()
                 fast.check_status(name)
-                c.require(x.is_contiguous(), "x must be contiguous")
         except (TypeError, ValueError) as e:
             self._reject(name, e)
         if fast is not None:
             combined = out if out is not None else torch.empty(topk_idx.shape[0], handle.hidden,
                                                                dtype=torch.bfloat16, device=self.device)
-            receive = fast.combine(x, topk_idx, topk_weights, handle.item_map, combined, hook=return_recv_hook)
+            receive = fast.combine(handle.area, x, topk_idx, topk_weights, handle.item_map, combined,
+                                   hook=return_recv_hook)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
-            return combined, event, (receive if return_recv_hook else None)
+            return combined, event, receive
         # Back to the expand layout (padding rows read the zero row), then every (token, expert) row home.
         slot_S = (handle.expert_idx_S * rows + handle.row_in_expert_S).masked_fill(handle.expert_idx_S < 0,
                                                                                     num_local * rows)

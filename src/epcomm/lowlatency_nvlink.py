@@ -1,4 +1,4 @@
-"""The latency-optimised low-latency (decode) path on the nvlink transport: two Triton kernels per call.
+"""The latency-optimised low-latency (decode) path on the nvlink transport: one Triton kernel per call.
 
 `low_latency_dispatch` sends (FP8 cast fused, each token written once per destination rank) and receives
 (expands the rows into the expert-major output); `low_latency_combine` sends every expert output row back to its
@@ -7,13 +7,15 @@ symmetric memory, inside the kernel: no device barrier, no host synchronisation,
 call's tokens on the link. With `return_recv_hook=True` the call launches a send kernel and the hook launches the
 receive kernel. Kernels: `kernels/_lowlatency_triton.py`.
 
-Region of every rank (its own symmetric allocation, made at the first low-latency call; `Layout`):
+Region of every rank, one per call shape (its own symmetric allocation, made collectively by the first
+low-latency call of that shape, after the ranks agree on the shape; `Layout`, `Area`):
 
     [ flags | counts: 2 x R x L int32 | dispatch rows: 2 x R x N rows | combine rows: 2 x N*K rows ]
 
-Each area exists twice and calls alternate between the two by parity, so two calls of a kind may be in flight
-(issued, hooks not yet called) per buffer, as in DeepEP V1. Results are identical to the portable path
-(`lowlatency.py`), except that rows past `recv_count[e]` of the expert-major output are left unwritten.
+Each area exists twice and calls alternate between the two by parity: call e of a kind reuses the area of call
+e - 2, so that call must have been received (its hook called) before call e is issued (checked on the host: two
+calls of a kind may be in flight, as in DeepEP V1). Results are identical to the portable path (`lowlatency.py`),
+except that rows past `recv_count[e]` of the expert-major output are left unwritten.
 """
 
 from __future__ import annotations
@@ -82,13 +84,32 @@ class Layout:
         return align(self.comb_off + 2 * self.num_max_tokens * self.num_topk * self.crow_bytes, 1 << 21)
 
 
-class LowLatencyNVLink:
-    """Per-buffer state of the fast path: the region, the call counters, and the timeout record.
+class Area:
+    """One call shape's region and its call state (a buffer keeps one per shape it has seen).
 
     Fields:
-        local: [nbytes] uint8 -- this rank's region; `delta16`: [R] int64 -- every region's base relative to it,
-            in 16-byte units.
+        layout: the `Layout`.
+        local: [nbytes] uint8 -- this rank's region; delta16: [R] int64 -- every region's base relative to it, in
+            16-byte units.
         state: [8] int64 (device) -- call counters (dispatch, combine) and the kernels' finish counters.
+        issued, pending: host bookkeeping per kind (0 dispatch, 1 combine): calls issued, and the calls whose
+            receive hook has not run (call e reuses the area of call e - 2, which must have been received).
+    """
+
+    def __init__(self, layout: Layout, local: Tensor, delta16: Tensor):
+        self.layout, self.local, self.delta16 = layout, local, delta16
+        self.state = torch.zeros(8, dtype=torch.int64, device=local.device)
+        self.issued = [0, 0]
+        self.pending: list = [set(), set()]
+
+
+_KIND_NAMES = ("low_latency_dispatch", "low_latency_combine")
+
+
+class LowLatencyNVLink:
+    """Per-buffer state of the fast path: one `Area` per call shape, and the timeout record.
+
+    Fields:
         status: [1] int64 (host memory the GPU writes) -- 0, or 1 + the rank a wait timed out on.
     """
 
@@ -96,9 +117,7 @@ class LowLatencyNVLink:
         self.rank, self.num_ranks, self.device = rank, num_ranks, device
         self.timeout_ns = int(timeout_s * 1e9)
         self._allocate = allocate  # layout -> (local, delta16): collective
-        self.layout: Optional[Layout] = None
-        self.local = self.delta16 = None
-        self.state = torch.zeros(8, dtype=torch.int64, device=device)
+        self.areas: dict = {}
         pinned = device.type == "cuda"
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self.use_timer = device.type == "cuda"
@@ -113,26 +132,55 @@ class LowLatencyNVLink:
                                f"{self.timeout_ns / 1e9:g} s (num_gpu_timeout_secs) waiting for rank {missing - 1}; "
                                "the buffer is unusable, restart the process group")
 
-    def prepare(self, layout: Layout, call: str) -> None:
-        """Allocate (collectively) the region for this call shape at the first call, or when the shape changes."""
-        if layout == self.layout:
-            return
+    def prepare(self, layout: Layout, call: str) -> Area:
+        """The area of this call shape, allocated (collectively) by the first call of the shape."""
+        area = self.areas.get(layout)
+        if area is not None:
+            return area
         if capturing(self.device):
             raise ValueError(f"{call}: rank {self.rank}: the first low-latency call of a shape (here N="
                              f"{layout.num_max_tokens}, hidden={layout.hidden}, top-k={layout.num_topk}) allocates "
                              "symmetric memory and cannot be captured; make one eager call of this shape before "
                              "capturing a CUDA graph")
-        self.local, self.delta16 = self._allocate(layout)
-        self.state.zero_()
-        self.layout = layout
+        area = Area(layout, *self._allocate(layout))
+        self.areas[layout] = area
+        return area
 
-    def _common(self) -> dict:
-        lay = self.layout
+    def _issue(self, area: Area, kind: int, hook: bool) -> Callable:
+        """Book a call of `kind` on `area`; returns `received()`, which the receive calls once.
+
+        Raises:
+            ValueError: the call two before on this area has not been received (its hook was not called): its rows
+                would be overwritten, and the call would wait for it until the device timeout.
+        """
+        e = area.issued[kind]
+        if e - 2 in area.pending[kind]:
+            raise ValueError(f"EPBuffer.{_KIND_NAMES[kind]}: rank {self.rank}: the receive hook of the call two "
+                             "calls before this one has not been called; call it first (two calls of a kind may be "
+                             "in flight: call e reuses the area of call e - 2)")
+        area.issued[kind] += 1
+        if hook:
+            area.pending[kind].add(e)
+        return lambda: area.pending[kind].discard(e)
+
+    @staticmethod
+    def _once(launch: Callable, received: Callable) -> Callable:
+        """The receive hook: launches the receive kernel at its first call; later calls do nothing."""
+        done = [False]
+
+        def hook() -> None:
+            if not done[0]:
+                done[0] = True
+                received()
+                launch()
+        return hook
+
+    def _common(self, lay: Layout) -> dict:
         return dict(N=lay.num_max_tokens, H=lay.hidden, K=lay.num_topk, R=self.num_ranks, USE_TIMER=self.use_timer)
 
     # -- dispatch ----------------------------------------------------------------------------------
-    def dispatch(self, x: Tensor, topk_idx: Tensor, stats: Optional[Tensor], use_fp8: bool, pow2_scales: bool,
-                 use_ue8m0: bool, hook: bool):
+    def dispatch(self, area: Area, x: Tensor, topk_idx: Tensor, stats: Optional[Tensor], use_fp8: bool,
+                 pow2_scales: bool, use_ue8m0: bool, hook: bool):
         """Launch the call; returns `(recv_x, recv_count, item_map, receive)`. Without `hook`, one fused kernel does
         everything and `receive` is None; with it, the send kernel runs now and `receive()` launches the receive
         kernel. The receive fills recv_x, recv_count, the stats and item_map ([R * N * K] int32: the output row
@@ -141,13 +189,15 @@ class LowLatencyNVLink:
 
         import triton
 
-        lay = self.layout
+        received = self._issue(area, 0, hook)
+        lay = area.layout
         n, h, num_local, r = lay.num_max_tokens, lay.hidden, lay.num_local_experts, self.num_ranks
         rows = r * n
         nb = lay.num_blocks
         nbc = min(_BLOCKS_PER_PROGRAM, max(4, triton.next_power_of_2(nb)))  # blocks of 128 channels per item
         num_c = triton.cdiv(nb, nbc)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
+        x = x if x.stride(1) == 1 else x.contiguous()
         if use_fp8:
             data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=self.device)
             cols = -(-nb // 4) if use_ue8m0 else nb
@@ -166,39 +216,44 @@ class LowLatencyNVLink:
         offsets = dict(hdr_off=lay.hdr_off, rows_off=lay.rows_off, row_bytes=lay.row_bytes,
                        scale_off=lay.scale_off, meta_off=lay.meta_off)
         shape = dict(L=num_local, USE_FP8=use_fp8, NBC=nbc, K_POW2=triton.next_power_of_2(lay.num_topk), num_warps=4,
-                     **self._common())
+                     **self._common(lay))
         recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
                          L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols)
         if not hook:
             variant = ("dispatch", lay, use_fp8, pow2_scales, use_ue8m0, stats is not None)
             launched = k.dispatch_fused[(self._fused_grid(variant, rows * num_c),)](
-                x, topk, self.local, self.delta16, self.state, status, out, scales_arg, count, stats_arg, item_map,
+                x, topk, area.local, area.delta16, area.state, status, out, scales_arg, count, stats_arg, item_map,
                 x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
                 POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, **recv_opts, **shape)
             self._note_occupancy(variant, launched, 4)
+            received()
             return recv_x, count, item_map, None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         k.dispatch_send[(n, num_c)](
-            x, topk, self.local, self.delta16, self.state, ticket, status, x.shape[0], x.stride(0), topk.stride(0),
+            x, topk, area.local, area.delta16, area.state, ticket, status, x.shape[0], x.stride(0), topk.stride(0),
             self.rank, self.timeout_ns, **offsets, POW2_SCALES=pow2_scales, CHUNK=_CHUNK, **shape)
 
-        def receive() -> None:
+        def launch() -> None:
             k.dispatch_recv[(rows, num_c)](
-                self.local, self.delta16, self.state, ticket, status, out, scales_arg, count, stats_arg, item_map,
+                area.local, area.delta16, area.state, ticket, status, out, scales_arg, count, stats_arg, item_map,
                 self.rank, self.timeout_ns, **offsets, **recv_opts, **shape)
 
-        return recv_x, count, item_map, receive
+        return recv_x, count, item_map, self._once(launch, received)
 
     # -- combine -----------------------------------------------------------------------------------
-    def combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, item_map: Tensor, out: Tensor, hook: bool):
+    def combine(self, area: Area, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, item_map: Tensor, out: Tensor,
+                hook: bool):
         """Launch the call (one fused kernel, or the send kernel now and `receive()` later, as `dispatch`); the
         weighted sums land in `out` ([T, H] bf16). Returns `receive` or None."""
         from .kernels import _lowlatency_triton as k
 
         import triton
 
-        lay = self.layout
+        received = self._issue(area, 1, hook)
+        lay = area.layout
+        x = x if x.is_contiguous() else x.contiguous()
+        target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
         send_block = min(2048, triton.next_power_of_2(lay.hidden))
         num_ch = triton.next_power_of_2(triton.cdiv(lay.hidden, send_block))
         kp = _ROWS_PER_PROGRAM
@@ -214,25 +269,30 @@ class LowLatencyNVLink:
             num_items = max(self.num_ranks * lay.num_max_tokens * num_kb, num_tokens * num_hc)
             variant = ("combine", lay)
             launched = k.combine_fused[(self._fused_grid(variant, num_items),)](
-                x, item_map, topk, weights, out, self.local, self.delta16, self.state, status, num_tokens,
-                topk.stride(0), weights.stride(0), out.stride(0), self.rank, self.timeout_ns, **offsets,
+                x, item_map, topk, weights, target, area.local, area.delta16, area.state, status, num_tokens,
+                topk.stride(0), weights.stride(0), target.stride(0), self.rank, self.timeout_ns, **offsets,
                 SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
-                num_warps=4, enable_fp_fusion=False, **self._common())
+                num_warps=4, enable_fp_fusion=False, **self._common(lay))
             self._note_occupancy(variant, launched, 4)
+            received()
+            if target is not out:
+                out.copy_(target)
             return None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         k.combine_send[(self.num_ranks * lay.num_max_tokens, num_kb)](
-            x, item_map, self.local, self.delta16, self.state, ticket, status, self.rank, self.timeout_ns, **offsets,
-            BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, num_warps=4, **self._common())
+            x, item_map, area.local, area.delta16, area.state, ticket, status, self.rank, self.timeout_ns, **offsets,
+            BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, num_warps=4, **self._common(lay))
 
-        def receive() -> None:
+        def launch() -> None:
             k.combine_recv[(max(num_tokens, 1), num_hc)](
-                topk, weights, out, self.local, self.delta16, self.state, ticket, status, num_tokens,
-                topk.stride(0), weights.stride(0), out.stride(0), self.rank, self.timeout_ns, **offsets,
-                BLOCK_H=recv_block, num_warps=4, enable_fp_fusion=False, **self._common())
+                topk, weights, target, area.local, area.delta16, area.state, ticket, status, num_tokens,
+                topk.stride(0), weights.stride(0), target.stride(0), self.rank, self.timeout_ns, **offsets,
+                BLOCK_H=recv_block, num_warps=4, enable_fp_fusion=False, **self._common(lay))
+            if target is not out:
+                out.copy_(target)
 
-        return receive
+        return self._once(launch, received)
 
     def _fused_grid(self, variant: tuple, num_items: int) -> int:
         """Programs of a fused kernel. Each waits for every program's sends, so all must be resident at once: the

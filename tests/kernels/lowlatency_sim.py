@@ -24,9 +24,7 @@ def engines(num_ranks, layout, timeout_s=30.0):
         return lambda _layout: (regions[r], torch.div(ptrs - ptrs[r], 16, rounding_mode="floor"))
 
     out = [LowLatencyNVLink(r, num_ranks, torch.device("cpu"), timeout_s, allocate_for(r)) for r in range(num_ranks)]
-    for e in out:
-        e.prepare(layout, "test")
-    return out
+    return out, [e.prepare(layout, "test") for e in out]
 
 
 def routing(gen, num_tokens, num_experts, num_topk):
@@ -75,11 +73,11 @@ def run(case: str) -> None:
         num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 2, 128, 4, 2, [2, 2]
     num_local = num_experts // num_ranks
     layout = Layout(num_ranks, n, hidden, num_topk, num_local)
-    eng = engines(num_ranks, layout, timeout_s=0.05 if case == "timeout" else 30.0)
+    eng, areas = engines(num_ranks, layout, timeout_s=0.05 if case == "timeout" else 30.0)
     xs = [torch.randn(t, hidden, generator=gen).bfloat16() for t in tokens]
     idx = [routing(gen, t, num_experts, num_topk) for t in tokens]
     if case == "timeout":  # rank 0 waits for a dispatch rank 1 never sends: the wait ends and names rank 1
-        eng[0].dispatch(xs[0], idx[0], None, False, False, False, hook=True)[3]()
+        eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=True)[3]()
         assert int(eng[0].status[0]) == 2, eng[0].status
         try:
             eng[0].check_status("EPBuffer.low_latency_dispatch")
@@ -90,13 +88,15 @@ def run(case: str) -> None:
         return
     hook = num_ranks > 1
     # Several calls in a row: both parities, counters past the first round, every scale format.
-    for use_fp8, ue8m0, pow2 in [(False, False, False), (True, False, False), (True, True, True),
-                                 (True, False, True), (False, False, False)]:
+    for round_, (use_fp8, ue8m0, pow2) in enumerate([(False, False, False), (True, False, False), (True, True, True),
+                                                     (True, False, True), (False, False, False)]):
         stats = [torch.zeros(num_local, dtype=torch.int32) for _ in range(num_ranks)]
-        pend = [eng[r].dispatch(xs[r], idx[r], stats[r], use_fp8, pow2, ue8m0, hook=hook) for r in range(num_ranks)]
+        pend = [eng[r].dispatch(areas[r], xs[r], idx[r], stats[r], use_fp8, pow2, ue8m0, hook=hook)
+                for r in range(num_ranks)]
         for p in pend:
             if hook:
                 p[3]()
+                p[3]()  # a hook receives once; calling it again does nothing
         check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0)
         for r in range(num_ranks):
             assert torch.equal(stats[r], pend[r][1]), (stats[r], pend[r][1])
@@ -104,10 +104,13 @@ def run(case: str) -> None:
             continue
         # Expert e of rank r multiplies by (1 + e); the combine weights and sums in ascending top-k position.
         ws = [torch.rand(t, num_topk, generator=gen) for t in tokens]
-        outs = [torch.empty(t, hidden, dtype=torch.bfloat16) for t in tokens]
+        # The last round writes into strided views (stride 2 along hidden): the kernels write a contiguous copy.
+        outs = [torch.empty(t, hidden, dtype=torch.bfloat16) if round_ == 0 else
+                torch.empty(t, 2 * hidden, dtype=torch.bfloat16)[:, ::2] for t in tokens]
         ys = [(pend[r][0].float() * (1 + torch.arange(num_local)).view(-1, 1, 1)).bfloat16()
               for r in range(num_ranks)]
-        receives = [eng[r].combine(ys[r], idx[r], ws[r], pend[r][2], outs[r], hook=hook) for r in range(num_ranks)]
+        receives = [eng[r].combine(areas[r], ys[r], idx[r], ws[r], pend[r][2], outs[r], hook=hook)
+                    for r in range(num_ranks)]
         for f in receives:
             if hook:
                 f()
@@ -121,6 +124,15 @@ def run(case: str) -> None:
             assert torch.equal(outs[r], acc.bfloat16()), (r, (outs[r].float() - acc).abs().max())
     for e in eng:
         assert int(e.status[0]) == 0
+    if hook:  # a third call while the call two before is still unreceived raises before launching anything
+        first = [eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=True) for _ in range(2)]
+        try:
+            eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=True)
+        except ValueError as e:
+            assert "receive hook of the call two calls before" in str(e), e
+        else:
+            raise AssertionError("a third call with the call two before unreceived did not raise")
+        assert len(first) == 2
 
 
 if __name__ == "__main__":

@@ -125,14 +125,11 @@ def _e4m3_bits(v):
 
 @triton.jit
 def _signal_all(local_ptr, delta16_ptr, kind, what, parity, me, R: tl.constexpr):
-    """Add 1 to flag (kind, what, parity, me) in every rank's region. Only the first add carries the release
-    fence (system scope); the later ones follow it in program order, so they need no fence of their own."""
+    """Add 1 to flag (kind, what, parity, me) in every rank's region, each add a release (system scope): a
+    release orders the earlier writes before that add only, so every flag needs its own."""
     for r in tl.static_range(R):
         flag = _flag(_region(local_ptr, delta16_ptr, r), kind, what, parity, me, R)
-        if r == 0:
-            tl.atomic_add(flag, 1, sem="release", scope="sys")
-        else:
-            tl.atomic_add(flag, 1, sem="relaxed", scope="sys")
+        tl.atomic_add(flag, 1, sem="release", scope="sys")
 
 
 @triton.jit
