@@ -1,0 +1,80 @@
+"""The nvlink low-latency kernels' program shapes against time: per-call p50 in a CUDA graph of 8 calls, slower
+of 2 ranks, at 1 / 128 / 256 tokens per rank (dsv3-decode shape, FP8 dispatch, BF16 combine).
+
+Run on a machine with 2 GPUs: `python benchmarks/lowlatency_sweep.py`. Each row sets the module constants of
+`epcomm.lowlatency_nvlink` (blocks of 128 channels per dispatch item, combine rows per item, fused programs per
+SM); the defaults there came from this sweep (benchmarks/results/decode-ll_2xH200-NV18_2026-11-30.md).
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
+CALLS, REPLAYS = 8, 40
+SHAPES = ((32, 4, 8), (32, 4, 2), (16, 2, 2), (32, 2, 8), (16, 4, 1))  # (blocks/item, rows/item, programs/SM)
+
+
+def per_call_us(fn) -> float:
+    """p50 of a graph of CALLS calls of fn, per call, after a barrier before each replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(REPLAYS):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def body(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    import epcomm
+    from epcomm import lowlatency_nvlink
+
+    lines = []
+    for num_tokens in (1, 128, 256):
+        buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=HIDDEN, explicitly_destroy=True)
+        gen = torch.Generator().manual_seed(rank + num_tokens)
+        x = torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16().cuda()
+        idx = torch.rand(num_tokens, NUM_EXPERTS, generator=gen).topk(NUM_TOPK, dim=1).indices.cuda()
+        w = torch.rand(num_tokens, NUM_TOPK, generator=gen).cuda()
+        for blocks, rows, per_sm in SHAPES:
+            lowlatency_nvlink._BLOCKS_PER_PROGRAM = blocks
+            lowlatency_nvlink._ROWS_PER_PROGRAM = rows
+            lowlatency_nvlink._FUSED_PROGRAMS_PER_SM = per_sm
+
+            def dispatch():
+                return buf.low_latency_dispatch(x, idx, num_tokens, NUM_EXPERTS, use_fp8=True)
+            handle = dispatch()[2]
+            y = torch.randn(NUM_EXPERTS // world, world * num_tokens, HIDDEN, device="cuda").bfloat16()
+            t = torch.tensor([per_call_us(dispatch), per_call_us(lambda: buf.low_latency_combine(y, idx, w, handle))],
+                             device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            lines.append(f"T={num_tokens} blocks/item={blocks} rows/item={rows} programs/SM={per_sm}: dispatch "
+                         f"{t[0]:.1f} us, combine {t[1]:.1f} us (graph of {CALLS}, per call, p50, slowest rank)")
+        buf.destroy()
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(body, args=(2, 29537), nprocs=2)
