@@ -229,9 +229,14 @@ class LowLatencyMixin:
             payload = (data, scales)
         else:
             payload = x
-        recv, _, _, handle, _ = self.dispatch(payload, topk_idx, None, cumulative_local_expert_recv_stats,
-                                              num_experts=num_experts, num_max_tokens_per_rank=n, do_expand=True,
-                                              do_cpu_sync=False, emit_expert_ids=True)
+        try:
+            recv, _, _, handle, _ = self.dispatch(payload, topk_idx, None, cumulative_local_expert_recv_stats,
+                                                  num_experts=num_experts, num_max_tokens_per_rank=n, do_expand=True,
+                                                  do_cpu_sync=False, emit_expert_ids=True)
+        except (TypeError, ValueError) as e:  # e.g. ranks that disagree: name this call and its argument
+            msg = str(e).replace("EPBuffer.dispatch", name).replace("num_max_tokens_per_rank",
+                                                                    "num_max_dispatch_tokens_per_rank")
+            raise type(e)(msg) from None
         rows = self.num_ranks * n
         expert_S = handle.recv_expert_ids.long()
         start_L = (handle.psum_num_recv_tokens_per_expert - handle.num_unaligned_recv_tokens_per_expert).long()
