@@ -268,10 +268,11 @@ def low_latency_more_errors(rank: int, world: int):
     expect(lambda: buf.low_latency_combine(recv_x, None if one else idx, w, handle))
     expect(lambda: buf.low_latency_combine(recv_x, idx.float() if one else idx, w, handle))
     expect(lambda: buf.low_latency_combine(recv_x, idx, w, other_handle))
-    idx[0, 0] = -1  # an in-place edit after the dispatch
-    expect(lambda: buf.low_latency_combine(recv_x, idx, w, handle))
+    idx[0, 0] = -1  # an in-place edit after the dispatch, then a view of the edited tensor
+    expect(lambda: buf.low_latency_combine(recv_x, idx[:, :], w, handle))
     expect(lambda: epcomm.EPBuffer.get_low_latency_rdma_size_hint(0, 128, 2, 4))
     expect(lambda: buf.low_latency_dispatch(x[:3], idx[:3], 3 if one else 4, 4))  # ranks disagree on N
+    expect(lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_ue8m0=one))  # same scale columns, other format
     other.destroy()
     buf.destroy()
     expect(lambda: buf.low_latency_combine(recv_x, idx, w, handle))

@@ -82,7 +82,7 @@ def test_low_latency_shape_disagreement_raises_on_every_rank_on_gpu(pools):
 
 def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
     for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_more_errors)):
-        assert len(msgs) == 12 and "no error" not in msgs, msgs
+        assert len(msgs) == 13 and "no error" not in msgs, msgs
         dispatch, combine = "EPBuffer.low_latency_dispatch", "EPBuffer.low_latency_combine"
         if rank == 1:
             assert dispatch in msgs[0] and "x must be 2-D" in msgs[0], msgs[0]
@@ -99,4 +99,5 @@ def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
         assert "num_max_dispatch_tokens_per_rank must be >= 1, got 0" in msgs[9], msgs[9]
         assert msgs[10].startswith(f"{dispatch}: rank {rank}: ") and "num_max_dispatch_tokens_per_rank" in msgs[10], \
             msgs[10]
-        assert "the buffer was destroyed" in msgs[11], msgs[11]
+        assert "ranks disagree on sf_dtype (rank 0: torch.float32, rank 1: torch.int32)" in msgs[11], msgs[11]
+        assert "the buffer was destroyed" in msgs[12], msgs[12]

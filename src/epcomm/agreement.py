@@ -23,11 +23,12 @@ OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "barrier", 5: "dest
 OP_BARRIER, OP_DESTROY = 4, 5
 SIGNATURE_FIELDS = (
     "op", "hidden", "num_topk", "dtype", "num_experts", "do_expand", "expert_alignment", "fp8",
-    "num_sf_packs", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync", "buffer",
+    "num_sf_packs", "sf_dtype", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync", "buffer",
 )
 HEADER_LEN = 2 + len(SIGNATURE_FIELDS)
 _BOOL_FIELDS = ("do_expand", "fp8", "has_topk_weights", "do_cpu_sync")
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4, torch.float8_e4m3fn: 5}
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4, torch.float8_e4m3fn: 5,
+                torch.int32: 6}
 _DTYPE_NAMES = {v: str(k) for k, v in _DTYPE_CODES.items()}
 
 
@@ -97,7 +98,7 @@ def check(
         if len(set(values)) > 1:
             if name == "op":
                 shown = [OPS.get(v, "?") for v in values]
-            elif name == "dtype":
+            elif name in ("dtype", "sf_dtype"):
                 shown = [_DTYPE_NAMES.get(v, "?") for v in values]
             elif name in _BOOL_FIELDS:
                 shown = [bool(v) for v in values]

@@ -389,6 +389,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         if self._broken is None:
             self._barrier("EPBuffer.destroy", agreement.OP_DESTROY)
         self.transport.destroy()
+        if getattr(self, "_ll_nvlink", None) is not None:
+            self._ll_nvlink.closed = True  # pending receive hooks must not launch into freed memory
         self._ll_nvlink, self._ll_regions = None, []  # the low-latency areas (lowlatency.py)
         self._destroyed = True
 

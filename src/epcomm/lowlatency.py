@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import pipeline, sizing
@@ -51,7 +52,8 @@ class LowLatencyHandle:
             top-k position), -1 for none.
         buffer_uid: the id of the buffer that made it; topk_idx_version: `topk_idx`'s version counter at the
             dispatch (None for inference tensors), so an in-place edit before the combine is caught.
-        area: nvlink path: the `lowlatency_nvlink.Area` of the call's shape.
+        area, call_index: nvlink path: the `lowlatency_nvlink.Area` of the call's shape, and the call's index
+            there (the combine checks that the dispatch has been received).
     """
 
     handle: object
@@ -65,6 +67,7 @@ class LowLatencyHandle:
     row_in_expert_S: Optional[Tensor] = None
     item_map: Optional[Tensor] = None
     area: object = None
+    call_index: int = -1
 
 
 class LowLatencyMixin:
@@ -81,7 +84,8 @@ class LowLatencyMixin:
         symmetric region (`lowlatency_nvlink.Layout`, a few tens of MB at decode sizes), allocated collectively by
         the first low-latency call of a shape.
         """
-        c = Checker("EPBuffer.get_low_latency_rdma_size_hint", 0, torch.device("cpu"))
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        c = Checker("EPBuffer.get_low_latency_rdma_size_hint", rank, torch.device("cpu"))
         n = c.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         c.positive_int("hidden", hidden)
         c.positive_int("num_ranks", num_ranks)
@@ -127,7 +131,12 @@ class LowLatencyMixin:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Accepted for API compatibility (no-op): the nvlink kernels' flags are counters that never need
-        clearing, and the portable path keeps no state between calls."""
+        clearing, and the portable path keeps no state between calls.
+
+        Raises:
+            ValueError: the buffer was destroyed.
+        """
+        self._check_alive("EPBuffer.clean_low_latency_buffer")
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle):
         """Raises: ValueError -- epcomm has no registered zero-copy combine buffer; pass `x` to the combine."""
@@ -215,11 +224,11 @@ class LowLatencyMixin:
         version = EPHandle.capture_version(topk_idx)
         if fast is not None:
             area = fast.prepare(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1], num_local), name)
-            recv_x, recv_count, item_map, receive = fast.dispatch(
+            recv_x, recv_count, item_map, call_index, receive = fast.dispatch(
                 area, x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0,
                 hook=return_recv_hook)
             ll_handle = LowLatencyHandle(None, n, x.shape[1], num_local, topk_idx, self.uid, version,
-                                         item_map=item_map, area=area)
+                                         item_map=item_map, area=area, call_index=call_index)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
             return recv_x, recv_count, ll_handle, event, receive
         if use_fp8:
@@ -233,9 +242,10 @@ class LowLatencyMixin:
             recv, _, _, handle, _ = self.dispatch(payload, topk_idx, None, cumulative_local_expert_recv_stats,
                                                   num_experts=num_experts, num_max_tokens_per_rank=n, do_expand=True,
                                                   do_cpu_sync=False, emit_expert_ids=True)
-        except (TypeError, ValueError) as e:  # e.g. ranks that disagree: name this call and its argument
-            msg = str(e).replace("EPBuffer.dispatch", name).replace("num_max_tokens_per_rank",
-                                                                    "num_max_dispatch_tokens_per_rank")
+        except (TypeError, ValueError) as e:  # ranks that disagree, for example: name this call and its argument
+            msg = str(e).replace("EPBuffer.dispatch", name, 1)
+            if "ranks disagree on num_max_tokens_per_rank" in msg:
+                msg = msg.replace("num_max_tokens_per_rank", "num_max_dispatch_tokens_per_rank")
             raise type(e)(msg) from None
         rows = self.num_ranks * n
         expert_S = handle.recv_expert_ids.long()
@@ -285,10 +295,14 @@ class LowLatencyMixin:
 
         Returns:
             `(combined_x [T, H] bf16, event, hook)`; with `return_recv_hook`, `combined_x` is complete once the hook
-            has been called.
+            has been called (its first call receives; later calls do nothing).
 
         Raises:
-            TypeError / ValueError: bad arguments, unsupported options.
+            TypeError / ValueError: bad arguments, unsupported options, a handle of another buffer, a routing
+                edited in place since the dispatch, a dispatch whose receive hook has not been called, or (nvlink)
+                the hook of the combine two calls back not yet called. Where each raises: as
+                `low_latency_dispatch`.
+            TimeoutError: an earlier low-latency call of this buffer timed out on the GPU (nvlink; names the rank).
         """
         name = "EPBuffer.low_latency_combine"
         self._check_alive(name)
@@ -311,19 +325,25 @@ class LowLatencyMixin:
             num_local, rows = handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank
             c.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,), shape=(num_local, rows, handle.hidden))
             c.tensor("topk_idx", topk_idx, ndim=2, dtypes=TOPK_IDX_DTYPES, shape=tuple(handle.topk_idx.shape))
-            if topk_idx is handle.topk_idx:
-                c.require(handle.topk_idx_version is None or EPHandle.capture_version(topk_idx) ==
-                          handle.topk_idx_version, "topk_idx was modified in place after the low_latency_dispatch "
-                          "that made the handle; pass the routing of that dispatch")
-            elif not capturing(self.device):  # a host read cannot be captured: a captured combine trusts its routing
+            # The dispatch's routing tensor must be unchanged (views share its version counter; inference tensors
+            # have none), and a different tensor must hold the same values (a host read: not under capture,
+            # where a captured combine trusts the routing it is replayed with).
+            c.require(handle.topk_idx_version is None or EPHandle.capture_version(handle.topk_idx) ==
+                      handle.topk_idx_version, "topk_idx was modified in place after the low_latency_dispatch "
+                      "that made the handle; pass the routing of that dispatch")
+            if topk_idx is not handle.topk_idx and not capturing(self.device):
                 c.require(torch.equal(topk_idx, handle.topk_idx),
                           "topk_idx must be the routing of the low_latency_dispatch that made the handle")
             c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), shape=tuple(topk_idx.shape))
             if out is not None:
                 c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
+                c.require(out.shape[0] <= 1 or out.stride(0) >= out.shape[1] * out.stride(1),
+                          f"out must not have overlapping rows, got strides {tuple(out.stride())}")
             if handle.area is not None:
                 fast = self._low_latency_nvlink()
                 fast.check_status(name)
+                c.require(fast.received(handle.area, handle.call_index), "the low_latency_dispatch that made the "
+                          "handle has not been received; call its receive hook before combining")
         except (TypeError, ValueError) as e:
             self._reject(name, e)
         if fast is not None:

@@ -123,6 +123,7 @@ class LowLatencyNVLink:
         self.use_timer = device.type == "cuda"
         self._props = None  # CUDA device properties, read at the first fused launch
         self._per_sm: dict = {}  # fused kernel variant -> programs one SM holds (`_note_occupancy`)
+        self.closed = False  # set by EPBuffer.destroy: pending hooks must not launch any more
 
     def check_status(self, call: str) -> None:
         """Raises: TimeoutError -- an earlier low-latency call of this buffer timed out waiting for a rank."""
@@ -146,8 +147,8 @@ class LowLatencyNVLink:
         self.areas[layout] = area
         return area
 
-    def _issue(self, area: Area, kind: int, hook: bool) -> Callable:
-        """Book a call of `kind` on `area`; returns `received()`, which the receive calls once.
+    def _next_call(self, area: Area, kind: int) -> int:
+        """The index of the next call of `kind` on `area` (booked by `_book` once its kernel is launched).
 
         Raises:
             ValueError: the call two before on this area has not been received (its hook was not called): its rows
@@ -156,19 +157,34 @@ class LowLatencyNVLink:
         e = area.issued[kind]
         if e - 2 in area.pending[kind]:
             raise ValueError(f"EPBuffer.{_KIND_NAMES[kind]}: rank {self.rank}: the receive hook of the call two "
-                             "calls before this one has not been called; call it first (two calls of a kind may be "
-                             "in flight: call e reuses the area of call e - 2)")
-        area.issued[kind] += 1
+                             "calls before this one (same shape) has not been called; call it first (two calls of a "
+                             "shape and kind may be in flight: call e reuses the area of call e - 2)")
+        return e
+
+    @staticmethod
+    def _book(area: Area, kind: int, e: int, hook: bool) -> Callable:
+        """Record launched call `e`; returns `received()`, which its receive calls once."""
+        area.issued[kind] = e + 1
         if hook:
             area.pending[kind].add(e)
         return lambda: area.pending[kind].discard(e)
 
-    @staticmethod
-    def _once(launch: Callable, received: Callable) -> Callable:
-        """The receive hook: launches the receive kernel at its first call; later calls do nothing."""
+    def received(self, area: Area, e: int) -> bool:
+        """Whether dispatch call `e` on `area` has been received (its hook called, or it had none)."""
+        return e not in area.pending[0]
+
+    def _once(self, launch: Callable, received: Callable) -> Callable:
+        """The receive hook: launches the receive kernel at its first call; later calls do nothing.
+
+        Raises:
+            ValueError: the buffer was destroyed before the hook was called (its memory is gone).
+        """
         done = [False]
 
         def hook() -> None:
+            if self.closed:
+                raise ValueError(f"low-latency receive hook: rank {self.rank}: the buffer was destroyed before the "
+                                 "hook was called")
             if not done[0]:
                 done[0] = True
                 received()
@@ -181,15 +197,16 @@ class LowLatencyNVLink:
     # -- dispatch ----------------------------------------------------------------------------------
     def dispatch(self, area: Area, x: Tensor, topk_idx: Tensor, stats: Optional[Tensor], use_fp8: bool,
                  pow2_scales: bool, use_ue8m0: bool, hook: bool):
-        """Launch the call; returns `(recv_x, recv_count, item_map, receive)`. Without `hook`, one fused kernel does
+        """Launch the call; returns `(recv_x, recv_count, item_map, call, receive)`. Without `hook`, one fused kernel does
         everything and `receive` is None; with it, the send kernel runs now and `receive()` launches the receive
         kernel. The receive fills recv_x, recv_count, the stats and item_map ([R * N * K] int32: the output row
-        `e * R * N + row` of each (source rank, token, top-k) item, -1 for none)."""
+        `e * R * N + row` of each (source rank, token, top-k) item, -1 for none); `call` is the call's index on
+        the area (`received(area, call)`)."""
         from .kernels import _lowlatency_triton as k
 
         import triton
 
-        received = self._issue(area, 0, hook)
+        e = self._next_call(area, 0)
         lay = area.layout
         n, h, num_local, r = lay.num_max_tokens, lay.hidden, lay.num_local_experts, self.num_ranks
         rows = r * n
@@ -226,20 +243,21 @@ class LowLatencyNVLink:
                 x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
                 POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, **recv_opts, **shape)
             self._note_occupancy(variant, launched, 4)
-            received()
-            return recv_x, count, item_map, None
+            self._book(area, 0, e, hook)
+            return recv_x, count, item_map, e, None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         k.dispatch_send[(n, num_c)](
             x, topk, area.local, area.delta16, area.state, ticket, status, x.shape[0], x.stride(0), topk.stride(0),
             self.rank, self.timeout_ns, **offsets, POW2_SCALES=pow2_scales, CHUNK=_CHUNK, **shape)
+        received = self._book(area, 0, e, hook)
 
         def launch() -> None:
             k.dispatch_recv[(rows, num_c)](
                 area.local, area.delta16, area.state, ticket, status, out, scales_arg, count, stats_arg, item_map,
                 self.rank, self.timeout_ns, **offsets, **recv_opts, **shape)
 
-        return recv_x, count, item_map, self._once(launch, received)
+        return recv_x, count, item_map, e, self._once(launch, received)
 
     # -- combine -----------------------------------------------------------------------------------
     def combine(self, area: Area, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, item_map: Tensor, out: Tensor,
@@ -250,7 +268,7 @@ class LowLatencyNVLink:
 
         import triton
 
-        received = self._issue(area, 1, hook)
+        e = self._next_call(area, 1)
         lay = area.layout
         x = x if x.is_contiguous() else x.contiguous()
         target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
@@ -274,7 +292,7 @@ class LowLatencyNVLink:
                 SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
                 num_warps=4, enable_fp_fusion=False, **self._common(lay))
             self._note_occupancy(variant, launched, 4)
-            received()
+            self._book(area, 1, e, hook)
             if target is not out:
                 out.copy_(target)
             return None
@@ -283,6 +301,7 @@ class LowLatencyNVLink:
         k.combine_send[(self.num_ranks * lay.num_max_tokens, num_kb)](
             x, item_map, area.local, area.delta16, area.state, ticket, status, self.rank, self.timeout_ns, **offsets,
             BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, num_warps=4, **self._common(lay))
+        received = self._book(area, 1, e, hook)
 
         def launch() -> None:
             k.combine_recv[(max(num_tokens, 1), num_hc)](

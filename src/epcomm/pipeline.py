@@ -98,6 +98,7 @@ class DispatchCall:
             op=op, hidden=self.x.hidden, num_topk=self.topk_idx.shape[1], dtype=agreement.dtype_code(self.x.data.dtype),
             num_experts=self.num_experts, do_expand=self.do_expand, expert_alignment=self.expert_alignment,
             fp8=self.x.is_fp8, num_sf_packs=self.x.sf.shape[1] if self.x.is_fp8 else 0,
+            sf_dtype=agreement.dtype_code(self.x.sf.dtype) if self.x.is_fp8 else 0,  # fp32 or packed UE8M0 int32
             num_max_tokens_per_rank=self.n, has_topk_weights=self.topk_weights is not None,
             do_cpu_sync=self.do_cpu_sync,
         )

@@ -47,7 +47,7 @@ def check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0):
     num_ranks = len(xs)
     sent = [cast(x, use_fp8, pow2, ue8m0) for x in xs]
     for r in range(num_ranks):
-        recv_x, count, _, _ = pend[r]
+        recv_x, count = pend[r][:2]
         for e in range(num_local):
             rows = [(s, t) for s in range(num_ranks) for t in range(xs[s].shape[0])
                     if r * num_local + e in idx[s][t].tolist()]
@@ -77,7 +77,7 @@ def run(case: str) -> None:
     xs = [torch.randn(t, hidden, generator=gen).bfloat16() for t in tokens]
     idx = [routing(gen, t, num_experts, num_topk) for t in tokens]
     if case == "timeout":  # rank 0 waits for a dispatch rank 1 never sends: the wait ends and names rank 1
-        eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=True)[3]()
+        eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=True)[4]()
         assert int(eng[0].status[0]) == 2, eng[0].status
         try:
             eng[0].check_status("EPBuffer.low_latency_dispatch")
@@ -95,8 +95,10 @@ def run(case: str) -> None:
                 for r in range(num_ranks)]
         for p in pend:
             if hook:
-                p[3]()
-                p[3]()  # a hook receives once; calling it again does nothing
+                assert not eng[0].received(areas[0], pend[0][3]) or p is not pend[0]
+                p[4]()
+                p[4]()  # a hook receives once; calling it again does nothing
+                assert eng[0].received(areas[0], pend[0][3]) or p is not pend[0]
         check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0)
         for r in range(num_ranks):
             assert torch.equal(stats[r], pend[r][1]), (stats[r], pend[r][1])
