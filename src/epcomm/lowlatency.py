@@ -90,7 +90,8 @@ class LowLatencyMixin:
         c.positive_int("hidden", hidden)
         c.positive_int("num_ranks", num_ranks)
         c.positive_int("num_experts", num_experts)
-        c.require(num_experts % num_ranks == 0, f"num_experts={num_experts} must be a multiple of num_ranks={num_ranks}")
+        c.require(num_experts % num_ranks == 0,
+                  f"num_experts={num_experts} must be a multiple of num_ranks={num_ranks}")
         per_pair = num_ranks * n * min(sizing.MAX_TOPK, max(1, num_experts // num_ranks)) * sizing.align(hidden * 2, 64)
         return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
                             sizing.ALLOCATION_ALIGNMENT)

@@ -197,8 +197,8 @@ class LowLatencyNVLink:
     # -- dispatch ----------------------------------------------------------------------------------
     def dispatch(self, area: Area, x: Tensor, topk_idx: Tensor, stats: Optional[Tensor], use_fp8: bool,
                  pow2_scales: bool, use_ue8m0: bool, hook: bool):
-        """Launch the call; returns `(recv_x, recv_count, item_map, call, receive)`. Without `hook`, one fused kernel does
-        everything and `receive` is None; with it, the send kernel runs now and `receive()` launches the receive
+        """Launch the call; returns `(recv_x, recv_count, item_map, call, receive)`. Without `hook`, one fused kernel
+        does everything and `receive` is None; with it, the send kernel runs now and `receive()` launches the receive
         kernel. The receive fills recv_x, recv_count, the stats and item_map ([R * N * K] int32: the output row
         `e * R * N + row` of each (source rank, token, top-k) item, -1 for none); `call` is the call's index on
         the area (`received(area, call)`)."""
