@@ -1,5 +1,6 @@
-"""The nvlink low-latency kernels' program shapes against time: per-call p50 in a CUDA graph of 8 calls, slower
-of 2 ranks, at 1 / 128 / 256 tokens per rank (dsv3-decode shape, FP8 dispatch, BF16 combine).
+"""The nvlink low-latency kernels' program shapes against time: per-call p50 in a CUDA graph of 8 calls
+(`epcomm.bench.timing.Timer.measure_graph`), slower of 2 ranks, at 1 / 128 / 256 tokens per rank (dsv3-decode
+shape, FP8 dispatch, BF16 combine).
 
 Run on a machine with 2 GPUs: `python benchmarks/lowlatency_sweep.py`. Each row sets the module constants of
 `epcomm.lowlatency_nvlink` (blocks of 128 channels per dispatch item, combine rows per item, fused programs per
@@ -13,33 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
-CALLS, REPLAYS = 8, 40
+CALLS, REPLAYS, WARMUP = 8, 40, 5
 SHAPES = ((32, 4, 8), (32, 4, 2), (16, 2, 2), (32, 2, 8), (16, 4, 1))  # (blocks/item, rows/item, programs/SM)
-
-
-def per_call_us(fn) -> float:
-    """p50 of a graph of CALLS calls of fn, per call, after a barrier before each replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(REPLAYS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return sorted(times)[len(times) // 2]
 
 
 def body(rank: int, world: int, port: int) -> None:
@@ -48,6 +24,13 @@ def body(rank: int, world: int, port: int) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import epcomm
     from epcomm import lowlatency_nvlink
+    from epcomm.bench.timing import Timer, quantile
+
+    timer = Timer(dist.group.WORLD, torch.device("cuda", rank), REPLAYS, WARMUP)
+
+    def per_call_us(fn) -> float:
+        """p50 per call of a graph of CALLS calls of fn (the bench's protocol: L2 flush and barrier first)."""
+        return quantile(timer.measure_graph(fn, calls=CALLS), 0.5) * 1e6
 
     lines = []
     for num_tokens in (1, 128, 256):
