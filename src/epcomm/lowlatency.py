@@ -83,6 +83,12 @@ class LowLatencyMixin:
         into a receive area hold them all at once). The nvlink transport's low-latency kernels use their own
         symmetric region (`lowlatency_nvlink.Layout`, a few tens of MB at decode sizes), allocated collectively by
         the first low-latency call of a shape.
+
+        Raises:
+            TypeError / ValueError: an argument that is not a positive int, or num_experts not a multiple of
+                num_ranks.
+
+        Source: DeepEP V1 `Buffer.get_low_latency_rdma_size_hint` (../shared/reference/peers.md §1.2).
         """
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         c = Checker("EPBuffer.get_low_latency_rdma_size_hint", rank, torch.device("cpu"))
@@ -304,6 +310,9 @@ class LowLatencyMixin:
                 the hook of the combine two calls back not yet called. Where each raises: as
                 `low_latency_dispatch`.
             TimeoutError: an earlier low-latency call of this buffer timed out on the GPU (nvlink; names the rank).
+
+        Source: DeepEP V1 `Buffer.low_latency_combine` (../shared/reference/peers.md §1.2); nvlink kernels in
+        `lowlatency_nvlink.py`.
         """
         name = "EPBuffer.low_latency_combine"
         self._check_alive(name)
