@@ -64,9 +64,10 @@ def test_low_latency_nvlink_matches_portable_path(pools):
 def test_low_latency_device_wait_names_missing_rank_on_gpu():
     """Issue 3 item 4 on the low-latency kernels: a peer that never signals ends the wait after
     num_gpu_timeout_secs with a message naming it, and the kernel aborts (DESIGN.md's error table)."""
-    script = Path(__file__).with_name("ll_timeout_script.py")
+    script = Path(__file__).with_name("device_timeout_script.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    res = subprocess.run([sys.executable, str(script), "29561"], capture_output=True, env=env, timeout=180)
+    res = subprocess.run([sys.executable, str(script), "29561", "low-latency"], capture_output=True, env=env,
+                         timeout=180)
     out = res.stdout.decode() + res.stderr.decode()
     assert res.returncode != 0 and "NO ERROR" not in out, out[-3000:]
     assert "timed out waiting for rank: 1" in out, out[-3000:]

@@ -95,7 +95,7 @@ class NVLinkTable:
     """
 
     def __init__(self, group, device: torch.device, nbytes: int, timeout_ms: int):
-        self.region = SymmetricRegion(group, nbytes, device)
+        self.region = SymmetricRegion(group, nbytes, device, timeout_ms=int(timeout_ms))
         self.rank, self.num_ranks, self.device = group.rank(), group.size(), device
         self.timeout_ms = int(timeout_ms)
         self.table = self.scales = None
@@ -131,11 +131,11 @@ class NVLinkTable:
         """Wait (device side, bounded) until every peer has finished reading this rank's old rows."""
         if comm_stream is not None:  # this rank's own reads of peers (its fetches) come before its arrival
             torch.cuda.current_stream(self.device).wait_stream(comm_stream)
-        self.region.barrier(channel=0, timeout_ms=self.timeout_ms)
+        self.region.barrier()
 
     def end_write(self, comm_stream: Optional["torch.cuda.Stream"]) -> None:
         """Publish the rows copied since `begin_write` (device barrier); later fetches read after it."""
-        self.region.barrier(channel=0, timeout_ms=self.timeout_ms)
+        self.region.barrier()
         if comm_stream is not None:
             comm_stream.wait_stream(torch.cuda.current_stream(self.device))
 

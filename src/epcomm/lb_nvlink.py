@@ -156,7 +156,7 @@ class LBRegion:
 
     def barrier(self) -> None:
         """Device barrier over the group on the current stream, bounded by `timeout_ms`."""
-        self.symm.barrier(channel=0, timeout_ms=self.timeout_ms)
+        self.symm.barrier()
 
 
 def attach_lb_region(buf, symm_cls=None) -> Optional[LBRegion]:
@@ -190,7 +190,8 @@ def attach_lb_region(buf, symm_cls=None) -> Optional[LBRegion]:
         return None
     if sizes[0] == 0:
         return None
-    region = LBRegion(symm_cls(buf.group, buf.num_lb_bytes, buf.device), buf.num_gpu_timeout_secs * 1000)
+    timeout_ms = int(buf.num_gpu_timeout_secs * 1000)
+    region = LBRegion(symm_cls(buf.group, buf.num_lb_bytes, buf.device, timeout_ms=timeout_ms), timeout_ms)
     region.local.zero_()
     if buf.lb_allocation_plan is not None:
         try:

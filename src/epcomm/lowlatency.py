@@ -125,10 +125,11 @@ class LowLatencyMixin:
                                      for i, name in enumerate(names) if len({row[i] for row in rows}) > 1)
                     raise ValueError(f"EPBuffer low-latency call: rank {self.rank}: ranks disagree on the call's "
                                      f"shape ({diff}); every rank must pass the same shapes")
-                region = SymmetricRegion(self.group, layout.nbytes, self.device)
+                region = SymmetricRegion(self.group, layout.nbytes, self.device,
+                                         timeout_ms=int(self.num_gpu_timeout_secs * 1000))
                 region.local.zero_()
                 # No peer may write into a region before its owner has zeroed it (stream order after the barrier).
-                region.barrier(timeout_ms=int(self.num_gpu_timeout_secs * 1000))
+                region.barrier()
                 self._ll_regions.append(region)  # kept alive with the buffer
                 return region.local, region_deltas(region.ptrs, self.rank)
 

@@ -20,12 +20,14 @@ writes the counts and raises `freed` in every rank.
 Flags are counters that only grow (one increment per call of their parity, a fire-and-forget add), so there is no
 cleaning pass. Two areas alternate by call parity; call `e` waits for `ready >= e // 2 + 1`, and its sender first
 waits for `freed >= e // 2` (the call two before has been read), so no peer overwrites rows still being read.
-Every wait is bounded: on timeout the kernel prints the missing rank, records it in `status` and (on GPU) traps,
-as DESIGN.md's error table says for device-side waits.
+Every wait is bounded (`_signal_triton._wait`): on timeout the kernel prints the missing rank, records it in `status`
+and (on GPU) traps, as DESIGN.md's error table says for device-side waits.
 """
 
 import triton
 import triton.language as tl
+
+from ._signal_triton import _region, _wait
 
 # Integer arguments that change between calls or ranks: one compiled variant for all their values (the fused
 # kernels' grids come from the variant's occupancy, so a variant must not change under a new token count).
@@ -39,52 +41,9 @@ FREED = tl.constexpr(1)
 
 
 @triton.jit
-def _clock(USE_TIMER: tl.constexpr):
-    if USE_TIMER:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                         pack=1)
-    else:
-        return tl.zeros([], dtype=tl.int64)
-
-
-@triton.jit
-def _region(local_ptr, delta16_ptr, rank):
-    """uint8 pointer to `rank`'s region: `delta16 * 16` bytes from ours. Stating the distance in 16-byte units
-    keeps every address provably 16-byte aligned, so row copies compile to 16-byte vector accesses."""
-    return local_ptr + tl.load(delta16_ptr + rank) * 16
-
-
-@triton.jit
 def _flag(base, kind, what, parity, rank, R: tl.constexpr):
     """Pointer to one int64 flag of the region starting at `base` (uint8 pointer)."""
     return base.to(tl.pointer_type(tl.int64)) + ((kind * 2 + what) * 2 + parity) * R + rank
-
-
-@triton.jit
-def _wait(flag_ptr, target, peer, timeout_ns, status_ptr, USE_TIMER: tl.constexpr):
-    """Spin until `*flag_ptr >= target` (acquire, system scope). On timeout: print, record `peer`, trap (GPU)."""
-    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    if value < target:  # the clock is read only when the flag is not up yet
-        start = _clock(USE_TIMER)
-        spins = tl.zeros([], dtype=tl.int32)
-        late = tl.zeros([], dtype=tl.int32)
-        while (value < target) & (late == 0):
-            value = tl.load(flag_ptr, volatile=True)
-            spins += 1
-            if USE_TIMER:
-                elapsed = _clock(USE_TIMER) - start
-            else:
-                elapsed = spins.to(tl.int64) * 1000000  # the interpreter has no clock: count a millisecond per poll
-            late = (elapsed > timeout_ns).to(tl.int32)
-        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")  # what the flag covers is visible now
-        if value < target:
-            missing = peer + tl.zeros([], dtype=tl.int64)
-            tl.device_print("epcomm low-latency call: timed out waiting for rank", missing)
-            status = status_ptr.to(tl.int64).to(tl.pointer_type(tl.int64))  # host memory, read unsynchronised
-            tl.atomic_xchg(status, missing + 1, sem="relaxed", scope="sys")
-            if USE_TIMER:
-                tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    tl.debug_barrier()  # the rows the flag covers are read by every thread of the program
 
 
 @triton.jit

@@ -56,13 +56,12 @@ class NVLinkTransport(Transport):
         self._stage_off = [self._rows_off + num_bytes, self._rows_off + 2 * num_bytes]
         self._stage_calls = 0
         self._side = None  # the pull's second stream (own rows, copies from peers), made at first use
-        self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device)
+        self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device, timeout_ms=int(gpu_timeout_s * 1000))
         self._delta16 = push.region_deltas(self.region.ptrs, self.rank)
-        self._timeout_ms = int(gpu_timeout_s * 1000)
 
     def _barrier(self) -> None:
         with phase("device_barrier"):
-            self.region.barrier(channel=0, timeout_ms=self._timeout_ms)
+            self.region.barrier()
 
     def _all_gather_rows(self, row: Tensor, offset: int, cols: int) -> Tensor:
         """Row `me` of every peer's [R, cols] int64 area gets `row`; returns the local area after a barrier."""

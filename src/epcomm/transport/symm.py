@@ -2,7 +2,8 @@
 
 The API (`torch.distributed._symmetric_memory`) moves between releases; everything epcomm uses goes through
 these functions: allocate a region every rank of a group can address, views of a peer's region, the device
-pointer table Triton kernels cast to pointers, and the device barrier. NVLink multicast (NVLS) stays off.
+pointer table Triton kernels cast to pointers. The device barrier is epcomm's own kernel (it names a rank that
+does not arrive); torch's is used once, at construction. NVLink multicast (NVLS) stays off.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from ..sizing import align
 
 
 def available() -> Optional[str]:
@@ -40,7 +43,7 @@ class SymmetricRegion:
         ptrs: [R] int64 (device) -- base address of every rank's region (the pointer table for kernels).
     """
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, timeout_ms: int = 100_000):
         # NVLink multicast can take a host's GPUs out of service; epcomm never needs it.
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
@@ -56,12 +59,26 @@ class SymmetricRegion:
                 symm_mem.enable_symm_mem_for_group(group_name)
             except Exception:
                 pass
-        self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.local, group_name)
+        # The barrier's flags follow the caller's bytes: one arrival counter per rank, then this rank's count.
+        self._flags_off = align(nbytes, 256)
+        self._storage = symm_mem.empty(self._flags_off + 256, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self._storage, group_name)
         self.rank, self.num_ranks = self.handle.rank, self.handle.world_size
+        self.local = self._storage[:nbytes]
         self.ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.nbytes = nbytes
         self._bytes = None  # per-rank [nbytes] uint8 views, made at first use
+        self.timeout_ms = int(timeout_ms)  # bound of every device barrier (`num_gpu_timeout_secs`)
+        self._compiled = None  # the barrier kernel once compiled: launched directly
+        assert (self.num_ranks + 1) * 8 <= 256, "the barrier's flag area holds at most 31 ranks"
+        self._storage[self._flags_off:].zero_()
+        self._delta16 = torch.div(self.ptrs - self.ptrs[self.rank], 16, rounding_mode="floor")
+        pinned = torch.cuda.is_available()
+        self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)  # 1 + the rank a barrier timed out on
+        self._status_np = self.status.numpy()  # read on every barrier: a numpy view costs no torch dispatch
+        self.handle.barrier(channel=0)  # every rank's flags are zero before anyone adds to them
+        self.barrier()  # compiles the barrier kernel now, not in the middle of a call or a graph capture
+        self.barrier()  # and checks the direct launch of the compiled kernel
 
     def peer(self, rank: int, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A view of `rank`'s region at byte `offset` (a multiple of dtype's size): a slice of a byte view made once
@@ -74,9 +91,35 @@ class SymmetricRegion:
             self._bytes = [self.handle.get_buffer(r, [self.nbytes], torch.uint8, 0) for r in range(self.num_ranks)]
         return self._bytes[rank][offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
 
-    def barrier(self, channel: int = 0, timeout_ms: int = 100_000) -> None:
-        """Device-side barrier over the group on the current stream (bounded by `timeout_ms`)."""
-        self.handle.barrier(channel=channel, timeout_ms=timeout_ms)
+    def barrier(self) -> None:
+        """Device-side barrier over the group on the current stream: a one-program Triton kernel
+        (`kernels/_signal_triton.barrier`) that adds to every rank's arrival counter and waits for theirs.
+        Capturable in a CUDA graph (the barrier count lives in device memory).
+
+        A rank that does not arrive within `timeout_ms` makes the kernel print "timed out waiting for rank r"
+        and abort (the process must restart; DESIGN.md's error table); `check_status` then names r on the host.
+
+        Raises:
+            TimeoutError: an earlier barrier of this region timed out (`check_status`).
+        """
+        self.check_status()
+        args = (self._storage, self._delta16, self.status.data_ptr(), self.rank, self.timeout_ms * 1_000_000,
+                self._flags_off, self.num_ranks, True, True, True)  # R, SIGNAL, WAIT, USE_TIMER
+        if self._compiled is not None:  # the compiled kernel directly: Triton's JIT dispatch costs ~20 us of host
+            self._compiled[(1, 1, 1)](*args, stream=torch.cuda.current_stream(self._storage.device).cuda_stream)
+            return
+        from ..kernels._signal_triton import barrier
+
+        launched = barrier[(1,)](*args[:6], R=args[6], SIGNAL=True, WAIT=True, USE_TIMER=True, num_warps=1)
+        if callable(getattr(launched, "__getitem__", None)):  # a CompiledKernel (Triton 3.x): reuse it
+            self._compiled = launched
+
+    def check_status(self) -> None:
+        """Raises: TimeoutError -- a device barrier of this region timed out waiting for a rank (named)."""
+        missing = int(self._status_np[0])
+        if missing:
+            raise TimeoutError(f"rank {self.rank}: a device barrier timed out (num_gpu_timeout_secs) waiting for "
+                               f"rank {missing - 1}; the CUDA context is unusable, restart the process group")
 
 
 def nvlink_unavailable(device: torch.device) -> Optional[str]:

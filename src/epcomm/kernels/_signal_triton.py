@@ -1,0 +1,78 @@
+"""Triton helpers for flags in symmetric memory: peer addressing, bounded waits, and the group barrier.
+
+Shared by every kernel that waits for a peer (the low-latency kernels, `transport.symm.SymmetricRegion.barrier`).
+Flags are int64 counters that only grow, so a wait is `flag >= target` and nothing is ever cleaned. Every wait
+is bounded: on timeout the kernel prints the missing rank, records it in host memory and (on GPU) traps, as
+DESIGN.md's error table says for device-side waits.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _clock(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    else:
+        return tl.zeros([], dtype=tl.int64)
+
+
+@triton.jit
+def _region(local_ptr, delta16_ptr, rank):
+    """uint8 pointer to `rank`'s region: `delta16 * 16` bytes from ours. Stating the distance in 16-byte units
+    keeps every address provably 16-byte aligned, so row copies compile to 16-byte vector accesses."""
+    return local_ptr + tl.load(delta16_ptr + rank) * 16
+
+
+@triton.jit
+def _wait(flag_ptr, target, peer, timeout_ns, status_ptr, USE_TIMER: tl.constexpr):
+    """Spin until `*flag_ptr >= target` (acquire, system scope). On timeout: print, record `peer`, trap (GPU)."""
+    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    if value < target:  # the clock is read only when the flag is not up yet
+        start = _clock(USE_TIMER)
+        spins = tl.zeros([], dtype=tl.int32)
+        late = tl.zeros([], dtype=tl.int32)
+        while (value < target) & (late == 0):
+            value = tl.load(flag_ptr, volatile=True)
+            spins += 1
+            if USE_TIMER:
+                elapsed = _clock(USE_TIMER) - start
+            else:
+                elapsed = spins.to(tl.int64) * 1000000  # the interpreter has no clock: count a millisecond per poll
+            late = (elapsed > timeout_ns).to(tl.int32)
+        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")  # what the flag covers is visible now
+        if value < target:
+            missing = peer + tl.zeros([], dtype=tl.int64)
+            tl.device_print("epcomm device wait (num_gpu_timeout_secs): timed out waiting for rank", missing)
+            status = status_ptr.to(tl.int64).to(tl.pointer_type(tl.int64))  # host memory, read unsynchronised
+            tl.atomic_xchg(status, missing + 1, sem="relaxed", scope="sys")
+            if USE_TIMER:
+                tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()  # the rows the flag covers are read by every thread of the program
+
+
+@triton.jit(do_not_specialize=["me", "timeout_ns", "flags_off"])
+def barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R: tl.constexpr,
+            SIGNAL: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """One program. The area at `flags_off` holds R arrival counters (one per rank) and this rank's barrier count.
+
+    Barrier number b = count + 1: add 1 to counter `me` of every rank (each add a release, system scope: the
+    writes this stream made before the barrier are visible to a peer that sees the add), then wait until every
+    rank's counter here reaches b (acquire). Stream order puts the caller's earlier work before it and its later
+    work after it. `SIGNAL` / `WAIT` split the two halves for the CPU simulation of several ranks (the
+    interpreter runs one rank at a time); on GPU both are set.
+    """
+    flags = (local_ptr + flags_off).to(tl.pointer_type(tl.int64))
+    b = tl.load(flags + R) + 1
+    if SIGNAL:
+        tl.store(flags + R, b)
+        for r in tl.static_range(R):
+            peer_flags = (_region(local_ptr, delta16_ptr, r) + flags_off).to(tl.pointer_type(tl.int64))
+            tl.atomic_add(peer_flags + me, 1, sem="release", scope="sys")
+    else:
+        b -= 1  # the signal half of this barrier already counted it
+    if WAIT:
+        for r in tl.static_range(R):
+            _wait(flags + r, b, r, timeout_ns, status_ptr, USE_TIMER)

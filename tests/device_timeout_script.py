@@ -1,0 +1,46 @@
+"""Two GPU ranks; rank 1 never makes the second call, so rank 0's device-side wait must end after
+`num_gpu_timeout_secs`, print the missing rank and abort the kernel (run by tests/test_gpu.py and
+tests/test_lowlatency.py). `python device_timeout_script.py PORT CALL`, CALL one of:
+- `low-latency`: `low_latency_dispatch` (the low-latency kernels' flags);
+- `sync-free`: `dispatch(do_cpu_sync=False)` on the nvlink transport (the device barrier of its region).
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def body(rank: int, world: int, port: int, call: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    import epcomm
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=256, num_gpu_timeout_secs=2, transport="nvlink")
+    x = torch.randn(8, 256, device="cuda").bfloat16()
+    idx = torch.rand(8, 8).topk(2, dim=1).indices.cuda()
+
+    def make_call():
+        if call == "low-latency":
+            buf.low_latency_dispatch(x, idx, 8, 8)
+        else:
+            buf.dispatch(x, topk_idx=idx, num_experts=8, do_cpu_sync=False)
+
+    make_call()  # both ranks (the low-latency region is allocated collectively)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        make_call()
+        torch.cuda.synchronize()  # the aborted kernel surfaces here as a CUDA error
+        print("rank 0: NO ERROR", flush=True)
+    else:
+        time.sleep(30)  # never makes the call
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    mp.spawn(body, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
