@@ -13,7 +13,8 @@ Two ways rows move:
   between calls: a call's barrier proves every peer has finished the call before, so the area used two calls ago
   is free again without a second barrier.
 Both copy with the copy engines (`copy_` on peer views), which reach the measured link ceiling and use no SMs.
-Every wait is a device barrier bounded by `num_gpu_timeout_secs`.
+Every wait is a device barrier (`SymmetricRegion.barrier`, epcomm's kernel) bounded by `num_gpu_timeout_secs`;
+a rank that does not arrive is named in the kernel's message before it aborts.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class NVLinkTransport(Transport):
         self._stage_off = [self._rows_off + num_bytes, self._rows_off + 2 * num_bytes]
         self._stage_calls = 0
         self._side = None  # the pull's second stream (own rows, copies from peers), made at first use
-        self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device, timeout_ms=int(gpu_timeout_s * 1000))
+        self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
+                                      timeout_ms=int(gpu_timeout_s * 1000))
         self._delta16 = push.region_deltas(self.region.ptrs, self.rank)
 
     def _barrier(self) -> None:
