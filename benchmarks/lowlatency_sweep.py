@@ -34,7 +34,6 @@ def body(rank: int, world: int, port: int) -> None:
 
     lines = []
     for num_tokens in (1, 128, 256):
-        buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=HIDDEN, explicitly_destroy=True)
         gen = torch.Generator().manual_seed(rank + num_tokens)
         x = torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16().cuda()
         idx = torch.rand(num_tokens, NUM_EXPERTS, generator=gen).topk(NUM_TOPK, dim=1).indices.cuda()
@@ -43,6 +42,8 @@ def body(rank: int, world: int, port: int) -> None:
             lowlatency_nvlink._BLOCKS_PER_PROGRAM = blocks
             lowlatency_nvlink._ROWS_PER_PROGRAM = rows
             lowlatency_nvlink._FUSED_PROGRAMS_PER_SM = per_sm
+            # A buffer per shape: the program shapes of a buffer's calls must not change while it lives.
+            buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=HIDDEN, explicitly_destroy=True)
 
             def dispatch():
                 return buf.low_latency_dispatch(x, idx, num_tokens, NUM_EXPERTS, use_fp8=True)
@@ -53,7 +54,7 @@ def body(rank: int, world: int, port: int) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             lines.append(f"T={num_tokens} blocks/item={blocks} rows/item={rows} programs/SM={per_sm}: dispatch "
                          f"{t[0]:.1f} us, combine {t[1]:.1f} us (graph of {CALLS}, per call, p50, slowest rank)")
-        buf.destroy()
+            buf.destroy()
     if rank == 0:
         print("\n".join(lines), flush=True)
     dist.destroy_process_group()

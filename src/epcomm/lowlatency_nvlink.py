@@ -94,10 +94,13 @@ class Area:
         state: [8] int64 (device) -- call counters (dispatch, combine) and the kernels' finish counters.
         issued, pending: host bookkeeping per kind (0 dispatch, 1 combine): calls issued, and the calls whose
             receive hook has not run (call e reuses the area of call e - 2, which must have been received).
+        send_items: per kind, the send items a rank does for each peer per call, fixed at the first call: a
+            receiver waits until a peer's `ready` count reaches (calls of this parity) x send_items.
     """
 
     def __init__(self, layout: Layout, local: Tensor, delta16: Tensor):
         self.layout, self.local, self.delta16 = layout, local, delta16
+        self.send_items = [None, None]
         self.state = torch.zeros(8, dtype=torch.int64, device=local.device)
         self.issued = [0, 0]
         self.pending: list = [set(), set()]
@@ -162,6 +165,17 @@ class LowLatencyNVLink:
         return e
 
     @staticmethod
+    def _check_items(area: Area, kind: int, items: int) -> None:
+        """The `ready` counts only add up if every call of an area does the same number of send items (fixed by the
+        layout and this module's program shapes, which must not change while the area lives)."""
+        if area.send_items[kind] is None:
+            area.send_items[kind] = items
+        elif area.send_items[kind] != items:
+            raise RuntimeError(f"EPBuffer.{_KIND_NAMES[kind]}: this call would do {items} send items per peer where "
+                               f"the earlier calls of this shape did {area.send_items[kind]}: the program shape "
+                               "constants of epcomm.lowlatency_nvlink changed while the buffer was in use")
+
+    @staticmethod
     def _book(area: Area, kind: int, e: int, hook: bool) -> Callable:
         """Record launched call `e`; returns `received()`, which its receive calls once."""
         area.issued[kind] = e + 1
@@ -192,7 +206,8 @@ class LowLatencyNVLink:
         return hook
 
     def _common(self, lay: Layout) -> dict:
-        return dict(N=lay.num_max_tokens, H=lay.hidden, K=lay.num_topk, R=self.num_ranks, USE_TIMER=self.use_timer)
+        return dict(N=lay.num_max_tokens, H=lay.hidden, K=lay.num_topk, R=self.num_ranks, USE_TIMER=self.use_timer,
+                    R_POW2=1 << (self.num_ranks - 1).bit_length())
 
     # -- dispatch ----------------------------------------------------------------------------------
     def dispatch(self, area: Area, x: Tensor, topk_idx: Tensor, stats: Optional[Tensor], use_fp8: bool,
@@ -213,6 +228,7 @@ class LowLatencyNVLink:
         nb = lay.num_blocks
         nbc = min(_BLOCKS_PER_PROGRAM, max(4, triton.next_power_of_2(nb)))  # blocks of 128 channels per item
         num_c = triton.cdiv(nb, nbc)
+        self._check_items(area, 0, n * num_c)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         x = x if x.stride(1) == 1 else x.contiguous()
         if use_fp8:
@@ -276,6 +292,7 @@ class LowLatencyNVLink:
         num_ch = triton.next_power_of_2(triton.cdiv(lay.hidden, send_block))
         kp = _ROWS_PER_PROGRAM
         num_kb = triton.cdiv(lay.num_topk, kp)
+        self._check_items(area, 1, lay.num_max_tokens * num_kb)
         recv_block = min(1024, triton.next_power_of_2(lay.hidden))
         num_hc = triton.cdiv(lay.hidden, recv_block)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
@@ -307,7 +324,7 @@ class LowLatencyNVLink:
             k.combine_recv[(max(num_tokens, 1), num_hc)](
                 topk, weights, target, area.local, area.delta16, area.state, ticket, status, num_tokens,
                 topk.stride(0), weights.stride(0), target.stride(0), self.rank, self.timeout_ns, **offsets,
-                BLOCK_H=recv_block, num_warps=4, enable_fp_fusion=False, **self._common(lay))
+                BLOCK_H=recv_block, KB=num_kb, num_warps=4, enable_fp_fusion=False, **self._common(lay))
             if target is not out:
                 out.copy_(target)
 

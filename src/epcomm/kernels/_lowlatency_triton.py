@@ -83,12 +83,15 @@ def _e4m3_bits(v):
 
 
 @triton.jit
-def _signal_all(local_ptr, delta16_ptr, kind, what, parity, me, R: tl.constexpr):
-    """Add 1 to flag (kind, what, parity, me) in every rank's region, each add a release (system scope): a
-    release orders the earlier writes before that add only, so every flag needs its own."""
-    for r in tl.static_range(R):
-        flag = _flag(_region(local_ptr, delta16_ptr, r), kind, what, parity, me, R)
-        tl.atomic_add(flag, 1, sem="release", scope="sys")
+def _signal_all(local_ptr, delta16_ptr, kind, what, parity, me, amount, R: tl.constexpr, R_POW2: tl.constexpr):
+    """Add `amount[r]` ([R_POW2] int64; 0 skips) to flag (kind, what, parity, me) in rank r's region, for every r at
+    once: R threads each issue one release add (system scope) after the program's barrier, so the R fences run in
+    parallel rather than one after another."""
+    tl.debug_barrier()  # every thread's writes happen before the adds below
+    r = tl.arange(0, R_POW2)
+    base = local_ptr + tl.load(delta16_ptr + r, mask=r < R, other=0) * 16
+    flags = base.to(tl.pointer_type(tl.int64)) + ((kind * 2 + what) * 2 + parity) * R + me
+    tl.atomic_add(flags, amount, mask=(r < R) & (amount > 0), sem="release", scope="sys")
 
 
 @triton.jit
@@ -231,24 +234,29 @@ def _dispatch_recv_item(
 
 
 @triton.jit
-def _sent(kind, epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
-    """After a program's sends: the last program of the call advances the kind's call counter (`state[kind]`) and
-    raises `ready` in every rank. Finish counters: `state[2 + 2 * kind]` (sends), `state[3 + 2 * kind]` (receives)."""
+def _sent(kind, epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, amount, R: tl.constexpr,
+          R_POW2: tl.constexpr):
+    """After a program's sends: add the number of send items it did for rank r (`amount[r]`) to r's `ready` count
+    (no program waits for the others here), then the last program of the call advances the kind's call counter
+    (`state[kind]`). Finish counters: `state[2 + 2 * kind]` (sends), `state[3 + 2 * kind]` (receives)."""
+    _signal_all(local_ptr, delta16_ptr, kind, READY, epoch % 2, me, amount, R, R_POW2)
     if _last_to_finish(state_ptr + 2 + 2 * kind, num_programs):
         tl.atomic_xchg(state_ptr + kind, epoch + 1, sem="relaxed", scope="gpu")
-        _signal_all(local_ptr, delta16_ptr, kind, READY, epoch % 2, me, R)
 
 
 @triton.jit
-def _wait_ready(kind, epoch, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait until every rank has sent this call's rows."""
+def _wait_ready(kind, epoch, items, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Wait until every rank has done its `items` send items of this call for us (the count of ready items of this
+    parity grows by `items` per call)."""
     for r in tl.static_range(R):
-        _wait(_flag(local_ptr, kind, READY, epoch % 2, r, R), epoch // 2 + 1, r, timeout_ns, status_ptr, USE_TIMER)
+        _wait(_flag(local_ptr, kind, READY, epoch % 2, r, R), (epoch // 2 + 1) * items, r, timeout_ns, status_ptr,
+              USE_TIMER)
 
 
 @triton.jit
 def _dispatch_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, count_ptr, stats_ptr, hdr_off, me,
-                       R: tl.constexpr, L: tl.constexpr, HAS_STATS: tl.constexpr, L_POW2: tl.constexpr):
+                       R: tl.constexpr, L: tl.constexpr, HAS_STATS: tl.constexpr, L_POW2: tl.constexpr,
+                       R_POW2: tl.constexpr):
     """After a program's receives: the last one writes the counts (and stats), clears them, frees the area."""
     if _last_to_finish(state_ptr + 3 + 2 * DISPATCH, num_programs):
         hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int32)) + (epoch % 2) * R * L
@@ -260,7 +268,8 @@ def _dispatch_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, c
         tl.store(count_ptr + e, total, mask=e < L)
         if HAS_STATS:
             tl.store(stats_ptr + e, tl.load(stats_ptr + e, mask=e < L) + total, mask=e < L)
-        _signal_all(local_ptr, delta16_ptr, DISPATCH, FREED, epoch % 2, me, R)
+        _signal_all(local_ptr, delta16_ptr, DISPATCH, FREED, epoch % 2, me, tl.full([R_POW2], 1, tl.int64), R,
+                    R_POW2)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -269,7 +278,7 @@ def dispatch_send(
     num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, USE_TIMER: tl.constexpr,
-    K_POW2: tl.constexpr, NBC: tl.constexpr, CHUNK: tl.constexpr,
+    K_POW2: tl.constexpr, NBC: tl.constexpr, CHUNK: tl.constexpr, R_POW2: tl.constexpr,
 ):
     """Grid (N, channel chunks); the receive kernel runs later (`return_recv_hook=True`)."""
     t = tl.program_id(0)
@@ -280,7 +289,8 @@ def dispatch_send(
     _dispatch_send_item(t, c, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr, num_tokens, stride_x,
                         stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
                         N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
-    _sent(DISPATCH, epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
+    _sent(DISPATCH, epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me,
+          tl.full([R_POW2], 1, tl.int64), R, R_POW2)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -290,17 +300,17 @@ def dispatch_recv(
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr, USE_TIMER: tl.constexpr,
     NB: tl.constexpr, NBC: tl.constexpr, L_POW2: tl.constexpr, SCALE_COLS: tl.constexpr,
-    K_POW2: tl.constexpr,
+    K_POW2: tl.constexpr, R_POW2: tl.constexpr,
 ):
-    """Grid (R * N, channel chunks)."""
+    """Grid (R * N, channel chunks): the send kernel's chunks, so a sender does N * chunks send items."""
     pid = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
-    _wait_ready(DISPATCH, epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _wait_ready(DISPATCH, epoch, N * tl.num_programs(1), local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     _dispatch_recv_item(pid // N, pid % N, tl.program_id(1), epoch, local_ptr, out_ptr, scales_ptr, item_ptr, hdr_off,
                         rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8, UE8M0, NB, NBC,
                         SCALE_COLS, K_POW2)
     _dispatch_received(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, count_ptr,
-                       stats_ptr, hdr_off, me, R, L, HAS_STATS, L_POW2)
+                       stats_ptr, hdr_off, me, R, L, HAS_STATS, L_POW2, R_POW2)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -310,7 +320,7 @@ def dispatch_fused(
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr,
     USE_TIMER: tl.constexpr, NB: tl.constexpr, NBC: tl.constexpr, C: tl.constexpr, L_POW2: tl.constexpr,
-    SCALE_COLS: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
+    SCALE_COLS: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr, R_POW2: tl.constexpr,
 ):
     """Send and receive in one launch: a persistent grid no larger than the GPU holds at once (every program must be
     resident, since each waits for all programs' sends), striding over the send items, then the receive items."""
@@ -321,14 +331,16 @@ def dispatch_fused(
         _dispatch_send_item(item // C, item % C, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr,
                             num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes,
                             scale_off, meta_off, N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
-    _sent(DISPATCH, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
-    _wait_ready(DISPATCH, epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    done = tl.cdiv(tl.maximum(N * C - pid, 0), grid)  # send items this program did, each for every rank
+    _sent(DISPATCH, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, tl.full([R_POW2], 1, tl.int64) * done, R,
+          R_POW2)
+    _wait_ready(DISPATCH, epoch, N * C, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     for item in range(pid, R * N * C, grid):
         _dispatch_recv_item(item // (N * C), (item // C) % N, item % C, epoch, local_ptr, out_ptr, scales_ptr,
                             item_ptr, hdr_off, rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8,
                             UE8M0, NB, NBC, SCALE_COLS, K_POW2)
     _dispatch_received(epoch, grid, local_ptr, delta16_ptr, state_ptr, count_ptr, stats_ptr, hdr_off, me, R, L,
-                       HAS_STATS, L_POW2)
+                       HAS_STATS, L_POW2, R_POW2)
 
 
 # -- combine -------------------------------------------------------------------------------------------------------
@@ -377,16 +389,18 @@ def _combine_recv_item(
 
 
 @triton.jit
-def _combine_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr):
+def _combine_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, R: tl.constexpr,
+                      R_POW2: tl.constexpr):
     if _last_to_finish(state_ptr + 3 + 2 * COMBINE, num_programs):
-        _signal_all(local_ptr, delta16_ptr, COMBINE, FREED, epoch % 2, me, R)
+        _signal_all(local_ptr, delta16_ptr, COMBINE, FREED, epoch % 2, me, tl.full([R_POW2], 1, tl.int64), R,
+                    R_POW2)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_send(
     x_ptr, item_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, me, timeout_ns, comb_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-    NUM_CH: tl.constexpr, KP: tl.constexpr, USE_TIMER: tl.constexpr,
+    NUM_CH: tl.constexpr, KP: tl.constexpr, USE_TIMER: tl.constexpr, R_POW2: tl.constexpr,
 ):
     """Grid (R * N, ceil(K / KP)); the receive kernel runs later (`return_recv_hook=True`)."""
     pid = tl.program_id(0)
@@ -396,7 +410,9 @@ def combine_send(
         tl.store(ticket_ptr, epoch)
     _combine_send_item(pid // N, pid % N, kb, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, timeout_ns,
                        comb_off, crow_bytes, N, H, K, R, BLOCK_H, NUM_CH, KP, USE_TIMER)
-    _sent(COMBINE, epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
+    one_hot = (tl.arange(0, R_POW2) == pid // N).to(tl.int64)  # this send item was for rank pid // N
+    _sent(COMBINE, epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, one_hot, R,
+          R_POW2)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -404,16 +420,17 @@ def combine_recv(
     topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
     num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-    USE_TIMER: tl.constexpr,
+    USE_TIMER: tl.constexpr, KB: tl.constexpr, R_POW2: tl.constexpr,
 ):
-    """Grid (max(T, 1), channel blocks)."""
+    """Grid (max(T, 1), channel blocks). A sender does N * KB send items for each rank."""
     t = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
-    _wait_ready(COMBINE, epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _wait_ready(COMBINE, epoch, N * KB, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     if t < num_tokens:
         _combine_recv_item(t, tl.program_id(1), epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
                            stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
-    _combine_received(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R)
+    _combine_received(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R,
+                      R_POW2)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -422,7 +439,7 @@ def combine_fused(
     num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, SEND_BLOCK_H: tl.constexpr,
     NUM_CH: tl.constexpr, KP: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr, HC: tl.constexpr,
-    USE_TIMER: tl.constexpr,
+    USE_TIMER: tl.constexpr, R_POW2: tl.constexpr,
 ):
     """Send and receive in one launch (persistent grid, every program resident; see `dispatch_fused`)."""
     pid = tl.program_id(0)
@@ -432,9 +449,12 @@ def combine_fused(
         _combine_send_item(item // (N * KB), (item // KB) % N, item % KB, epoch, x_ptr, item_ptr, local_ptr,
                            delta16_ptr, status_ptr, timeout_ns, comb_off, crow_bytes, N, H, K, R, SEND_BLOCK_H,
                            NUM_CH, KP, USE_TIMER)
-    _sent(COMBINE, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
-    _wait_ready(COMBINE, epoch, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    # Send items this program did for rank r: items [r * N * KB, (r + 1) * N * KB) at pid, pid + grid, ...
+    first = tl.arange(0, R_POW2).to(tl.int64) * (N * KB)
+    done = tl.cdiv(tl.maximum(first + N * KB - pid, 0), grid) - tl.cdiv(tl.maximum(first - pid, 0), grid)
+    _sent(COMBINE, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, done, R, R_POW2)
+    _wait_ready(COMBINE, epoch, N * KB, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
     for item in range(pid, num_tokens * HC, grid):
         _combine_recv_item(item // HC, item % HC, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
                            stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
-    _combine_received(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R)
+    _combine_received(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R, R_POW2)
