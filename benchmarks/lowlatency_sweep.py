@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
 CALLS, REPLAYS, WARMUP = 8, 40, 5
-SHAPES = ((32, 4, 8), (32, 4, 2), (16, 2, 2), (32, 2, 8), (16, 4, 1))  # (blocks/item, rows/item, programs/SM)
+SHAPES = ((32, 2, 8), (32, 4, 8), (32, 4, 2), (16, 2, 2), (16, 4, 1))  # (blocks/item, rows/item, programs/SM)
 
 
 def body(rank: int, world: int, port: int) -> None:

@@ -69,13 +69,17 @@ class SymmetricRegion:
         self.nbytes = nbytes
         self._bytes = None  # per-rank [nbytes] uint8 views, made at first use
         self.timeout_ms = int(timeout_ms)  # bound of every device barrier (`num_gpu_timeout_secs`)
-        self._compiled = None  # the barrier kernel once compiled: launched directly
+        self._launch = None  # the barrier kernel once compiled: launched directly
         assert (self.num_ranks + 1) * 8 <= 256, "the barrier's flag area holds at most 31 ranks"
         self._storage[self._flags_off:].zero_()
         self._delta16 = torch.div(self.ptrs - self.ptrs[self.rank], 16, rounding_mode="floor")
         pinned = torch.cuda.is_available()
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)  # 1 + the rank a barrier timed out on
         self._status_np = self.status.numpy()  # read on every barrier: a numpy view costs no torch dispatch
+        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        # The barrier kernel's arguments (`_signal_triton.barrier`), pointers as ints: R, SIGNAL, WAIT, USE_TIMER last.
+        self._args = (self._storage.data_ptr(), self._delta16.data_ptr(), self.status.data_ptr(), self.rank,
+                      self.timeout_ms * 1_000_000, self._flags_off, self.num_ranks, True, True, True)
         self.handle.barrier(channel=0)  # every rank's flags are zero before anyone adds to them
         self.barrier()  # compiles the barrier kernel now, not in the middle of a call or a graph capture
         self.barrier()  # and checks the direct launch of the compiled kernel
@@ -103,16 +107,17 @@ class SymmetricRegion:
             TimeoutError: an earlier barrier of this region timed out (`check_status`).
         """
         self.check_status()
-        args = (self._storage, self._delta16, self.status.data_ptr(), self.rank, self.timeout_ms * 1_000_000,
-                self._flags_off, self.num_ranks, True, True, True)  # R, SIGNAL, WAIT, USE_TIMER
-        if self._compiled is not None:  # the compiled kernel directly: Triton's JIT dispatch costs ~20 us of host
-            self._compiled[(1, 1, 1)](*args, stream=torch.cuda.current_stream(self._storage.device).cuda_stream)
+        if self._launch is not None:
+            # The compiled kernel directly, pointers as ints: Triton's JIT dispatch and tensor arguments cost
+            # ~20 us of host time per barrier, which an eager call with four barriers would pay four times.
+            self._launch(*self._args, stream=torch._C._cuda_getCurrentRawStream(self._device_index))
             return
         from ..kernels._signal_triton import barrier
 
-        launched = barrier[(1,)](*args[:6], R=args[6], SIGNAL=True, WAIT=True, USE_TIMER=True, num_warps=1)
+        launched = barrier[(1,)](self._storage, self._delta16, *self._args[2:6], R=self.num_ranks, SIGNAL=True,
+                                 WAIT=True, USE_TIMER=True, num_warps=1)
         if callable(getattr(launched, "__getitem__", None)):  # a CompiledKernel (Triton 3.x): reuse it
-            self._compiled = launched
+            self._launch = launched[(1, 1, 1)]
 
     def check_status(self) -> None:
         """Raises: TimeoutError -- a device barrier of this region timed out waiting for a rank (named)."""
