@@ -459,7 +459,7 @@ class FileRegion:
     """CPU stand-in for `SymmetricRegion` (tests only): each rank's region is a file in /dev/shm that every rank
     maps, so a peer view reads another process's memory, as the NVLink views do; the barrier is a gloo barrier."""
 
-    def __init__(self, group, nbytes: int, device, timeout_ms: int = 0):
+    def __init__(self, group, nbytes: int, device, timeout_s: float = 0.0):
         tag = [random.getrandbits(48) if group.rank() == 0 else None]
         dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0), group=group)
         paths = [f"/dev/shm/epcomm-test-{tag[0]:x}-{r}" for r in range(group.size())]

@@ -27,7 +27,7 @@ class FileSymm:
     rank of the host opens, so the NVLink path runs between gloo ranks (peer views alias the peer's memory; the
     device barrier is a host barrier, which orders CPU work)."""
 
-    def __init__(self, group, nbytes: int, device, timeout_ms: int = 0):
+    def __init__(self, group, nbytes: int, device, timeout_s: float = 0.0):
         rank = group.rank()
         name = [tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) if rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=group)

@@ -74,7 +74,7 @@ def test_cuda_graph_replay_of_cached_calls(nccl, transport):
 def test_nvlink_device_barrier_names_missing_rank():
     """Issue 3 item 4 on the nvlink transport: a peer that never reaches a device barrier (here: never makes a
     sync-free dispatch) ends the wait after num_gpu_timeout_secs with a message naming it, and the kernel aborts
-    (DESIGN.md's error table)."""
+    (docs/decisions.md, "Errors and timeouts")."""
     script = Path(__file__).with_name("device_timeout_script.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run([sys.executable, str(script), "29562", "sync-free"], capture_output=True, env=env,

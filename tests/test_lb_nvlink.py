@@ -67,7 +67,7 @@ class _Symm:
 def _simulate(mapping, num_local, nbytes, prefetch, offset=64):
     world, num_slots = len(mapping), len(mapping[0])
     storages = [torch.zeros(offset + num_slots * nbytes, dtype=torch.uint8) for _ in range(world)]
-    regions = [LBRegion(_Symm(storages, r), 1000) for r in range(world)]
+    regions = [LBRegion(_Symm(storages, r)) for r in range(world)]
     reds = [s[offset:].view(num_slots, nbytes) for s in storages]
     assert all(regions[r].offset_of(reds[r]) == offset for r in range(world))
     assert regions[0].offset_of(torch.zeros(4)) == -1 and regions[0].offset_of(storages[0][:0]) == -1

@@ -63,7 +63,7 @@ def test_low_latency_nvlink_matches_portable_path(pools):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_low_latency_device_wait_names_missing_rank_on_gpu():
     """Issue 3 item 4 on the low-latency kernels: a peer that never signals ends the wait after
-    num_gpu_timeout_secs with a message naming it, and the kernel aborts (DESIGN.md's error table)."""
+    num_gpu_timeout_secs with a message naming it, and the kernel aborts (docs/decisions.md, "Errors and timeouts")."""
     script = Path(__file__).with_name("device_timeout_script.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run([sys.executable, str(script), "29561", "low-latency"], capture_output=True, env=env,

@@ -282,7 +282,7 @@ class EngramBuffer(ContextLifecycle):
                 self.context.barrier(with_cpu_sync=True, call=call)
                 self._nvlink.release()
                 self._table = self._scales = self.rdma_storage = None
-            self._nvlink = NVLinkTable(self.context.group, self.device, need, int(self.num_gpu_timeout_secs * 1000))
+            self._nvlink = NVLinkTable(self.context.group, self.device, need, self.num_gpu_timeout_secs)
         self._nvlink.configure(rows, row, sf_bytes, transfer_word(row), transfer_word(sf_bytes))
         self.rdma_storage = self._nvlink.region.local
 

@@ -86,7 +86,7 @@ class NVLinkTable:
         group: the buffer's process group (every rank constructs it, with the same `nbytes`).
         device: the buffer's CUDA device.
         nbytes: int -- region size; `region_bytes(...)` of the largest configuration it will hold.
-        timeout_ms: int -- bound on every device barrier (`num_gpu_timeout_secs` in ms).
+        timeout_s: float -- bound on every device barrier (`num_gpu_timeout_secs`).
 
     Fields:
         region: the `SymmetricRegion`.
@@ -94,10 +94,9 @@ class NVLinkTable:
         scales: [rows, P * 4] uint8 -- this rank's scale shard (0 columns without FP8), after `configure`.
     """
 
-    def __init__(self, group, device: torch.device, nbytes: int, timeout_ms: int):
-        self.region = SymmetricRegion(group, nbytes, device, timeout_ms=int(timeout_ms))
+    def __init__(self, group, device: torch.device, nbytes: int, timeout_s: float):
+        self.region = SymmetricRegion(group, nbytes, device, timeout_s=timeout_s)
         self.rank, self.num_ranks, self.device = group.rank(), group.size(), device
-        self.timeout_ms = int(timeout_ms)
         self.table = self.scales = None
         self._rows_R: list = []
         self._sfs_R: Optional[list] = None

@@ -120,19 +120,18 @@ class LBRegion:
     """The LB region of one buffer in symmetric memory, with cached peer views and move plans.
 
     Args:
-        symm: a `transport.symm.SymmetricRegion` (or an object with its `local`, `peer` and `barrier`).
-        timeout_ms: bound of every device barrier (`num_gpu_timeout_secs`).
+        symm: a `transport.symm.SymmetricRegion` (or an object with its `local`, `peer` and `barrier`), whose
+            barrier is bounded by `num_gpu_timeout_secs`.
 
     Fields:
         local: [nbytes] uint8 -- this rank's region (`EPBuffer.lb_storage`).
         nbytes: int -- the region's size, the same on every rank.
     """
 
-    def __init__(self, symm, timeout_ms: int):
+    def __init__(self, symm):
         self.symm = symm
         self.local = symm.local
         self.nbytes = symm.local.numel()
-        self.timeout_ms = int(timeout_ms)
         self._moves: OrderedDict = OrderedDict()
         self._views: OrderedDict = OrderedDict()
 
@@ -155,7 +154,7 @@ class LBRegion:
                        lambda: self.symm.peer(rank, offset, (rows, cols), dtype))
 
     def barrier(self) -> None:
-        """Device barrier over the group on the current stream, bounded by `timeout_ms`."""
+        """Device barrier over the group on the current stream, bounded by `num_gpu_timeout_secs`."""
         self.symm.barrier()
 
 
@@ -190,8 +189,7 @@ def attach_lb_region(buf, symm_cls=None) -> Optional[LBRegion]:
         return None
     if sizes[0] == 0:
         return None
-    timeout_ms = int(buf.num_gpu_timeout_secs * 1000)
-    region = LBRegion(symm_cls(buf.group, buf.num_lb_bytes, buf.device, timeout_ms=timeout_ms), timeout_ms)
+    region = LBRegion(symm_cls(buf.group, buf.num_lb_bytes, buf.device, timeout_s=buf.num_gpu_timeout_secs))
     region.local.zero_()
     if buf.lb_allocation_plan is not None:
         try:

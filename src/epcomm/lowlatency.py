@@ -126,7 +126,7 @@ class LowLatencyMixin:
                     raise ValueError(f"EPBuffer low-latency call: rank {self.rank}: ranks disagree on the call's "
                                      f"shape ({diff}); every rank must pass the same shapes")
                 region = SymmetricRegion(self.group, layout.nbytes, self.device,
-                                         timeout_ms=int(self.num_gpu_timeout_secs * 1000))
+                                         timeout_s=self.num_gpu_timeout_secs)
                 region.local.zero_()
                 # No peer may write into a region before its owner has zeroed it (stream order after the barrier).
                 region.barrier()

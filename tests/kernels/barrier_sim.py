@@ -23,7 +23,7 @@ def ranks():
 
 
 def half(regions, deltas, status, r, signal, timeout_ns=10**10):
-    barrier[(1,)](regions[r], deltas[r], status[r].data_ptr(), r, timeout_ns, FLAGS_OFF, R=NUM_RANKS,
+    barrier[(1,)](regions[r], deltas[r], status[r].data_ptr(), r, timeout_ns, FLAGS_OFF, R=NUM_RANKS, R_POW2=4,
                   SIGNAL=signal, WAIT=not signal, USE_TIMER=False, num_warps=1)
 
 

@@ -14,14 +14,16 @@ The region the kernels share is laid out by `lowlatency_nvlink.Layout`. The work
 
 A call runs as one fused kernel (`*_fused`: a persistent grid does the send items, signals, waits, does the
 receive items) or, with `return_recv_hook=True`, as a send kernel now and a receive kernel when the hook is called.
-The last program to finish the sends raises the `ready` flag in every rank; the last to finish the receives
-writes the counts and raises `freed` in every rank.
+Every program, as soon as its sends are done, adds the number of send items it did for rank r to rank r's `ready`
+count; the last program to finish the receives writes the counts and adds 1 to `freed` in every rank.
 
-Flags are counters that only grow (one increment per call of their parity, a fire-and-forget add), so there is no
-cleaning pass. Two areas alternate by call parity; call `e` waits for `ready >= e // 2 + 1`, and its sender first
-waits for `freed >= e // 2` (the call two before has been read), so no peer overwrites rows still being read.
-Every wait is bounded (`_signal_triton._wait`): on timeout the kernel prints the missing rank, records it in `status`
-and (on GPU) traps, as DESIGN.md's error table says for device-side waits.
+Flags are counters that only grow (fire-and-forget adds), so there is no cleaning pass. Two areas alternate by
+call parity. A call does the same number of send items for each peer every time (`send_items`, fixed per area by
+the host), so call `e` waits for `ready >= (e // 2 + 1) * send_items`; its senders first wait for
+`freed >= e // 2` (the call two before has been read), so no peer overwrites rows still being read, and no send
+item of a later call can count towards call e. Every wait is bounded (`_signal_triton._wait`): on timeout the
+kernel prints the missing rank, records it in `status` and (on GPU) traps (docs/decisions.md, "Errors and
+timeouts").
 """
 
 import triton

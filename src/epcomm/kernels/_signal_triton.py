@@ -2,8 +2,8 @@
 
 Shared by every kernel that waits for a peer (the low-latency kernels, `transport.symm.SymmetricRegion.barrier`).
 Flags are int64 counters that only grow, so a wait is `flag >= target` and nothing is ever cleaned. Every wait
-is bounded: on timeout the kernel prints the missing rank, records it in host memory and (on GPU) traps, as
-DESIGN.md's error table says for device-side waits.
+is bounded: on timeout the kernel prints the missing rank, records it in host memory and (on GPU) traps
+(docs/decisions.md, "Errors and timeouts").
 """
 
 import triton
@@ -48,29 +48,30 @@ def _wait(flag_ptr, target, peer, timeout_ns, status_ptr, USE_TIMER: tl.constexp
             tl.device_print("epcomm device wait (num_gpu_timeout_secs): timed out waiting for rank", missing)
             status = status_ptr.to(tl.int64).to(tl.pointer_type(tl.int64))  # host memory, read unsynchronised
             tl.atomic_xchg(status, missing + 1, sem="relaxed", scope="sys")
+            tl.atomic_add(status, 0, sem="relaxed", scope="sys")  # a read-back: the record lands before the trap
             if USE_TIMER:
                 tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()  # the rows the flag covers are read by every thread of the program
 
 
 @triton.jit(do_not_specialize=["me", "timeout_ns", "flags_off"])
-def barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R: tl.constexpr,
+def barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R: tl.constexpr, R_POW2: tl.constexpr,
             SIGNAL: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
     """One program. The area at `flags_off` holds R arrival counters (one per rank) and this rank's barrier count.
 
-    Barrier number b = count + 1: add 1 to counter `me` of every rank (each add a release, system scope: the
-    writes this stream made before the barrier are visible to a peer that sees the add), then wait until every
-    rank's counter here reaches b (acquire). Stream order puts the caller's earlier work before it and its later
-    work after it. `SIGNAL` / `WAIT` split the two halves for the CPU simulation of several ranks (the
-    interpreter runs one rank at a time); on GPU both are set.
+    Barrier number b = count + 1: add 1 to counter `me` of every rank (R threads, one release add each at system
+    scope, in parallel: the writes this stream made before the barrier are visible to a peer that sees the add),
+    then wait until every rank's counter here reaches b (acquire). Stream order puts the caller's earlier work
+    before it and its later work after it. `SIGNAL` / `WAIT` split the two halves for the CPU simulation of
+    several ranks (the interpreter runs one rank at a time); on GPU both are set.
     """
     flags = (local_ptr + flags_off).to(tl.pointer_type(tl.int64))
     b = tl.load(flags + R) + 1
     if SIGNAL:
         tl.store(flags + R, b)
-        for r in tl.static_range(R):
-            peer_flags = (_region(local_ptr, delta16_ptr, r) + flags_off).to(tl.pointer_type(tl.int64))
-            tl.atomic_add(peer_flags + me, 1, sem="release", scope="sys")
+        r = tl.arange(0, R_POW2)
+        peers = local_ptr + tl.load(delta16_ptr + r, mask=r < R, other=0) * 16 + flags_off
+        tl.atomic_add(peers.to(tl.pointer_type(tl.int64)) + me, 1, mask=r < R, sem="release", scope="sys")
     else:
         b -= 1  # the signal half of this barrier already counted it
     if WAIT:

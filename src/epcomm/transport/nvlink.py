@@ -58,7 +58,7 @@ class NVLinkTransport(Transport):
         self._stage_calls = 0
         self._side = None  # the pull's second stream (own rows, copies from peers), made at first use
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
-                                      timeout_ms=int(gpu_timeout_s * 1000))
+                                      timeout_s=gpu_timeout_s)
         self._delta16 = push.region_deltas(self.region.ptrs, self.rank)
 
     def _barrier(self) -> None:

@@ -9,6 +9,7 @@ does not arrive); torch's is used once, at construction. NVLink multicast (NVLS)
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from typing import Optional
 
@@ -34,19 +35,30 @@ def available() -> Optional[str]:
 
 
 class SymmetricRegion:
-    """`nbytes` of device memory on every rank of `group`, addressable by every peer over NVLink.
+    """`nbytes` of device memory on every rank of `group`, addressable by every peer over NVLink, with a device
+    barrier that names a rank that does not arrive.
 
     Collective: every rank of the group constructs it with the same `nbytes`.
+
+    Args:
+        timeout_s: bound of every device barrier of the region (`num_gpu_timeout_secs`), in seconds.
 
     Fields:
         local: [nbytes] uint8 -- this rank's region.
         ptrs: [R] int64 (device) -- base address of every rank's region (the pointer table for kernels).
+        status: [1] int64 (pinned host memory the GPU writes) -- 0, or 1 + the rank a barrier timed out on.
+
+    The barrier's flags follow the caller's bytes (one arrival counter per rank, then this rank's barrier count, in
+    device memory so that CUDA graphs replay barriers correctly). The count is read and advanced by each barrier,
+    so the barriers of one region must run in one order: issue them on one stream (or order the streams).
     """
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, timeout_ms: int = 100_000):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, timeout_s: float = 100.0):
         # NVLink multicast can take a host's GPUs out of service; epcomm never needs it.
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
+
+        from ..kernels._signal_triton import barrier
 
         if hasattr(symm_mem, "set_backend"):
             try:
@@ -59,30 +71,38 @@ class SymmetricRegion:
                 symm_mem.enable_symm_mem_for_group(group_name)
             except Exception:
                 pass
-        # The barrier's flags follow the caller's bytes: one arrival counter per rank, then this rank's count.
-        self._flags_off = align(nbytes, 256)
-        self._storage = symm_mem.empty(self._flags_off + 256, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self._storage, group_name)
-        self.rank, self.num_ranks = self.handle.rank, self.handle.world_size
+        num_ranks = group.size()
+        self._flags_off = align(nbytes, 128)
+        self._storage = symm_mem.empty(self._flags_off + align((num_ranks + 1) * 8, 128), dtype=torch.uint8,
+                                       device=device)
+        self._storage[self._flags_off:].zero_()
         self.local = self._storage[:nbytes]
-        self.ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.nbytes = nbytes
         self._bytes = None  # per-rank [nbytes] uint8 views, made at first use
-        self.timeout_ms = int(timeout_ms)  # bound of every device barrier (`num_gpu_timeout_secs`)
-        self._launch = None  # the barrier kernel once compiled: launched directly
-        assert (self.num_ranks + 1) * 8 <= 256, "the barrier's flag area holds at most 31 ranks"
-        self._storage[self._flags_off:].zero_()
-        self._delta16 = torch.div(self.ptrs - self.ptrs[self.rank], 16, rounding_mode="floor")
-        pinned = torch.cuda.is_available()
-        self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)  # 1 + the rank a barrier timed out on
+        self.timeout_ns = max(1, int(timeout_s * 1e9))
+        self.status = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._status_np = self.status.numpy()  # read on every barrier: a numpy view costs no torch dispatch
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
-        # The barrier kernel's arguments (`_signal_triton.barrier`), pointers as ints: R, SIGNAL, WAIT, USE_TIMER last.
+        # Compile the barrier kernel before the rendezvous lines the ranks up, so that no rank's first barrier
+        # times out while a peer is still compiling (the arguments' values do not matter to the compiled kernel).
+        with torch.cuda.device(device):
+            compiled = barrier.warmup(self._storage, torch.empty(num_ranks, dtype=torch.int64, device=device),
+                                      self.status.data_ptr(), 0, self.timeout_ns, self._flags_off, R=num_ranks,
+                                      R_POW2=1 << (num_ranks - 1).bit_length(), SIGNAL=True, WAIT=True,
+                                      USE_TIMER=True, num_warps=1, grid=(1,))
+            self._launch = compiled[(1, 1, 1)]  # the compiled kernel, launched directly (Triton 3.x)
+
+        self.handle = symm_mem.rendezvous(self._storage, group_name)
+        self.rank, self.num_ranks = self.handle.rank, self.handle.world_size
+        self.ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self._delta16 = torch.div(self.ptrs - self.ptrs[self.rank], 16, rounding_mode="floor")
+        # The barrier kernel's arguments (`_signal_triton.barrier`), pointers as ints; constexprs last.
         self._args = (self._storage.data_ptr(), self._delta16.data_ptr(), self.status.data_ptr(), self.rank,
-                      self.timeout_ms * 1_000_000, self._flags_off, self.num_ranks, True, True, True)
-        self.handle.barrier(channel=0)  # every rank's flags are zero before anyone adds to them
-        self.barrier()  # compiles the barrier kernel now, not in the middle of a call or a graph capture
-        self.barrier()  # and checks the direct launch of the compiled kernel
+                      self.timeout_ns, self._flags_off, self.num_ranks, 1 << (self.num_ranks - 1).bit_length(),
+                      True, True, True)  # R, R_POW2, SIGNAL, WAIT, USE_TIMER
+        # Every rank's flags are zero before anyone adds to them: torch's barrier, once.
+        self.handle.barrier(channel=0, timeout_ms=max(1, math.ceil(timeout_s * 1000)))
+        self.barrier()
 
     def peer(self, rank: int, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A view of `rank`'s region at byte `offset` (a multiple of dtype's size): a slice of a byte view made once
@@ -98,33 +118,27 @@ class SymmetricRegion:
     def barrier(self) -> None:
         """Device-side barrier over the group on the current stream: a one-program Triton kernel
         (`kernels/_signal_triton.barrier`) that adds to every rank's arrival counter and waits for theirs.
-        Capturable in a CUDA graph (the barrier count lives in device memory).
+        Capturable in a CUDA graph.
 
-        A rank that does not arrive within `timeout_ms` makes the kernel print "timed out waiting for rank r"
-        and abort (the process must restart; DESIGN.md's error table); `check_status` then names r on the host.
+        A rank that does not arrive within `timeout_s` makes the kernel print "timed out waiting for rank r",
+        record r in `status` and abort: the process must restart (docs/decisions.md, "Errors and timeouts"). If
+        the process survives, the region's next barrier raises `TimeoutError` naming r.
 
         Raises:
             TimeoutError: an earlier barrier of this region timed out (`check_status`).
         """
         self.check_status()
-        if self._launch is not None:
-            # The compiled kernel directly, pointers as ints: Triton's JIT dispatch and tensor arguments cost
-            # ~20 us of host time per barrier, which an eager call with four barriers would pay four times.
-            self._launch(*self._args, stream=torch._C._cuda_getCurrentRawStream(self._device_index))
-            return
-        from ..kernels._signal_triton import barrier
-
-        launched = barrier[(1,)](self._storage, self._delta16, *self._args[2:6], R=self.num_ranks, SIGNAL=True,
-                                 WAIT=True, USE_TIMER=True, num_warps=1)
-        if callable(getattr(launched, "__getitem__", None)):  # a CompiledKernel (Triton 3.x): reuse it
-            self._launch = launched[(1, 1, 1)]
+        # The compiled kernel directly, pointers as ints: Triton's JIT dispatch and tensor arguments cost ~20 us
+        # of host time per barrier, which an eager call with four barriers would pay four times.
+        self._launch(*self._args, stream=torch._C._cuda_getCurrentRawStream(self._device_index))
 
     def check_status(self) -> None:
         """Raises: TimeoutError -- a device barrier of this region timed out waiting for a rank (named)."""
         missing = int(self._status_np[0])
         if missing:
-            raise TimeoutError(f"rank {self.rank}: a device barrier timed out (num_gpu_timeout_secs) waiting for "
-                               f"rank {missing - 1}; the CUDA context is unusable, restart the process group")
+            raise TimeoutError(f"rank {self.rank}: a device barrier timed out after {self.timeout_ns / 1e9:g} s "
+                               f"(num_gpu_timeout_secs) waiting for rank {missing - 1}; the CUDA context is "
+                               "unusable, restart the process group")
 
 
 def nvlink_unavailable(device: torch.device) -> Optional[str]:
