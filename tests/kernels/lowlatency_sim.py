@@ -126,6 +126,9 @@ def run(case: str) -> None:
             assert torch.equal(outs[r], acc.bfloat16()), (r, (outs[r].float() - acc).abs().max())
     for e in eng:
         assert int(e.status[0]) == 0
+    # Call counters advanced once per call (5 dispatches, 2 combines); finish counters back at 0.
+    for a in areas:
+        assert a.state[:6].tolist() == [5, 2, 0, 0, 0, 0], a.state
     if hook:  # a third call while the call two before is still unreceived raises before launching anything
         first = [eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=True) for _ in range(2)]
         try:
