@@ -34,7 +34,8 @@ _CHUNK = 1024  # (token, k) items compared per step when the send kernel ranks i
 # row over several programs puts more loads and stores in flight at decode sizes.
 _BLOCKS_PER_PROGRAM = 32
 # Combine rows (top-k positions of one token) per send item. 2x H200, graph of 8 calls, p50 (lowlatency_sweep.py):
-# 2 beats 4 at 1 and 128 tokens (11.2 / 36.2 us against 13.8 / 41.2) and loses at 256 (67.5 against 63.6).
+# 2 beats 4 at 1 and 128 tokens (11.2 / 36.2 us against 13.8 / 41.2) and loses 4-8 us at 256 (67.5-72.1 against
+# 63.6).
 _ROWS_PER_PROGRAM = 2
 # Fused kernels: at most this many programs per SM, fewer when the compiled kernel does not fit them (measured on
 # 2x H200: 4 dispatch and 8 combine programs per SM beat 1 and 2 at 128-256 tokens).
