@@ -42,5 +42,19 @@ def body(rank: int, world: int, port: int, call: str) -> None:
     os._exit(0)
 
 
+def check_timeout_names_rank_1(call: str, port: int) -> None:
+    """Run this script for `call` in a fresh interpreter (the aborted kernel takes its process down) and check that
+    rank 0 failed with the device-side message naming rank 1 (used by the GPU tests)."""
+    import subprocess
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, str(Path(__file__)), str(port), call], capture_output=True, env=env,
+                         timeout=180)
+    out = res.stdout.decode() + res.stderr.decode()
+    assert res.returncode != 0 and "NO ERROR" not in out, out[-3000:]
+    assert "timed out waiting for rank: 1" in out, out[-3000:]
+
+
 if __name__ == "__main__":
     mp.spawn(body, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)

@@ -1,13 +1,9 @@
 """The CPU suite's checks on CUDA tensors with NCCL (run with `pytest -m multigpu` on a machine with >= 2 GPUs)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+import device_timeout_script
 import ep_cases
 from test_modes import MODES, _mode_id
 
@@ -75,10 +71,4 @@ def test_nvlink_device_barrier_names_missing_rank():
     """Issue 3 item 4 on the nvlink transport: a peer that never reaches a device barrier (here: never makes a
     sync-free dispatch) ends the wait after num_gpu_timeout_secs with a message naming it, and the kernel aborts
     (docs/decisions.md, "Errors and timeouts")."""
-    script = Path(__file__).with_name("device_timeout_script.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    res = subprocess.run([sys.executable, str(script), "29562", "sync-free"], capture_output=True, env=env,
-                         timeout=180)
-    out = res.stdout.decode() + res.stderr.decode()
-    assert res.returncode != 0 and "NO ERROR" not in out, out[-3000:]
-    assert "timed out waiting for rank: 1" in out, out[-3000:]
+    device_timeout_script.check_timeout_names_rank_1("sync-free", 29562)

@@ -1,14 +1,10 @@
 """DeepEP V1's low-latency API: the portable path on CPU (layouts and sums against the reference); on 2 GPUs the
 nvlink kernels against the portable path, CUDA-graph replay, and the bounded device-side wait."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+import device_timeout_script
 import ll_cases
 
 
@@ -64,13 +60,7 @@ def test_low_latency_nvlink_matches_portable_path(pools):
 def test_low_latency_device_wait_names_missing_rank_on_gpu():
     """Issue 3 item 4 on the low-latency kernels: a peer that never signals ends the wait after
     num_gpu_timeout_secs with a message naming it, and the kernel aborts (docs/decisions.md, "Errors and timeouts")."""
-    script = Path(__file__).with_name("device_timeout_script.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    res = subprocess.run([sys.executable, str(script), "29561", "low-latency"], capture_output=True, env=env,
-                         timeout=180)
-    out = res.stdout.decode() + res.stderr.decode()
-    assert res.returncode != 0 and "NO ERROR" not in out, out[-3000:]
-    assert "timed out waiting for rank: 1" in out, out[-3000:]
+    device_timeout_script.check_timeout_names_rank_1("low-latency", 29561)
 
 
 @pytest.mark.multigpu
