@@ -71,6 +71,8 @@ def run(case: str) -> None:
         num_ranks, n, hidden, num_experts, num_topk, tokens = 1, 5, 4200, 6, 3, [4]  # 33 blocks: 2 per row
     elif case == "timeout":
         num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 2, 128, 4, 2, [2, 2]
+    elif case == "mixed":  # fused and split calls of one kind interleaved on one area
+        num_ranks, n, hidden, num_experts, num_topk, tokens = 1, 4, 600, 4, 2, [3]
     num_local = num_experts // num_ranks
     layout = Layout(num_ranks, n, hidden, num_topk, num_local)
     eng, areas = engines(num_ranks, layout, timeout_s=0.05 if case == "timeout" else 30.0)
@@ -85,6 +87,18 @@ def run(case: str) -> None:
             assert "waiting for rank 1" in str(e), e
         else:
             raise AssertionError("no TimeoutError after a timed-out wait")
+        return
+    if case == "mixed":  # split send (e), fused (e + 1), receive (e); then fused, split: every result exact
+        order = [(True, False), (False, True), (True, True)]  # (first call split?, second call split?) per round
+        for round_, (first_split, second_split) in enumerate(order):
+            first = eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=first_split)
+            second = eng[0].dispatch(areas[0], xs[0], idx[0], None, True, False, False, hook=second_split)
+            for p in (first, second):
+                if p[4] is not None:
+                    p[4]()
+            check_dispatch([first], xs, idx, num_local, False, False, False)
+            check_dispatch([second], xs, idx, num_local, True, False, False)
+        assert areas[0].state[:6].tolist() == [6, 0, 0, 0, 0, 0], areas[0].state
         return
     hook = num_ranks > 1
     # Several calls in a row: both parities, counters past the first round, every scale format.

@@ -2,8 +2,9 @@
 
 Each case runs `lowlatency_sim.py` in a fresh interpreter (the interpreter flag must be set before triton is
 imported): several dispatches (BF16, FP8 with fp32 / power-of-two / UE8M0 scales) and combines in a row on
-simulated ranks (split kernels), on one rank (fused kernels), then a receive whose peer never sent, which must
-end and name that rank. The GPU suite runs the
+simulated ranks (split kernels), on one rank (fused kernels), fused and split calls interleaved on one area (a
+fused call while a split call's receive is pending), then a receive whose peer never sent, which must end and name
+that rank. The GPU suite runs the
 same kernels on 2x H200 (tests/ll_cases.py).
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("case", ["two-ranks", "three-ranks", "one-rank-fused", "timeout"])
+@pytest.mark.parametrize("case", ["two-ranks", "three-ranks", "one-rank-fused", "mixed", "timeout"])
 def test_lowlatency_kernels(case):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

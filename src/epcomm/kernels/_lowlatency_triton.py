@@ -100,10 +100,11 @@ def _signal_all(local_ptr, delta16_ptr, kind, what, parity, me, amount, R: tl.co
 def _last_to_finish(counter_ptr, num_programs):
     """Every program calls this after its reads and writes; True in exactly one: the last (it resets the counter).
 
-    GPU scope is enough: the counter orders this GPU's programs among themselves, and what the last one then
-    publishes to peers goes out with a system-scope release (`_signal_all`), which carries the order on. A
-    system-scope fence here would also wait for every program's NVLink stores, with a thousand programs on one
-    counter (measured on 2x H200: 3-10 us per call at 128 tokens)."""
+    GPU scope is enough. After the receives, the counter orders this GPU's programs among themselves, and what the
+    last one then publishes to peers (`freed`) goes out with a system-scope release (`_signal_all`), which carries
+    the order on. After a split send kernel's sends, the only reader of what the last program does (the call
+    counter) is a later kernel on this GPU. A system-scope fence here would also wait for every program's NVLink
+    stores, with a thousand programs on one counter (measured on 2x H200: 3-10 us per call at 128 tokens)."""
     tl.debug_barrier()  # every thread's reads and writes happen before this program's release below
     done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     last = done == num_programs - 1
@@ -244,9 +245,10 @@ def _dispatch_recv_item(
 def _sent(kind, epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, amount, R: tl.constexpr,
           R_POW2: tl.constexpr, ADVANCE: tl.constexpr):
     """After a program's sends: add the number of send items it did for rank r (`amount[r]`) to r's `ready` count
-    (no program waits for the others here). A send kernel (`ADVANCE`) then lets its last program advance the kind's
-    call counter (`state[kind]`); a fused kernel does that at its very end (`_advance`), off the critical path.
-    Finish counters: `state[2 + 2 * kind]` (sends), `state[3 + 2 * kind]` (receives)."""
+    (no program waits for the others here). A split send kernel (`ADVANCE`) then lets its last program advance the
+    kind's call counter (`state[kind]`); a fused kernel leaves that to the last program to finish its receives
+    (`_advance`), off the critical path. Finish counters: `state[2 + 2 * kind]` (split send kernels),
+    `state[3 + 2 * kind]` (receives, split or fused)."""
     _signal_all(local_ptr, delta16_ptr, kind, READY, epoch % 2, me, amount, R, R_POW2)
     if ADVANCE:
         if _last_to_finish(state_ptr + 2 + 2 * kind, num_programs):
