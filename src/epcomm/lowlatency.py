@@ -107,7 +107,6 @@ class LowLatencyMixin:
         if self.transport.name != "nvlink":
             return None
         if getattr(self, "_ll_nvlink", None) is None:
-            from .kernels.push import region_deltas
 
             self._ll_regions = []
             from .transport.symm import SymmetricRegion
@@ -131,7 +130,7 @@ class LowLatencyMixin:
                 # No peer may write into a region before its owner has zeroed it (stream order after the barrier).
                 region.barrier()
                 self._ll_regions.append(region)  # kept alive with the buffer
-                return region.local, region_deltas(region.ptrs, self.rank)
+                return region.local, region.delta16
 
             self._ll_nvlink = LowLatencyNVLink(self.rank, self.num_ranks, self.device, self.num_gpu_timeout_secs,
                                                allocate)

@@ -256,6 +256,16 @@ def _sent(kind, epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me, amou
 
 
 @triton.jit
+def _issue_ticket(kind, state_ptr, ticket_ptr):
+    """A split send kernel's call index: read from the call counter, and kept in `ticket` (written by the first
+    program) for the receive kernel the hook launches later, when the counter may have moved on."""
+    epoch = tl.load(state_ptr + kind)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(ticket_ptr, epoch)
+    return epoch
+
+
+@triton.jit
 def _advance(kind, epoch, state_ptr):
     """The call counter of `kind` moves to the next call (every program of this call has read it)."""
     tl.atomic_xchg(state_ptr + kind, epoch + 1, sem="relaxed", scope="gpu")
@@ -303,9 +313,7 @@ def dispatch_send(
     """Grid (N, channel chunks); the receive kernel runs later (`return_recv_hook=True`)."""
     t = tl.program_id(0)
     c = tl.program_id(1)
-    epoch = tl.load(state_ptr + DISPATCH)
-    if (t == 0) & (c == 0):
-        tl.store(ticket_ptr, epoch)
+    epoch = _issue_ticket(DISPATCH, state_ptr, ticket_ptr)
     _dispatch_send_item(t, c, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr, num_tokens, stride_x,
                         stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
                         N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
@@ -427,9 +435,7 @@ def combine_send(
     """Grid (R * N, ceil(K / KP)); the receive kernel runs later (`return_recv_hook=True`)."""
     pid = tl.program_id(0)
     kb = tl.program_id(1)
-    epoch = tl.load(state_ptr + COMBINE)
-    if (pid == 0) & (kb == 0):
-        tl.store(ticket_ptr, epoch)
+    epoch = _issue_ticket(COMBINE, state_ptr, ticket_ptr)
     _combine_send_item(pid // N, pid % N, kb, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, timeout_ns,
                        comb_off, crow_bytes, N, H, K, R, BLOCK_H, NUM_CH, KP, USE_TIMER)
     one_hot = (tl.arange(0, R_POW2) == pid // N).to(tl.int64)  # this send item was for rank pid // N

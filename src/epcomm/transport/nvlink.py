@@ -59,7 +59,6 @@ class NVLinkTransport(Transport):
         self._side = None  # the pull's second stream (own rows, copies from peers), made at first use
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
                                       timeout_s=gpu_timeout_s)
-        self._delta16 = push.region_deltas(self.region.ptrs, self.rank)
 
     def _barrier(self) -> None:
         with phase("device_barrier"):
@@ -148,7 +147,7 @@ class NVLinkTransport(Transport):
         # EPCOMM_NVLINK_PUSH=kernel until it reaches the link rate.
         if envs.nvlink_push() == "kernel" and push.can_push_words(spec, tensors):
             with phase("push_kernel"):
-                push.push_rows(self.region.local, self._delta16, self._rows_off, spec, tensors, src_X, cap,
+                push.push_rows(self.region.local, self.region.delta16, self._rows_off, spec, tensors, src_X, cap,
                                self.rank, num_programs=self.num_programs)
         else:  # pack locally, then one copy-engine write per destination block
             with phase("pack"):

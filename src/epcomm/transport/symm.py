@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..kernels.push import region_deltas
 from ..sizing import align
 
 
@@ -46,6 +47,8 @@ class SymmetricRegion:
     Fields:
         local: [nbytes] uint8 -- this rank's region.
         ptrs: [R] int64 (device) -- base address of every rank's region (the pointer table for kernels).
+        delta16: [R] int64 (device) -- every rank's base relative to this rank's, in 16-byte units
+            (`kernels.push.region_deltas`), which is how the Triton kernels address peers.
         status: [1] int64 (pinned host memory the GPU writes) -- 0, or 1 + the rank a barrier timed out on.
 
     The barrier's flags follow the caller's bytes (one arrival counter per rank, then this rank's barrier count, in
@@ -95,9 +98,9 @@ class SymmetricRegion:
         self.handle = symm_mem.rendezvous(self._storage, group_name)
         self.rank, self.num_ranks = self.handle.rank, self.handle.world_size
         self.ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
-        self._delta16 = torch.div(self.ptrs - self.ptrs[self.rank], 16, rounding_mode="floor")
+        self.delta16 = region_deltas(self.ptrs, self.rank)
         # The barrier kernel's arguments (`_signal_triton.barrier`), pointers as ints; constexprs last.
-        self._args = (self._storage.data_ptr(), self._delta16.data_ptr(), self.status.data_ptr(), self.rank,
+        self._args = (self._storage.data_ptr(), self.delta16.data_ptr(), self.status.data_ptr(), self.rank,
                       self.timeout_ns, self._flags_off, self.num_ranks, 1 << (self.num_ranks - 1).bit_length(),
                       True, True, True)  # R, R_POW2, SIGNAL, WAIT, USE_TIMER
         # Every rank's flags are zero before anyone adds to them: torch's barrier, once.
