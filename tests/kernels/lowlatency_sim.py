@@ -99,6 +99,19 @@ def run(case: str) -> None:
             check_dispatch([first], xs, idx, num_local, False, False, False)
             check_dispatch([second], xs, idx, num_local, True, False, False)
         assert areas[0].state[:6].tolist() == [6, 0, 0, 0, 0, 0], areas[0].state
+        # The ready counts assume a fixed number of send items per call: a program shape changed under a live area
+        # raises on the host before anything is launched (every rank computes the same shape, so every rank raises).
+        import epcomm.lowlatency_nvlink as lln
+        saved, lln._BLOCKS_PER_PROGRAM = lln._BLOCKS_PER_PROGRAM, 4  # 8 blocks per item here -> 4: twice the items
+        try:
+            eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=False)
+        except RuntimeError as e:
+            assert "send items per peer" in str(e) and "program shape" in str(e), e
+        else:
+            raise AssertionError("a changed program shape did not raise")
+        finally:
+            lln._BLOCKS_PER_PROGRAM = saved
+        assert areas[0].state[:6].tolist() == [6, 0, 0, 0, 0, 0], areas[0].state  # nothing ran
         return
     hook = num_ranks > 1
     # Several calls in a row: both parities, counters past the first round, every scale format.
