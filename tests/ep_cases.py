@@ -397,7 +397,12 @@ def graph_replay(rank: int, world: int, transport: str = "auto", replays: int = 
                  hidden: int = 256, num_experts: int = 16, num_topk: int = 4):
     """Issue 3 item 3: sync-free dispatch, cached dispatch and combine captured in one CUDA graph, replayed with
     new inputs and new routings copied into the static inputs; every replay bitwise against the reference."""
+    import os
+
     device = torch.device("cuda", torch.cuda.current_device())
+    if transport == "nvlink-generic":  # the generic sync-free path at a size the fused one would take
+        transport = "nvlink"
+        os.environ["EPCOMM_FUSED_SYNC_FREE_ROWS"] = "0"
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=num_topk,
                           explicitly_destroy=True, transport=transport)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -438,6 +443,7 @@ def graph_replay(rank: int, world: int, transport: str = "auto", replays: int = 
         assert_equal(comb_x, c_ref, f"replay {i}: combined_x")
         assert_equal(comb_w, cw_ref, f"replay {i}: combined_topk_weights")
     buf.destroy()
+    os.environ.pop("EPCOMM_FUSED_SYNC_FREE_ROWS", None)
     return replays
 
 
@@ -479,3 +485,75 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
         assert_equal(comb_w, cw_ref, f"replay {i}: combined_topk_weights")
     buf.destroy()
     return replays
+
+
+def _fields_equal(a, b, what: str) -> None:
+    """Dataclasses (handle, plan, layouts), tensors, tuples and plain values, bitwise, field by field."""
+    from dataclasses import fields, is_dataclass
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{what}: a tensor and a {type(b).__name__}"
+        assert_equal(b.contiguous(), a.contiguous(), what)
+    elif isinstance(a, tuple):
+        assert isinstance(b, tuple) and len(a) == len(b), what
+        for i, (u, v) in enumerate(zip(a, b)):
+            _fields_equal(u, v, f"{what}[{i}]")
+    elif is_dataclass(a):
+        for f in fields(a):
+            if f.name not in ("cache", "_topk_idx_version", "_buffer_uid"):
+                _fields_equal(getattr(a, f.name), getattr(b, f.name), f"{what}.{f.name}")
+    else:
+        assert a == b, f"{what}: {a!r} vs {b!r}"
+
+
+def fused_matches_generic(rank: int, world: int, *, seed: int = 0, num_tokens=(96, 70), n: int = 96,
+                          hidden: int = 256, num_experts: int = 16, num_topk: int = 4, dtype: str = "bf16",
+                          do_expand: bool = False, expert_alignment: int = 1, emit_expert_ids: bool = False,
+                          col_major_sf: bool = False, with_weights: bool = True, with_stats: bool = True,
+                          iters: int = 3):
+    """The fused sync-free dispatch (syncfree_nvlink.py) against the generic sync-free path on the same buffer and
+    inputs: outputs, stats and every field of the handle and its plan, bitwise; then combine and cached dispatch on
+    both handles. Fresh routings per iteration, including a rank that sends nothing."""
+    import os
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
+                          explicitly_destroy=True, transport="nvlink")
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    local = num_experts // world
+    checked = 0
+    for it in range(iters):
+        t = num_tokens[rank] if it != 1 else (0 if rank == 1 else num_tokens[rank])
+        topk_idx, weights = random_routing(gen, t, num_experts, num_topk)
+        if it == 2:  # skewed: every selection on rank 0's experts
+            topk_idx = torch.stack([torch.randperm(local, generator=gen)[:min(num_topk, local)]
+                                    for _ in range(t)]) if t else torch.empty(0, min(num_topk, local), dtype=torch.long)
+            topk_idx = torch.nn.functional.pad(topk_idx, (0, num_topk - topk_idx.shape[1]), value=-1)
+        x = make_x(gen, t, hidden, dtype)
+        x = tuple(v.to(device) for v in x) if isinstance(x, tuple) else x.to(device)
+        topk_idx, weights = topk_idx.to(device), weights.to(device) if with_weights else None
+        stats0 = torch.randint(0, 50, (local,), generator=gen, dtype=torch.int32).to(device)
+        results = {}
+        for path, rows in (("generic", "0"), ("fused", "")):
+            os.environ["EPCOMM_FUSED_SYNC_FREE_ROWS"] = rows
+            stats = stats0.clone() if with_stats else None
+            out = buf.dispatch(x, topk_idx, weights, stats, num_experts=num_experts, do_cpu_sync=False,
+                               do_expand=do_expand, expert_alignment=expert_alignment,
+                               emit_expert_ids=emit_expert_ids, use_tma_aligned_col_major_sf=col_major_sf)
+            handle = out[3]
+            rows_out = out[0][0] if isinstance(out[0], tuple) else out[0]
+            y = (rows_out.float() if dtype == "fp8" else rows_out).to(torch.bfloat16) * 1.5
+            comb = buf.combine(y, handle, topk_weights=None if do_expand else out[2])
+            cached = buf.dispatch(x, handle=handle, topk_weights=weights,
+                                  use_tma_aligned_col_major_sf=col_major_sf)
+            results[path] = (out[:3], stats, handle, comb[:2], cached[:3])
+        os.environ.pop("EPCOMM_FUSED_SYNC_FREE_ROWS")
+        g, f = results["generic"], results["fused"]
+        for i, name in enumerate(("outputs", "stats", "handle", "combine", "cached dispatch")):
+            _fields_equal(g[i], f[i], f"rank {rank} iteration {it}: {name}")
+        assert f[2]._topk_idx is topk_idx
+        if isinstance(f[0][0], tuple):  # the caller sees the scales' layout
+            assert f[0][0][1].stride() == g[0][0][1].stride(), f"rank {rank}: scale strides"
+        checked += 1
+    buf.destroy()
+    return checked

@@ -54,7 +54,20 @@ def test_auto_picks_nvlink_on_one_host(nccl):
     assert nccl.run(ep_cases.transport_name) == ["nvlink", "nvlink"]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(dtype="fp8", do_expand=True, expert_alignment=4, emit_expert_ids=True, col_major_sf=True),
+    dict(dtype="fp32", do_expand=True, num_topk=6, with_stats=False),
+    dict(dtype="fp16", hidden=70, with_weights=False, num_experts=10, num_topk=10, n=100),
+    dict(num_tokens=(128, 128), n=128, hidden=7168, num_experts=256, num_topk=8, do_expand=True),
+    dict(num_tokens=(128, 1), n=128, hidden=7168, num_experts=256, num_topk=8, dtype="fp8"),
+], ids=["bf16", "fp8-expand-ids", "fp32-expand", "fp16-odd", "decode-bf16-expand", "decode-fp8"])
+def test_fused_sync_free_dispatch_matches_generic(nccl, case):
+    """syncfree_nvlink.py against the generic sync-free path: outputs, stats, handle, plan, combine, cached."""
+    assert nccl.run(ep_cases.fused_matches_generic, **case) == [3, 3]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS + ["nvlink-generic"])
 def test_cuda_graph_replay_with_new_routings(nccl, transport):
     """Sync-free dispatch + cached dispatch + combine in one CUDA graph, replayed with new inputs and routings."""
     assert nccl.run(ep_cases.graph_replay, transport) == [4, 4]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, debug, pipeline, resolve, sizing, streams
+from . import agreement, debug, pipeline, resolve, sizing, streams, syncfree_nvlink
 from .allocator import BufferAllocator
 from .events import EventHandle
 from .handle import EPHandle
@@ -558,6 +558,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     self._exchange_header(name, call_id, call.signature(2) if call else {}, err)
                     launched = pipeline.cached_launch(self, call, call_id)
                     finish = pipeline.cached_finish
+                elif err is None and syncfree_nvlink.applies(self, call):  # decode sizes: 3 kernels, same results
+                    launched = syncfree_nvlink.dispatch_launch(self, call, call_id)
+                    finish = syncfree_nvlink.dispatch_finish
                 else:
                     launched = pipeline.dispatch_launch(self, call, call_id, err)
                     finish = pipeline.dispatch_finish

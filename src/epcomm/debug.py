@@ -36,6 +36,7 @@ def log_dispatch(buf, call, launched: dict) -> None:
     recv = launched.get("recv_splits")
     layout = "expand" if call.do_expand else "non-expand"
     kind = "cached" if call.handle is not None else ("cpu-sync" if call.do_cpu_sync else "sync-free")
+    kind += " fused" if launched.get("fused") else ""
     log(f"dispatch rank {buf.rank}: {kind} {layout}, T={call.x.num_tokens}, H={call.x.hidden}, "
         f"K={call.topk_idx.shape[1]}, dtype={call.x.data.dtype}, sent per rank={sent}, received per rank={recv}")
 

@@ -193,9 +193,7 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
         send_off_R = torch.arange(num_ranks, device=device) * n
         num_send = num_ranks * n
         num_recv = int(recv_counts_R.sum()) if call.do_cpu_sync else num_ranks * n
-    send_row_TR = (send_off_R + send.token_slot_TR).masked_fill(send.token_slot_TR < 0, -1)
-    send_src_X = scatter_index(send_row_TR.reshape(-1), num_send)
-    send_src_X = (torch.div(send_src_X, num_ranks, rounding_mode="floor")).masked_fill(send_src_X < 0, -1)
+    send_row_TR, send_src_X = send_rows(send, send_off_R, num_send)
     tokens = torch.arange(call.x.num_tokens, device=device)
     tensors = _record_tensors(call.x, call.topk_weights)
     tensors.update(topk=call.topk_idx.long(), g=buf.rank * n + tokens)
@@ -210,6 +208,15 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     with phase("move_rows"):
         recv_XB = _push(tr, spec, tensors, send_src_X, n, call_id)
     return dict(launched, spec=spec, recv_XB=recv_XB)
+
+
+def send_rows(send: layout.SendLayout, send_off_R: Tensor, num_send: int) -> tuple:
+    """`(send_row_TR, send_src_X)`: the send row of each (token, rank), -1; the token of each send row, -1."""
+    num_ranks = send_off_R.shape[0]
+    send_row_TR = (send_off_R + send.token_slot_TR).masked_fill(send.token_slot_TR < 0, -1)
+    send_src_X = scatter_index(send_row_TR.reshape(-1), num_send)
+    send_src_X = (torch.div(send_src_X, num_ranks, rounding_mode="floor")).masked_fill(send_src_X < 0, -1)
+    return send_row_TR, send_src_X
 
 
 def _push(tr, spec: RecordSpec, tensors: dict, src_X: Tensor, cap: int, call_id: int) -> Tensor:
@@ -289,33 +296,42 @@ def _place(call: DispatchCall, launched: dict, plan: Plan) -> tuple:
 
 
 def _make_handle(buf, call: DispatchCall, plan: Plan, g_M: Tensor, recv_counts_R: Tensor):
-    from .handle import EPHandle
-
     recv, alignment = plan.recv, call.expert_alignment
     aligned_L = torch.div(recv.num_unaligned_L + alignment - 1, alignment, rounding_mode="floor") * alignment
     if call.do_expand:
         psum_expert = recv.aligned_start_L + recv.num_unaligned_L
     else:
         psum_expert = aligned_L.cumsum(0)
-    num_recv_tokens = plan.out_src_M.shape[0]
     expert_ids = None
     if call.emit_expert_ids:
         flat_local = recv.local_idx_MK.reshape(-1)
         expert_ids = torch.where(plan.pair_S >= 0, flat_local[plan.pair_S.clamp(min=0)] if flat_local.numel()
                                  else plan.pair_S, -1).to(torch.int32)
     num_local = call.num_experts // buf.num_ranks
-    return EPHandle(
-        do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=alignment,
-        num_max_tokens_per_rank=call.n, num_sms=call.num_sms, num_recv_tokens=num_recv_tokens,
-        num_expanded_tokens=recv.num_expanded_rows,
-        num_recv_tokens_per_expert_list=aligned_L.tolist() if plan.exact else [],
-        psum_num_recv_tokens_per_scaleup_rank=recv_counts_R.cumsum(0).to(torch.int32),
-        psum_num_recv_tokens_per_expert=psum_expert.to(torch.int32),
-        num_unaligned_recv_tokens_per_expert=recv.num_unaligned_L.to(torch.int32),
+    return new_handle(
+        buf, call, plan, num_recv_tokens_per_expert_list=aligned_L.tolist() if plan.exact else [],
+        psum_rank=recv_counts_R.cumsum(0).to(torch.int32), psum_expert=psum_expert.to(torch.int32),
+        unaligned=recv.num_unaligned_L.to(torch.int32),
         recv_src_metadata=epilogue.src_metadata(g_M, plan.src_rank_M, recv.local_idx_MK, recv.row_ptr_MK,
                                                 plan.valid_M),
         dst_buffer_slot_idx=layout.dst_buffer_slot_idx(plan.send, call.topk_idx, num_local, call.n),
-        recv_expert_ids=expert_ids,
+        recv_expert_ids=expert_ids)
+
+
+def new_handle(buf, call: DispatchCall, plan: Plan, *, num_recv_tokens_per_expert_list: list, psum_rank: Tensor,
+               psum_expert: Tensor, unaligned: Tensor, recv_src_metadata: Tensor, dst_buffer_slot_idx: Tensor,
+               recv_expert_ids: Optional[Tensor]):
+    """The `EPHandle` of a non-cached dispatch from its plan and the handle's own tensors (see `EPHandle`)."""
+    from .handle import EPHandle
+
+    return EPHandle(
+        do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=call.expert_alignment,
+        num_max_tokens_per_rank=call.n, num_sms=call.num_sms, num_recv_tokens=plan.out_src_M.shape[0],
+        num_expanded_tokens=plan.recv.num_expanded_rows,
+        num_recv_tokens_per_expert_list=num_recv_tokens_per_expert_list,
+        psum_num_recv_tokens_per_scaleup_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
+        num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=recv_src_metadata,
+        dst_buffer_slot_idx=dst_buffer_slot_idx, recv_expert_ids=recv_expert_ids,
         _topk_idx=call.topk_idx, _topk_idx_version=EPHandle.capture_version(call.topk_idx), _plan=plan,
         _buffer_uid=buf.uid,
     )

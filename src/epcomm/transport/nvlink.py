@@ -60,16 +60,39 @@ class NVLinkTransport(Transport):
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
                                       timeout_s=gpu_timeout_s)
 
-    def _barrier(self) -> None:
+    @property
+    def rows_off(self) -> int:
+        """Byte offset of the receive area in every region."""
+        return self._rows_off
+
+    @property
+    def headers_off(self) -> int:
+        """Byte offset of the count headers: R rows of `header_cols` int64, row s written by rank s."""
+        return self._headers_off
+
+    header_cols = _HEADER_COLS
+
+    def barrier(self) -> None:
+        """Device barrier of the group on the current stream (`SymmetricRegion.barrier`)."""
         with phase("device_barrier"):
             self.region.barrier()
 
+
+    def check_rows_fit(self, num_rows: int, rec: int) -> None:
+        """Raises: ValueError -- `num_rows` records of `rec` bytes do not fit the receive area."""
+        need = num_rows * rec
+        if need > self.rows_capacity:
+            raise ValueError(
+                f"EPBuffer: rank {self.rank}: the nvlink receive area holds {self.rows_capacity} bytes but this call "
+                f"needs {need} ({num_rows} rows x {rec}-byte records); size the buffer with "
+                "EPBuffer.get_buffer_size_hint for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)")
+
     def _all_gather_rows(self, row: Tensor, offset: int, cols: int) -> Tensor:
         """Row `me` of every peer's [R, cols] int64 area gets `row`; returns the local area after a barrier."""
-        self._barrier()  # every peer has read the area of the previous call
+        self.barrier()  # every peer has read the area of the previous call
         for peer in range(self.num_ranks):
             self.region.peer(peer, offset + self.rank * cols * 8, (cols,), torch.int64).copy_(row)
-        self._barrier()
+        self.barrier()
         local = self.region.peer(self.rank, offset, (self.num_ranks, cols), torch.int64)
         return local.clone()
 
@@ -77,11 +100,11 @@ class NVLinkTransport(Transport):
         r, c = send_RC.shape
         assert c <= _HEADER_COLS
         # Peer p must receive row p of send_RC: write it into p's headers at row `me`.
-        self._barrier()
+        self.barrier()
         for peer in range(r):
             self.region.peer(peer, self._headers_off + self.rank * _HEADER_COLS * 8, (c,), torch.int64).copy_(
                 send_RC[peer])
-        self._barrier()
+        self.barrier()
         recv = self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
         if wait:
             self._host_wait("count exchange", call_id)
@@ -120,13 +143,13 @@ class NVLinkTransport(Transport):
                 f"EPBuffer: rank {me}: the nvlink receive area holds {self.rows_capacity} bytes but this call "
                 f"receives {num_recv} rows of {rec} bytes; size the buffer with EPBuffer.get_buffer_size_hint "
                 "for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)")
-        self._barrier()  # every peer has copied its previous rows out of its receive area
+        self.barrier()  # every peer has copied its previous rows out of its receive area
         for peer in range(num_ranks):
             if counts[peer] == 0:
                 continue
             src = send_XB[send_off[peer]: send_off[peer] + counts[peer]].reshape(-1)
             self.region.peer(peer, self._rows_off + dst_off[peer] * rec, (src.numel(),), torch.uint8).copy_(src)
-        self._barrier()
+        self.barrier()
         area = self.region.peer(me, self._rows_off, (num_recv * rec,), torch.uint8)
         return area.view(num_recv, rec)
 
@@ -135,12 +158,8 @@ class NVLinkTransport(Transport):
         over the data, no staging copy), then one device barrier publishes every block."""
         num_ranks, rec = self.num_ranks, spec.nbytes
         need = num_ranks * cap * rec
-        if need > self.rows_capacity:
-            raise ValueError(
-                f"EPBuffer: rank {self.rank}: the nvlink receive area holds {self.rows_capacity} bytes but this call "
-                f"needs {need} ({num_ranks} ranks x {cap} rows x {rec}-byte records); size the buffer with "
-                "EPBuffer.get_buffer_size_hint for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)")
-        self._barrier()  # every peer has copied its previous rows out of its receive area
+        self.check_rows_fit(num_ranks * cap, rec)
+        self.barrier()  # every peer has copied its previous rows out of its receive area
         # NOTE: the copy engines beat the Triton push kernel today (2x H200, dsv3 BF16 rows): kernel 409-505 us for
         # 58.7 MB to the peer (117-144 GB/s over 18 grid/block/warp variants, benchmarks/push_sweep.py) against
         # 175 us for a copy-engine write of the same bytes plus a local pack. The kernel stays selectable with
@@ -156,7 +175,7 @@ class NVLinkTransport(Transport):
                 block = send_XB[peer * cap: (peer + 1) * cap].reshape(-1)
                 self.region.peer(peer, self._rows_off + self.rank * cap * rec, (block.numel(),),
                                  torch.uint8).copy_(block)
-        self._barrier()
+        self.barrier()
         return self.region.peer(self.rank, self._rows_off, (need,), torch.uint8).view(num_ranks * cap, rec)
 
     def move_fields(self, moves: list, route, *, call_id: int) -> None:
@@ -183,14 +202,14 @@ class NVLinkTransport(Transport):
         # does not hold: a captured call waits for its peers before staging and after pulling.
         capturing = streams.capturing(self.device)
         if capturing:
-            self._barrier()
+            self.barrier()
         # The second stream overlaps the own-rows gather and the pulls with the staging: a gain in a graph, but
         # eager calls on this kind of host are bound by launch cost, and the stream costs three more event waits.
         if capturing and self._side is None:
             self._side = torch.cuda.Stream(self.device, priority=-1)
         pull_fields(self, plan, moves, row_bytes, stage, capturing, self._side if capturing else None)
         if capturing:
-            self._barrier()
+            self.barrier()
 
     def destroy(self) -> None:
         self.region = None

@@ -111,7 +111,7 @@ def _bounds(rows: int, c: int, chunks: int) -> tuple:
 
 def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, capturing: bool,
                 side: Optional["torch.cuda.Stream"]) -> None:
-    """One pull over `tr` (the nvlink transport: `region`, `_barrier`). `side`: the stream that gathers my own
+    """One pull over `tr` (the nvlink transport: `region`, `barrier`). `side`: the stream that gathers my own
     rows and runs the pulls beside the staging (None on CPU: all in order)."""
     chunks = plan.num_chunks(row_bytes, capturing)
     staged, pulled = plan.views(tr.region, stage, moves, row_bytes, chunks)
@@ -133,7 +133,7 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
                 idx, views = staged[c]
                 for (src, _), view in zip(moves, views):
                     torch.index_select(src, 0, idx, out=view)
-        tr._barrier()  # chunk c of every peer's staging area is complete
+        tr.barrier()  # chunk c of every peer's staging area is complete
         if side is not None:
             side.wait_stream(main)
         with phase("pull"), _on(side):

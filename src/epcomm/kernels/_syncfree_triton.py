@@ -1,0 +1,254 @@
+"""Triton bodies of the fused sync-free dispatch on NVLink (imported lazily by `syncfree_nvlink.py`).
+
+Three kernels replace the ~100 small kernels of the generic sync-free epilogue (pipeline.py) at decode sizes:
+
+* `dispatch_send` (one program per token slot): the sender-side layout of layout.py (rank dedup, slot of a token
+  among the tokens sent to a rank = tokens before it that go there), the token's record written straight into
+  every destination's receive area at row `me * N + slot` (the blocked layout of the generic path), and the
+  count of rows for each destination in its header;
+* `dispatch_plan` (one program): after the barrier, the receiver-side layout of pipeline._compaction and
+  layout.recv_layout from the counts and the records' top-k rows: compaction, local expert ids, per-expert
+  counts, aligned starts, expanded-row pointers (prefix sums in token-key order, no sort), the handle's
+  metadata and the weights in their final layout;
+* `dispatch_place` (one program per output row): the data row (and scales) from the receive area into the
+  output layout, zeros for rows that hold no token.
+
+Every value is defined as the generic path defines it (tests/kernels/syncfree_sim.py compares them field by
+field). Words are copied as int32: callers check that rows are whole words.
+"""
+
+import triton
+import triton.language as tl
+
+from ._signal_triton import _region
+
+_RUNTIME_INTS = ["num_tokens", "stride_x", "stride_sf_t", "stride_sf_p", "stride_topk", "stride_w", "me",
+                 "num_expanded", "alignment"]
+
+
+@triton.jit
+def _dest_ranks(topk_ptr, t, stride_topk, K: tl.constexpr, L: tl.constexpr, K_POW2: tl.constexpr):
+    """([K_POW2] int32, [K_POW2] ids): the rank owning each selected expert of token t (-1: no selection)."""
+    kk = tl.arange(0, K_POW2)
+    ids = tl.load(topk_ptr + t.to(tl.int64) * stride_topk + kk, mask=kk < K, other=-1)
+    return tl.where(ids >= 0, ids // L, -1).to(tl.int32), ids
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def dispatch_send(
+    x_ptr, sf_ptr, topk_ptr, w_ptr, local_ptr, delta16_ptr,
+    token_slot_ptr, last_pos_ptr, send_row_ptr, send_src_ptr, dst_slot_ptr, counts_ptr,
+    num_tokens, stride_x, stride_sf_t, stride_sf_p, stride_topk, stride_w, me,
+    rows_off, hdr_off, rec_bytes, sf_off, topk_off, g_off, w_off,
+    N: tl.constexpr, X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    HDR_COLS: tl.constexpr, HAS_SF: tl.constexpr, HAS_W: tl.constexpr,
+    K_POW2: tl.constexpr, R_POW2: tl.constexpr, P_POW2: tl.constexpr, TC: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Program t: token t's sender-side layout and its record to every destination; holes of send row t % N."""
+    t = tl.program_id(0)
+    kk = tl.arange(0, K_POW2)
+    rr = tl.arange(0, R_POW2)
+
+    # Tokens sent to each rank before t, and in all (rank dedup: a token counts once per rank).
+    before_r = tl.zeros([R_POW2], dtype=tl.int32)
+    count_r = tl.zeros([R_POW2], dtype=tl.int32)
+    for start in range(0, num_tokens, TC):
+        tt = start + tl.arange(0, TC)
+        ids = tl.load(topk_ptr + tt[:, None].to(tl.int64) * stride_topk + kk[None, :],
+                      mask=(tt[:, None] < num_tokens) & (kk[None, :] < K), other=-1)
+        dest = tl.where(ids >= 0, ids // L, -1).to(tl.int32)
+        sent = tl.max((dest[:, :, None] == rr[None, None, :]).to(tl.int32), axis=1)  # [TC, R_POW2]
+        count_r += tl.sum(sent, axis=0)
+        before_r += tl.sum(sent * (tt[:, None] < t).to(tl.int32), axis=0)
+
+    # Send rows past a rank's count are holes (-1); the rows below it are written by their tokens' programs.
+    tl.store(send_src_ptr + rr * N + t, tl.full([R_POW2], -1, tl.int64), mask=(rr < R) & (t >= count_r))
+    if t == 0:
+        tl.store(counts_ptr + rr, count_r.to(tl.int64), mask=rr < R)
+        # Row `me` of every destination's header: how many rows this rank sent it.
+        hdr = local_ptr + tl.load(delta16_ptr + rr, mask=rr < R, other=0) * 16 + hdr_off
+        tl.store(hdr.to(tl.pointer_type(tl.int64)) + me * HDR_COLS, count_r.to(tl.int64), mask=rr < R)
+    if t < num_tokens:
+        dest_k, ids_k = _dest_ranks(topk_ptr, t, stride_topk, K, L, K_POW2)
+        hit = dest_k[:, None] == rr[None, :]  # [K_POW2, R_POW2]
+        sent_r = tl.max(hit.to(tl.int32), axis=0) > 0
+        last_r = tl.max(tl.where(hit, kk[:, None], -1), axis=0)
+        slot_r = tl.where(sent_r, before_r, -1)
+        row_r = tl.where(sent_r, rr * N + before_r, -1)
+        tl.store(token_slot_ptr + t * R + rr, slot_r.to(tl.int64), mask=rr < R)
+        tl.store(last_pos_ptr + t * R + rr, last_r.to(tl.int64), mask=rr < R)
+        tl.store(send_row_ptr + t * R + rr, row_r.to(tl.int64), mask=rr < R)
+        tl.store(send_src_ptr + row_r, t.to(tl.int64) + tl.zeros([R_POW2], tl.int64), mask=(rr < R) & sent_r)
+        # dst_buffer_slot_idx: dest * N + slot at the largest position of each destination, else -1.
+        is_last_k = tl.sum(tl.where(hit & (kk[:, None] == last_r[None, :]), 1, 0), axis=1) > 0
+        slot_k = tl.sum(tl.where(hit, row_r[None, :], 0), axis=1)
+        tl.store(dst_slot_ptr + t * K + kk, tl.where(is_last_k & (dest_k >= 0), slot_k, -1).to(tl.int32),
+                 mask=kk < K)
+
+        # The record: data row | scales | top-k row (int64) | key g | weights, at row me * N + slot of each rank.
+        x_row = x_ptr + t.to(tl.int64) * stride_x
+        for w0 in range(0, X_WORDS, BLOCK_W):
+            ww = w0 + tl.arange(0, BLOCK_W)
+            v = tl.load(x_row + ww, mask=ww < X_WORDS)
+            for r in tl.static_range(R):
+                slot = tl.sum(tl.where(rr == r, slot_r, 0), axis=0)
+                if slot >= 0:
+                    rec = _region(local_ptr, delta16_ptr, r) + rows_off + (me * N + slot).to(tl.int64) * rec_bytes
+                    tl.store(rec.to(tl.pointer_type(tl.int32)) + ww, v, mask=ww < X_WORDS)
+        pp = tl.arange(0, P_POW2)
+        for r in tl.static_range(R):
+            slot = tl.sum(tl.where(rr == r, slot_r, 0), axis=0)
+            if slot >= 0:
+                rec = _region(local_ptr, delta16_ptr, r) + rows_off + (me * N + slot).to(tl.int64) * rec_bytes
+                if HAS_SF:
+                    sf = tl.load(sf_ptr + t.to(tl.int64) * stride_sf_t + pp * stride_sf_p, mask=pp < P)
+                    tl.store((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, sf, mask=pp < P)
+                tl.store((rec + topk_off).to(tl.pointer_type(tl.int64)) + kk, ids_k.to(tl.int64), mask=kk < K)
+                tl.store((rec + g_off).to(tl.pointer_type(tl.int64)), (me * N + t).to(tl.int64))
+                if HAS_W:
+                    w = tl.load(w_ptr + t.to(tl.int64) * stride_w + kk, mask=kk < K)
+                    tl.store((rec + w_off).to(w_ptr.dtype) + kk, w, mask=kk < K)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def dispatch_plan(
+    local_ptr, counts_ptr, out_src_ptr, buf_out_ptr, src_rank_ptr, valid_ptr, local_idx_ptr, meta_ptr,
+    unaligned_ptr, start_ptr, psum_rank_ptr, psum_expert_ptr, unaligned32_ptr, stats_ptr,
+    w_in_ptr, w_out_ptr, row_ptr_ptr, pair_ptr, expert_ids_ptr,
+    me, num_expanded, alignment, rows_off, hdr_off, rec_bytes, topk_off, g_off, w_off,
+    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, HDR_COLS: tl.constexpr,
+    EXPAND: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, EMIT_IDS: tl.constexpr,
+    R_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, FILL: tl.constexpr,
+):
+    """One program: the receiver-side plan of the M = R * N received rows (see the module docstring).
+
+    Rows go in chunks of MC; the top-k positions of a chunk are unrolled (K <= 32), so the live state is one
+    [MC, L] one-hot. `w_in_ptr` only carries the weights' element type (the weights are read from the records).
+    """
+    M: tl.constexpr = R * N
+    rr = tl.arange(0, R_POW2)
+    ll = tl.arange(0, L_POW2)
+    hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int64))
+    count_r = tl.load(hdr + rr * HDR_COLS, mask=rr < R, other=0)  # rows from each source rank
+    tl.store(counts_ptr + rr, count_r, mask=rr < R)
+    end_r = tl.cumsum(count_r, axis=0)
+    off_r = end_r - count_r
+    total = tl.sum(count_r, axis=0)
+    tl.store(psum_rank_ptr + rr, end_r.to(tl.int32), mask=rr < R)
+    rows_u8 = local_ptr + rows_off
+    if EXPAND:  # expanded rows hold nothing until the second pass places the pairs
+        for s0 in range(0, num_expanded, FILL):
+            ss = s0 + tl.arange(0, FILL)
+            tl.store(pair_ptr + ss, tl.full([FILL], -1, tl.int64), mask=ss < num_expanded)
+            if HAS_W:
+                tl.store(w_out_ptr + ss, tl.zeros([FILL], dtype=w_out_ptr.dtype.element_ty), mask=ss < num_expanded)
+            if EMIT_IDS:
+                tl.store(expert_ids_ptr + ss, tl.full([FILL], -1, tl.int32), mask=ss < num_expanded)
+
+    # Pass 1: compaction, local expert ids, metadata, per-expert counts.
+    n_l = tl.zeros([L_POW2], dtype=tl.int32)
+    for m0 in range(0, M, MC):
+        mm = m0 + tl.arange(0, MC)
+        in_m = mm < M
+        # Output row m holds row k of source s's block (rows in ascending token key), if m < total.
+        src = tl.sum(((mm[:, None] >= end_r[None, :]) & (rr[None, :] < R)).to(tl.int32), axis=1)
+        valid = mm < total
+        k_in = mm - tl.sum(tl.where(rr[None, :] == src[:, None], off_r[None, :], 0), axis=1)
+        b = tl.where(valid, src * N + k_in, -1)
+        tl.store(out_src_ptr + mm, b.to(tl.int64), mask=in_m)
+        tl.store(src_rank_ptr + mm, tl.where(valid, src, -1).to(tl.int64), mask=in_m)
+        tl.store(valid_ptr + mm, valid, mask=in_m)
+        # Buffer row mm (block s = mm // N, row k = mm % N) goes to output row off[s] + k, if k < count[s].
+        bs = mm // N
+        bk = mm % N
+        b_off = tl.sum(tl.where(rr[None, :] == bs[:, None], off_r[None, :], 0), axis=1)
+        b_cnt = tl.sum(tl.where(rr[None, :] == bs[:, None], count_r[None, :], 0), axis=1)
+        tl.store(buf_out_ptr + mm, tl.where(bk < b_cnt, b_off + bk, -1).to(tl.int64), mask=in_m)
+
+        rec = rows_u8 + tl.maximum(b, 0).to(tl.int64) * rec_bytes
+        g = tl.load((rec + g_off).to(tl.pointer_type(tl.int64)), mask=valid, other=-1)
+        meta = meta_ptr + mm * (K + 2)
+        onehot = tl.zeros([MC, L_POW2], dtype=tl.int32)
+        last = tl.full([MC], -1, tl.int32)
+        for j in tl.static_range(K):
+            ids = tl.load((rec + topk_off).to(tl.pointer_type(tl.int64)) + j, mask=valid, other=-1)
+            is_local = (ids >= me * L) & (ids < (me + 1) * L)
+            local = tl.where(is_local, ids - me * L, -1)
+            tl.store(local_idx_ptr + mm * K + j, local, mask=in_m)
+            onehot = tl.maximum(onehot, (local[:, None] == ll[None, :]).to(tl.int32))
+            last = tl.where(is_local, j, last)
+            if not EXPAND:
+                tl.store(meta + 2 + j, tl.full([MC], -1, tl.int32), mask=in_m)
+                if HAS_W:
+                    w = tl.load((rec + w_off).to(w_in_ptr.dtype) + j, mask=is_local, other=0)
+                    tl.store(w_out_ptr + mm * K + j, w, mask=in_m)
+        tl.store(meta, tl.where(valid, g, -1).to(tl.int32), mask=in_m)
+        tl.store(meta + 1, tl.where(valid, src * K + last, -1).to(tl.int32), mask=in_m)
+        n_l += tl.sum(onehot, axis=0)
+
+    aligned_l = (n_l + alignment - 1) // alignment * alignment
+    start_l = tl.cumsum(aligned_l, axis=0) - aligned_l
+    tl.store(unaligned_ptr + ll, n_l.to(tl.int64), mask=ll < L)
+    tl.store(unaligned32_ptr + ll, n_l, mask=ll < L)
+    tl.store(start_ptr + ll, start_l.to(tl.int64), mask=ll < L)
+    if EXPAND:
+        psum = start_l + n_l
+    else:
+        psum = start_l + aligned_l
+    tl.store(psum_expert_ptr + ll, psum, mask=ll < L)
+    if HAS_STATS:
+        stats = tl.load(stats_ptr + ll, mask=ll < L, other=0)
+        tl.store(stats_ptr + ll, stats + n_l, mask=ll < L)
+
+    if EXPAND:
+        tl.debug_barrier()  # pass 1's ids and the fills land before the reads and scatters below (other threads)
+        # Pass 2: (row m, position j) of expert e goes to start[e] + (rows before m that chose e).
+        seen_l = tl.zeros([L_POW2], dtype=tl.int32)
+        for m0 in range(0, M, MC):
+            mm = m0 + tl.arange(0, MC)
+            in_m = mm < M
+            onehot = tl.zeros([MC, L_POW2], dtype=tl.int32)
+            for j in tl.static_range(K):
+                local = tl.load(local_idx_ptr + mm * K + j, mask=in_m, other=-1)
+                onehot = tl.maximum(onehot, (local[:, None] == ll[None, :]).to(tl.int32))
+            base = (start_l + seen_l)[None, :] + tl.cumsum(onehot, axis=0) - onehot
+            rec = rows_u8 + tl.maximum(tl.load(out_src_ptr + mm, mask=in_m, other=-1), 0).to(tl.int64) * rec_bytes
+            for j in tl.static_range(K):
+                local = tl.load(local_idx_ptr + mm * K + j, mask=in_m, other=-1)
+                row = tl.sum(tl.where(local[:, None] == ll[None, :], base, 0), axis=1)
+                row = tl.where(local >= 0, row, -1)
+                tl.store(row_ptr_ptr + mm * K + j, row.to(tl.int64), mask=in_m)
+                tl.store(meta_ptr + mm * (K + 2) + 2 + j, row, mask=in_m)
+                placed = row >= 0
+                tl.store(pair_ptr + row, (mm * K + j).to(tl.int64), mask=placed)
+                if EMIT_IDS:
+                    tl.store(expert_ids_ptr + row, local.to(tl.int32), mask=placed)
+                if HAS_W:
+                    w = tl.load((rec + w_off).to(w_in_ptr.dtype) + j, mask=placed, other=0)
+                    tl.store(w_out_ptr + row, w, mask=placed)
+            seen_l += tl.sum(onehot, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_expanded"])
+def dispatch_place(
+    local_ptr, out_src_ptr, pair_ptr, out_ptr, sf_out_ptr, rows_off, rec_bytes, sf_off,
+    X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, EXPAND: tl.constexpr, HAS_SF: tl.constexpr,
+    P_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Program y: output row y (expanded row y with `EXPAND`) from its receive-area record, zeros without one."""
+    y = tl.program_id(0).to(tl.int64)
+    if EXPAND:
+        pair = tl.load(pair_ptr + y)
+        b = tl.where(pair >= 0, tl.load(out_src_ptr + tl.maximum(pair, 0) // K), -1)
+    else:
+        b = tl.load(out_src_ptr + y)
+    rec = local_ptr + rows_off + tl.maximum(b, 0) * rec_bytes
+    src = rec.to(tl.pointer_type(tl.int32))
+    for w0 in range(0, X_WORDS, BLOCK_W):
+        ww = w0 + tl.arange(0, BLOCK_W)
+        v = tl.load(src + ww, mask=ww < tl.where(b >= 0, X_WORDS, 0), other=0)
+        tl.store(out_ptr + y * X_WORDS + ww, v, mask=ww < X_WORDS)
+    if HAS_SF:
+        pp = tl.arange(0, P_POW2)
+        sf = tl.load((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, mask=pp < tl.where(b >= 0, P, 0), other=0)
+        tl.store(sf_out_ptr + y * P + pp, sf, mask=pp < P)

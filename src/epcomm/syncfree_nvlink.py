@@ -1,0 +1,220 @@
+"""The fused sync-free dispatch on the nvlink transport: decode-sized `dispatch(do_cpu_sync=False)` in 3 kernels.
+
+The generic sync-free path (pipeline.py) computes the layouts with ~100 small torch kernels, about 500 us per call
+in a CUDA graph at 128 tokens (2x H200), whatever the transport. At decode sizes this module does the same call
+as:
+
+    barrier -> dispatch_send (layout + records into peers + counts) -> barrier -> dispatch_plan -> dispatch_place
+
+with the kernels of `kernels/_syncfree_triton.py`. Outputs, handle and plan are the generic path's, value for
+value (the receive area holds the same records in the same blocked layout, so combine and cached dispatch run
+unchanged on the handle; tests/kernels/syncfree_sim.py checks every field under the interpreter, the GPU tests
+compare both paths bitwise). `EPBuffer.dispatch` picks it when the call is sync-free, non-cached, on nvlink, and
+`num_ranks * num_max_tokens_per_rank <= EPCOMM_FUSED_SYNC_FREE_ROWS` (the plan kernel is one program over the
+received rows: see docs/benchmarks.md for the measured crossover).
+
+Shape legend (docs/shapes.md): T tokens, H hidden, K top-k, R ranks, L local experts, N num_max_tokens_per_rank,
+M = R * N received rows, S expanded rows, P scale packs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import envs, epilogue, layout, pipeline
+from .debug import phase
+
+_TOKEN_CHUNK = 64  # tokens per step when a send program counts the tokens before its own
+_WORDS_PER_STEP = 1024  # int32 words of a row copied per step
+_FILL = 1024  # expanded rows initialised per step by the plan kernel
+_PLAN_ELEMS = 8192  # one-hot elements per chunk of the plan kernel ([rows, local experts])
+
+
+@dataclass(frozen=True)
+class Areas:
+    """Where the kernels find the regions: `local` ([bytes] uint8, this rank's region), `delta16` ([R] int64, every
+    region's base relative to it in 16-byte units), the receive area (`rows_off`) and the count headers
+    (`hdr_off`, R rows of `hdr_cols` int64; the sender writes its count of rows for the receiver in column 0 of its
+    row)."""
+
+    local: Tensor
+    delta16: Tensor
+    rows_off: int
+    hdr_off: int
+    hdr_cols: int
+
+
+def applies(buf, call: pipeline.DispatchCall) -> bool:
+    """Whether `dispatch` takes the fused path for this (resolved, valid) call."""
+    if getattr(buf.transport, "name", None) != "nvlink" or call.do_cpu_sync or call.handle is not None:
+        return False
+    x = call.x.data
+    return buf.num_ranks * call.n <= envs.fused_sync_free_rows() and (x.shape[1] * x.element_size()) % 4 == 0
+
+
+def _spec(call: pipeline.DispatchCall):
+    wdt = None if call.topk_weights is None else call.topk_weights.dtype
+    return pipeline.dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=True)
+
+
+def _words(t: Tensor) -> Tensor:
+    """[T, H] of any 1/2/4-byte dtype as [T, H * size / 4] int32 (rows must be whole words; a copy if the row
+    stride is not)."""
+    if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 4 or t.data_ptr() % 4:
+        t = t.contiguous()
+    return t.view(torch.uint8).view(torch.int32) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -> dict:
+    """Launch `dispatch_send`: every token's record into the receive areas of the ranks it goes to, and the
+    sender-side layout. Returns the tensors `finish` needs."""
+    from .kernels import _syncfree_triton as k
+
+    import triton
+
+    x, topk = call.x, call.topk_idx
+    num_tokens, num_topk = topk.shape
+    n, device = call.n, areas.local.device
+    spec = _spec(call)
+    data = _words(x.data)
+    sf = x.sf if x.is_fp8 else None
+    sf_arg = sf.view(torch.int32) if sf is not None and sf.dtype == torch.float32 else sf
+    topk_arg = topk if topk.stride(1) == 1 else topk.contiguous()
+    w = call.topk_weights
+    w_arg = None if w is None else (w if w.stride(1) == 1 else w.contiguous())
+    token_slot_TR = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=device)
+    last_pos_TR = torch.empty_like(token_slot_TR)
+    send_row_TR = torch.empty_like(token_slot_TR)
+    send_src_X = torch.empty(num_ranks * n, dtype=torch.int64, device=device)
+    dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
+    counts_R = torch.empty(num_ranks, dtype=torch.int64, device=device)
+    num_packs = sf.shape[1] if sf is not None else 1
+    k.dispatch_send[(n,)](
+        data, sf_arg if sf is not None else data, topk_arg, w_arg if w is not None else data, areas.local,
+        areas.delta16, token_slot_TR, last_pos_TR, send_row_TR, send_src_X, dst_slot_TK, counts_R,
+        num_tokens, data.stride(0), sf.stride(0) if sf is not None else 0, sf.stride(1) if sf is not None else 0,
+        topk_arg.stride(0), w_arg.stride(0) if w is not None else 0, rank,
+        areas.rows_off, areas.hdr_off, spec.nbytes, spec.offsets.get("sf", 0), spec.offsets["topk"],
+        spec.offsets["g"], spec.offsets.get("w", 0),
+        N=n, X_WORDS=data.shape[1], P=num_packs, K=num_topk, R=num_ranks, L=call.num_experts // num_ranks,
+        HDR_COLS=areas.hdr_cols, HAS_SF=sf is not None, HAS_W=w is not None,
+        K_POW2=triton.next_power_of_2(num_topk), R_POW2=triton.next_power_of_2(num_ranks),
+        P_POW2=triton.next_power_of_2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=_WORDS_PER_STEP, num_warps=4)
+    send_layout = layout.SendLayout(num_tokens_per_rank_R=counts_R, token_slot_TR=token_slot_TR,
+                                    last_pos_TR=last_pos_TR)
+    return dict(send=send_layout, send_row_TR=send_row_TR, send_src_X=send_src_X, dst_slot_TK=dst_slot_TK,
+                spec=spec, fused=True)
+
+
+def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tuple:
+    """After the barrier: launch `dispatch_plan` and `dispatch_place`; returns dispatch's
+    `(recv_x, recv_topk_idx, recv_topk_weights, handle)` (`pipeline.dispatch_finish`'s values)."""
+    from .kernels import _syncfree_triton as k
+
+    import triton
+
+    num_ranks, rank, n = buf.num_ranks, buf.rank, call.n
+    num_topk, num_local = call.topk_idx.shape[1], call.num_experts // num_ranks
+    spec, device = launched["spec"], areas.local.device
+    m = num_ranks * n
+    s = layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment) \
+        if call.do_expand else 0
+    i64 = dict(dtype=torch.int64, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    counts_R, out_src_M, buf_out_X, src_rank_M = (torch.empty(num_ranks, **i64), torch.empty(m, **i64),
+                                                  torch.empty(m, **i64), torch.empty(m, **i64))
+    valid_M = torch.empty(m, dtype=torch.bool, device=device)
+    local_idx_MK = torch.empty(m, num_topk, **i64)
+    meta = torch.empty(m, num_topk + 2, **i32)
+    unaligned_L, start_L = torch.empty(num_local, **i64), torch.empty(num_local, **i64)
+    psum_rank, psum_expert, unaligned32 = (torch.empty(num_ranks, **i32), torch.empty(num_local, **i32),
+                                           torch.empty(num_local, **i32))
+    w = call.topk_weights
+    w_out = None if w is None else torch.empty((s,) if call.do_expand else (m, num_topk), dtype=w.dtype,
+                                               device=device)
+    row_ptr_MK = torch.empty(m, num_topk, **i64) if call.do_expand else None
+    pair_S = torch.empty(s, **i64) if call.do_expand else None
+    expert_ids = torch.empty(s, **i32) if call.emit_expert_ids else None
+    l_pow2 = triton.next_power_of_2(num_local)
+    with phase("plan_kernel"):
+        k.dispatch_plan[(1,)](
+            areas.local, counts_R, out_src_M, buf_out_X, src_rank_M, valid_M, local_idx_MK, meta, unaligned_L,
+            start_L, psum_rank, psum_expert, unaligned32, call.stats if call.stats is not None else unaligned32,
+            w if w is not None else meta, w_out if w is not None else meta, _or(row_ptr_MK, meta), _or(pair_S, meta),
+            _or(expert_ids, meta), rank, s, call.expert_alignment, areas.rows_off, areas.hdr_off, spec.nbytes,
+            spec.offsets["topk"], spec.offsets["g"], spec.offsets.get("w", 0),
+            N=n, K=num_topk, R=num_ranks, L=num_local, HDR_COLS=areas.hdr_cols, EXPAND=call.do_expand,
+            HAS_W=w is not None, HAS_STATS=call.stats is not None, EMIT_IDS=expert_ids is not None,
+            R_POW2=triton.next_power_of_2(num_ranks), L_POW2=l_pow2,
+            MC=max(1, min(64, _PLAN_ELEMS // l_pow2)), FILL=_FILL, num_warps=8)
+    recv = layout.RecvLayout(local_idx_MK=local_idx_MK, num_unaligned_L=unaligned_L, aligned_start_L=start_L,
+                             row_ptr_MK=row_ptr_MK, num_expanded_rows=s)
+    plan = pipeline.Plan(exact=False, blocked=True, send_splits=None, recv_splits=None,
+                         send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"], out_src_M=out_src_M,
+                         buf_out_X=buf_out_X, src_rank_M=src_rank_M, valid_M=valid_M, recv=recv,
+                         send=launched["send"], pair_S=pair_S)
+    with phase("place"):
+        recv_x = _place(areas, call, spec, plan)
+    handle = pipeline.new_handle(
+        buf, call, plan, num_recv_tokens_per_expert_list=[], psum_rank=psum_rank, psum_expert=psum_expert,
+        unaligned=unaligned32, recv_src_metadata=meta, dst_buffer_slot_idx=launched["dst_slot_TK"],
+        recv_expert_ids=expert_ids)
+    recv_topk_idx = None if call.do_expand else local_idx_MK.to(call.topk_idx.dtype)
+    return recv_x, recv_topk_idx, w_out, handle
+
+
+def _or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:
+    """A tensor argument the kernel does not touch under its constexpr flags still needs a pointer."""
+    return placeholder if t is None else t
+
+
+def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan):
+    """recv_x: the data rows (and scales) in the output layout, zeros where no token lands."""
+    from .kernels import _syncfree_triton as k
+
+    import triton
+
+    x = call.x
+    rows = plan.pair_S.shape[0] if call.do_expand else plan.out_src_M.shape[0]
+    out = torch.empty(rows, x.hidden, dtype=x.data.dtype, device=areas.local.device)
+    words = out.shape[1] * out.element_size() // 4
+    num_packs = x.sf.shape[1] if x.is_fp8 else 1
+    sf_out = torch.empty(rows, num_packs, dtype=x.sf.dtype, device=out.device) if x.is_fp8 else None
+    if rows:
+        k.dispatch_place[(rows,)](
+            areas.local, plan.out_src_M, _or(plan.pair_S, plan.out_src_M), out.view(torch.uint8).view(torch.int32),
+            sf_out.view(torch.int32) if sf_out is not None else out, areas.rows_off, spec.nbytes,
+            spec.offsets.get("sf", 0), X_WORDS=words, P=num_packs, K=call.topk_idx.shape[1], EXPAND=call.do_expand,
+            HAS_SF=x.is_fp8, P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=_WORDS_PER_STEP, num_warps=4)
+    return out if sf_out is None else (out, epilogue.place_sf(sf_out, call.col_major_sf))
+
+
+# -- on a buffer ---------------------------------------------------------------------------------------------------
+def _areas(tr) -> Areas:
+    return Areas(local=tr.region.local, delta16=tr.region.delta16, rows_off=tr.rows_off, hdr_off=tr.headers_off,
+                 hdr_cols=tr.header_cols)
+
+
+def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
+    """Barrier (peers have read their previous rows), the send kernel, barrier (every record has landed).
+
+    Raises:
+        ValueError: the receive area cannot hold R x N records of this call (before any data moves, on every rank:
+            every rank computes the same sizes).
+    """
+    tr = buf.transport
+    spec = _spec(call)
+    tr.check_rows_fit(buf.num_ranks * call.n, spec.nbytes)
+    tr.barrier()
+    with phase("send_kernel"):
+        launched = send(_areas(tr), call, buf.rank, buf.num_ranks)
+    tr.barrier()
+    return launched
+
+
+def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
+    return finish(buf, _areas(buf.transport), call, launched)

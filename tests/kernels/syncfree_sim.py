@@ -1,0 +1,176 @@
+"""The fused sync-free dispatch kernels under TRITON_INTERPRET=1, field by field against the generic path.
+
+Ranks are simulated one after another in one process: every rank's region is a slice of one CPU tensor, addressed
+through the same 16-byte deltas as on GPU. Every rank's send kernel runs before any receive (what the barrier
+enforces on GPU). The expected values come from `pipeline.dispatch_finish` on receive areas filled by the torch
+twin of the push (`push_rows_torch`) with the generic send plan, so the two paths meet at the same records.
+Compared: recv_x (data, scales and their strides), recv_topk_idx, recv_topk_weights, every field of the handle and
+of its plan, and the stats. Run as a script: `python syncfree_sim.py CASE` (the test sets TRITON_INTERPRET=1).
+"""
+
+import sys
+import types
+from dataclasses import fields
+
+import torch
+
+from epcomm import layout, pipeline
+from epcomm.fp8 import per_token_cast_to_fp8
+from epcomm.kernels.push import push_rows_torch
+from epcomm.syncfree_nvlink import Areas, finish, send
+from epcomm.validate import XSpec
+
+HDR_COLS, HDR_OFF, ROWS_OFF = 64, 0, 4096
+
+
+def routing(gen, num_tokens, num_experts, num_topk, skew_to=None):
+    """Distinct experts per token, 20% of the selections -1; `skew_to`: every expert on that rank."""
+    pool = num_experts if skew_to is None else num_experts // skew_to[1]
+    idx = torch.stack([torch.randperm(pool, generator=gen)[:num_topk] for _ in range(num_tokens)]) \
+        if num_tokens else torch.empty(0, num_topk, dtype=torch.int64)
+    if skew_to is not None:
+        idx += skew_to[0] * pool
+    idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1
+    return idx
+
+
+def make_call(gen, num_tokens, c, rank):
+    x = torch.randn(num_tokens, c["hidden"], generator=gen).to(c["dtype"])
+    sf = None
+    if c.get("fp8"):
+        x, sf = per_token_cast_to_fp8(x.float(), use_ue8m0=c["fp8"] == "ue8m0")
+        if c.get("sf_col_major_in"):  # scales with any strides
+            sf = sf.t().contiguous().t()
+    topk = routing(gen, num_tokens, c["experts"], c["topk"], c.get("skew") and (0, c["ranks"])).to(c["idx_dtype"])
+    w = torch.rand(num_tokens, c["topk"], generator=gen).to(c["w_dtype"]) if c.get("w_dtype") else None
+    stats = torch.randint(0, 100, (c["experts"] // c["ranks"],), generator=gen, dtype=torch.int32) \
+        if c.get("stats") else None
+    return pipeline.DispatchCall(
+        x=XSpec(x, sf), topk_idx=topk, topk_weights=w, stats=stats, num_experts=c["experts"], n=c["n"],
+        expert_alignment=c.get("alignment", 1), do_cpu_sync=False, do_expand=c.get("expand", False),
+        do_zero_padding=False, emit_expert_ids=c.get("emit", False), col_major_sf=c.get("col_major", False),
+        num_sms=0)
+
+
+def clone_call(call):
+    stats = None if call.stats is None else call.stats.clone()
+    return pipeline.DispatchCall(**{f.name: getattr(call, f.name) for f in fields(call)} | {"stats": stats})
+
+
+def generic(calls, num_ranks, n):
+    """pipeline.dispatch_finish per rank, after the torch twin pushed every rank's records (blocked layout)."""
+    spec = pipeline.dispatch_record_spec(calls[0].x, calls[0].topk_idx.shape[1],
+                                         None if calls[0].topk_weights is None else calls[0].topk_weights.dtype,
+                                         with_routing=True)
+    areas = [torch.zeros(num_ranks * n * spec.nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
+    sends = []
+    for r, call in enumerate(calls):
+        snd = layout.send_layout(call.topk_idx, num_ranks, call.num_experts // num_ranks)
+        row_TR, src_X = pipeline.send_rows(snd, torch.arange(num_ranks) * n, num_ranks * n)
+        tensors = dict(x=call.x.data, sf=call.x.sf, w=call.topk_weights, topk=call.topk_idx.long(),
+                       g=r * n + torch.arange(call.x.num_tokens))
+        push_rows_torch(areas, 0, spec, tensors, src_X, n, r)
+        sends.append((snd, row_TR, src_X))
+    out = []
+    for me, call in enumerate(calls):
+        snd, row_TR, src_X = sends[me]
+        launched = dict(recv_counts_R=torch.stack([s[0].num_tokens_per_rank_R[me] for s in sends]), send=snd,
+                        send_row_TR=row_TR, send_src_X=src_X, send_splits=None, recv_splits=None,
+                        num_recv=num_ranks * n, blocked=True, route=None, spec=spec,
+                        recv_XB=areas[me].view(num_ranks * n, spec.nbytes))
+        buf = types.SimpleNamespace(rank=me, num_ranks=num_ranks, uid=7)
+        out.append(pipeline.dispatch_finish(buf, call, launched))
+    return out
+
+
+def fused(calls, num_ranks, n):
+    """The three kernels on simulated ranks: every send, then every plan and place."""
+    spec = pipeline.dispatch_record_spec(calls[0].x, calls[0].topk_idx.shape[1],
+                                         None if calls[0].topk_weights is None else calls[0].topk_weights.dtype,
+                                         with_routing=True)
+    size = ROWS_OFF + num_ranks * n * spec.nbytes
+    size += -size % 16
+    whole = torch.full((num_ranks * size,), 0xAB, dtype=torch.uint8)  # garbage where nothing was written
+    areas = [Areas(local=whole[r * size:(r + 1) * size], delta16=torch.tensor(
+        [(s - r) * size // 16 for s in range(num_ranks)], dtype=torch.int64), rows_off=ROWS_OFF, hdr_off=HDR_OFF,
+        hdr_cols=HDR_COLS) for r in range(num_ranks)]
+    launched = [send(areas[r], call, r, num_ranks) for r, call in enumerate(calls)]
+    out = []
+    for me, call in enumerate(calls):
+        buf = types.SimpleNamespace(rank=me, num_ranks=num_ranks, uid=7)
+        out.append(finish(buf, areas[me], call, launched[me]))
+    return out
+
+
+def same(a, b, what):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{what}: tensor vs {type(b)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        if "recv_x" in what:  # the caller sees these strides (column-major scales); plan tensors are internal
+            assert a.stride() == b.stride() or a.numel() <= 1, f"{what}: strides {a.stride()} vs {b.stride()}"
+        bits = (lambda t: t.contiguous().view(torch.uint8)) if a.dtype.is_floating_point else (lambda t: t)
+        assert torch.equal(bits(a), bits(b)), f"{what}: values differ\n{a}\n{b}"
+    elif isinstance(a, (tuple, list)) and a and isinstance(a[0], torch.Tensor):
+        assert len(a) == len(b), what
+        for i, (u, v) in enumerate(zip(a, b)):
+            same(u, v, f"{what}[{i}]")
+    elif hasattr(a, "__dataclass_fields__"):
+        for f in fields(a):
+            if f.name in ("cache",):
+                continue
+            same(getattr(a, f.name), getattr(b, f.name), f"{what}.{f.name}")
+    else:
+        assert a == b, f"{what}: {a!r} vs {b!r}"
+
+
+def check(c, tokens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    calls = [make_call(gen, t, c, r) for r, t in enumerate(tokens)]
+    want = generic([clone_call(k) for k in calls], c["ranks"], c["n"])
+    fused_calls = [clone_call(k) for k in calls]
+    got = fused(fused_calls, c["ranks"], c["n"])
+    for r in range(c["ranks"]):
+        (wx, wi, ww, wh), (gx, gi, gw, gh) = want[r], got[r]
+        same(wx, gx, f"rank {r} recv_x")
+        same(wi, gi, f"rank {r} recv_topk_idx")
+        same(ww, gw, f"rank {r} recv_topk_weights")
+        for f in fields(wh):
+            if f.name.startswith("_"):
+                continue
+            same(getattr(wh, f.name), getattr(gh, f.name), f"rank {r} handle.{f.name}")
+        same(wh._plan, gh._plan, f"rank {r} plan")
+        assert gh._topk_idx is fused_calls[r].topk_idx
+        if calls[r].stats is not None:
+            same(want_stats(calls[r], wh), fused_calls[r].stats, f"rank {r} stats")
+    return want
+
+
+def want_stats(call, handle):
+    return call.stats + handle.num_unaligned_recv_tokens_per_expert
+
+
+CASES = {
+    # name: (config, tokens per rank)
+    "bf16-non-expand": (dict(ranks=2, n=8, hidden=64, dtype=torch.bfloat16, experts=8, topk=3,
+                             idx_dtype=torch.int64, w_dtype=torch.float32, stats=True), (6, 8)),
+    "fp8-expand": (dict(ranks=3, n=5, hidden=256, dtype=torch.bfloat16, fp8="fp32", experts=12, topk=4,
+                        idx_dtype=torch.int32, w_dtype=torch.float32, expand=True, alignment=4, emit=True,
+                        col_major=True, stats=True, sf_col_major_in=True), (5, 0, 3)),
+    "skewed-fp32": (dict(ranks=2, n=6, hidden=24, dtype=torch.float32, experts=6, topk=2, idx_dtype=torch.int64,
+                         w_dtype=torch.float32, expand=True, skew=True), (6, 4)),
+    "ue8m0-fp16": (dict(ranks=2, n=4, hidden=512, dtype=torch.bfloat16, fp8="ue8m0", experts=4, topk=2,
+                        idx_dtype=torch.int64), (4, 3)),
+    "fp16-odd-hidden": (dict(ranks=3, n=7, hidden=70, dtype=torch.float16, experts=9, topk=9, idx_dtype=torch.int64,
+                             w_dtype=torch.float32, expand=True, alignment=3), (7, 2, 5)),
+    "one-rank-fp64": (dict(ranks=1, n=9, hidden=16, dtype=torch.float64, experts=5, topk=2, idx_dtype=torch.int64,
+                           w_dtype=torch.float64), (9,)),
+}
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(CASES)
+    for name in names:
+        config, tokens = CASES[name]
+        check(config, tokens, seed=len(name))
+        print(name, "ok")
+    print("ok")
