@@ -29,7 +29,7 @@ from . import envs, epilogue, layout, pipeline
 from .debug import phase
 
 _TOKEN_CHUNK = 64  # tokens per step when a send program counts the tokens before its own
-_WORDS_PER_STEP = 1024  # int32 words of a row copied per step
+_WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
 _FILL = 1024  # expanded rows initialised per step by the plan kernel
 _PLAN_ELEMS = 8192  # one-hot elements per chunk of the plan kernel ([rows, local experts])
 
@@ -61,6 +61,11 @@ def _spec(call: pipeline.DispatchCall):
     return pipeline.dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=True)
 
 
+def _bits(t: Tensor) -> Tensor:
+    """A float tensor as the integers of its width (the kernels move weights and scales as bits)."""
+    return t.view({8: torch.int64, 4: torch.int32}[t.element_size()])
+
+
 def _words(t: Tensor) -> Tensor:
     """[T, H] of any 1/2/4-byte dtype as [T, H * size / 4] int32 (rows must be whole words; a copy if the row
     stride is not)."""
@@ -82,10 +87,10 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -
     spec = _spec(call)
     data = _words(x.data)
     sf = x.sf if x.is_fp8 else None
-    sf_arg = sf.view(torch.int32) if sf is not None and sf.dtype == torch.float32 else sf
+    sf_arg = None if sf is None else _bits(sf)
     topk_arg = topk if topk.stride(1) == 1 else topk.contiguous()
     w = call.topk_weights
-    w_arg = None if w is None else (w if w.stride(1) == 1 else w.contiguous())
+    w_arg = None if w is None else _bits(w if w.stride(1) == 1 else w.contiguous())
     token_slot_TR = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=device)
     last_pos_TR = torch.empty_like(token_slot_TR)
     send_row_TR = torch.empty_like(token_slot_TR)
@@ -93,7 +98,7 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -
     dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
     counts_R = torch.empty(num_ranks, dtype=torch.int64, device=device)
     num_packs = sf.shape[1] if sf is not None else 1
-    k.dispatch_send[(n,)](
+    k.dispatch_send[(n, triton.cdiv(data.shape[1], _WORDS_PER_PROGRAM))](
         data, sf_arg if sf is not None else data, topk_arg, w_arg if w is not None else data, areas.local,
         areas.delta16, token_slot_TR, last_pos_TR, send_row_TR, send_src_X, dst_slot_TK, counts_R,
         num_tokens, data.stride(0), sf.stride(0) if sf is not None else 0, sf.stride(1) if sf is not None else 0,
@@ -103,7 +108,7 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -
         N=n, X_WORDS=data.shape[1], P=num_packs, K=num_topk, R=num_ranks, L=call.num_experts // num_ranks,
         HDR_COLS=areas.hdr_cols, HAS_SF=sf is not None, HAS_W=w is not None,
         K_POW2=triton.next_power_of_2(num_topk), R_POW2=triton.next_power_of_2(num_ranks),
-        P_POW2=triton.next_power_of_2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=_WORDS_PER_STEP, num_warps=4)
+        P_POW2=triton.next_power_of_2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
     send_layout = layout.SendLayout(num_tokens_per_rank_R=counts_R, token_slot_TR=token_slot_TR,
                                     last_pos_TR=last_pos_TR)
     return dict(send=send_layout, send_row_TR=send_row_TR, send_src_X=send_src_X, dst_slot_TK=dst_slot_TK,
@@ -144,12 +149,13 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
         k.dispatch_plan[(1,)](
             areas.local, counts_R, out_src_M, buf_out_X, src_rank_M, valid_M, local_idx_MK, meta, unaligned_L,
             start_L, psum_rank, psum_expert, unaligned32, call.stats if call.stats is not None else unaligned32,
-            w if w is not None else meta, w_out if w is not None else meta, _or(row_ptr_MK, meta), _or(pair_S, meta),
+            _bits(w) if w is not None else meta, _bits(w_out) if w is not None else meta, _or(row_ptr_MK, meta),
+            _or(pair_S, meta),
             _or(expert_ids, meta), rank, s, call.expert_alignment, areas.rows_off, areas.hdr_off, spec.nbytes,
             spec.offsets["topk"], spec.offsets["g"], spec.offsets.get("w", 0),
             N=n, K=num_topk, R=num_ranks, L=num_local, HDR_COLS=areas.hdr_cols, EXPAND=call.do_expand,
             HAS_W=w is not None, HAS_STATS=call.stats is not None, EMIT_IDS=expert_ids is not None,
-            R_POW2=triton.next_power_of_2(num_ranks), L_POW2=l_pow2,
+            K_POW2=triton.next_power_of_2(num_topk), R_POW2=triton.next_power_of_2(num_ranks), L_POW2=l_pow2,
             MC=max(1, min(64, _PLAN_ELEMS // l_pow2)), FILL=_FILL, num_warps=8)
     recv = layout.RecvLayout(local_idx_MK=local_idx_MK, num_unaligned_L=unaligned_L, aligned_start_L=start_L,
                              row_ptr_MK=row_ptr_MK, num_expanded_rows=s)
@@ -185,11 +191,11 @@ def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan)
     num_packs = x.sf.shape[1] if x.is_fp8 else 1
     sf_out = torch.empty(rows, num_packs, dtype=x.sf.dtype, device=out.device) if x.is_fp8 else None
     if rows:
-        k.dispatch_place[(rows,)](
+        k.dispatch_place[(rows, triton.cdiv(words, _WORDS_PER_PROGRAM))](
             areas.local, plan.out_src_M, _or(plan.pair_S, plan.out_src_M), out.view(torch.uint8).view(torch.int32),
             sf_out.view(torch.int32) if sf_out is not None else out, areas.rows_off, spec.nbytes,
             spec.offsets.get("sf", 0), X_WORDS=words, P=num_packs, K=call.topk_idx.shape[1], EXPAND=call.do_expand,
-            HAS_SF=x.is_fp8, P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=_WORDS_PER_STEP, num_warps=4)
+            HAS_SF=x.is_fp8, P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
     return out if sf_out is None else (out, epilogue.place_sf(sf_out, call.col_major_sf))
 
 

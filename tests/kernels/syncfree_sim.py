@@ -151,7 +151,7 @@ def want_stats(call, handle):
 
 CASES = {
     # name: (config, tokens per rank)
-    "bf16-non-expand": (dict(ranks=2, n=8, hidden=64, dtype=torch.bfloat16, experts=8, topk=3,
+    "bf16-non-expand": (dict(ranks=2, n=8, hidden=2112, dtype=torch.bfloat16, experts=8, topk=3,
                              idx_dtype=torch.int64, w_dtype=torch.float32, stats=True), (6, 8)),
     "fp8-expand": (dict(ranks=3, n=5, hidden=256, dtype=torch.bfloat16, fp8="fp32", experts=12, topk=4,
                         idx_dtype=torch.int32, w_dtype=torch.float32, expand=True, alignment=4, emit=True,

@@ -44,8 +44,10 @@ def dispatch_send(
     HDR_COLS: tl.constexpr, HAS_SF: tl.constexpr, HAS_W: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr, P_POW2: tl.constexpr, TC: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """Program t: token t's sender-side layout and its record to every destination; holes of send row t % N."""
+    """Program (t, c): block c of token t's data row to every destination; c = 0 also the rest of the record, token t's
+    sender-side layout and the holes of send rows t, N + t, ..."""
     t = tl.program_id(0)
+    c = tl.program_id(1)
     kk = tl.arange(0, K_POW2)
     rr = tl.arange(0, R_POW2)
 
@@ -62,8 +64,9 @@ def dispatch_send(
         before_r += tl.sum(sent * (tt[:, None] < t).to(tl.int32), axis=0)
 
     # Send rows past a rank's count are holes (-1); the rows below it are written by their tokens' programs.
-    tl.store(send_src_ptr + rr * N + t, tl.full([R_POW2], -1, tl.int64), mask=(rr < R) & (t >= count_r))
-    if t == 0:
+    holes_r = tl.where(c == 0, R, 0)
+    tl.store(send_src_ptr + rr * N + t, tl.full([R_POW2], -1, tl.int64), mask=(rr < holes_r) & (t >= count_r))
+    if (t == 0) & (c == 0):
         tl.store(counts_ptr + rr, count_r.to(tl.int64), mask=rr < R)
         # Row `me` of every destination's header: how many rows this rank sent it.
         hdr = local_ptr + tl.load(delta16_ptr + rr, mask=rr < R, other=0) * 16 + hdr_off
@@ -75,39 +78,72 @@ def dispatch_send(
         last_r = tl.max(tl.where(hit, kk[:, None], -1), axis=0)
         slot_r = tl.where(sent_r, before_r, -1)
         row_r = tl.where(sent_r, rr * N + before_r, -1)
-        tl.store(token_slot_ptr + t * R + rr, slot_r.to(tl.int64), mask=rr < R)
-        tl.store(last_pos_ptr + t * R + rr, last_r.to(tl.int64), mask=rr < R)
-        tl.store(send_row_ptr + t * R + rr, row_r.to(tl.int64), mask=rr < R)
-        tl.store(send_src_ptr + row_r, t.to(tl.int64) + tl.zeros([R_POW2], tl.int64), mask=(rr < R) & sent_r)
-        # dst_buffer_slot_idx: dest * N + slot at the largest position of each destination, else -1.
-        is_last_k = tl.sum(tl.where(hit & (kk[:, None] == last_r[None, :]), 1, 0), axis=1) > 0
-        slot_k = tl.sum(tl.where(hit, row_r[None, :], 0), axis=1)
-        tl.store(dst_slot_ptr + t * K + kk, tl.where(is_last_k & (dest_k >= 0), slot_k, -1).to(tl.int32),
-                 mask=kk < K)
-
         # The record: data row | scales | top-k row (int64) | key g | weights, at row me * N + slot of each rank.
-        x_row = x_ptr + t.to(tl.int64) * stride_x
-        for w0 in range(0, X_WORDS, BLOCK_W):
-            ww = w0 + tl.arange(0, BLOCK_W)
-            v = tl.load(x_row + ww, mask=ww < X_WORDS)
-            for r in tl.static_range(R):
-                slot = tl.sum(tl.where(rr == r, slot_r, 0), axis=0)
-                if slot >= 0:
-                    rec = _region(local_ptr, delta16_ptr, r) + rows_off + (me * N + slot).to(tl.int64) * rec_bytes
-                    tl.store(rec.to(tl.pointer_type(tl.int32)) + ww, v, mask=ww < X_WORDS)
-        pp = tl.arange(0, P_POW2)
+        ww = c * BLOCK_W + tl.arange(0, BLOCK_W)
+        v = tl.load(x_ptr + t.to(tl.int64) * stride_x + ww, mask=ww < X_WORDS)
         for r in tl.static_range(R):
             slot = tl.sum(tl.where(rr == r, slot_r, 0), axis=0)
             if slot >= 0:
                 rec = _region(local_ptr, delta16_ptr, r) + rows_off + (me * N + slot).to(tl.int64) * rec_bytes
-                if HAS_SF:
-                    sf = tl.load(sf_ptr + t.to(tl.int64) * stride_sf_t + pp * stride_sf_p, mask=pp < P)
-                    tl.store((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, sf, mask=pp < P)
-                tl.store((rec + topk_off).to(tl.pointer_type(tl.int64)) + kk, ids_k.to(tl.int64), mask=kk < K)
-                tl.store((rec + g_off).to(tl.pointer_type(tl.int64)), (me * N + t).to(tl.int64))
-                if HAS_W:
-                    w = tl.load(w_ptr + t.to(tl.int64) * stride_w + kk, mask=kk < K)
-                    tl.store((rec + w_off).to(w_ptr.dtype) + kk, w, mask=kk < K)
+                tl.store(rec.to(tl.pointer_type(tl.int32)) + ww, v, mask=ww < X_WORDS)
+        if c == 0:
+            _send_rest(t, slot_r, last_r, row_r, sent_r, hit, dest_k, ids_k, sf_ptr, w_ptr, local_ptr, delta16_ptr,
+                       token_slot_ptr, last_pos_ptr, send_row_ptr, send_src_ptr, dst_slot_ptr, stride_sf_t,
+                       stride_sf_p, stride_w, me, rows_off, rec_bytes, sf_off, topk_off, g_off, w_off,
+                       N, P, K, R, HAS_SF, HAS_W, K_POW2, R_POW2, P_POW2)
+
+
+@triton.jit
+def _send_rest(t, slot_r, last_r, row_r, sent_r, hit, dest_k, ids_k, sf_ptr, w_ptr, local_ptr, delta16_ptr,
+               token_slot_ptr, last_pos_ptr, send_row_ptr, send_src_ptr, dst_slot_ptr, stride_sf_t, stride_sf_p,
+               stride_w, me, rows_off, rec_bytes, sf_off, topk_off, g_off, w_off,
+               N: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, HAS_SF: tl.constexpr,
+               HAS_W: tl.constexpr, K_POW2: tl.constexpr, R_POW2: tl.constexpr, P_POW2: tl.constexpr):
+    """Token t's sender-side layout and the small fields of its record (scales, top-k row, key, weights)."""
+    kk = tl.arange(0, K_POW2)
+    rr = tl.arange(0, R_POW2)
+    tl.store(token_slot_ptr + t * R + rr, slot_r.to(tl.int64), mask=rr < R)
+    tl.store(last_pos_ptr + t * R + rr, last_r.to(tl.int64), mask=rr < R)
+    tl.store(send_row_ptr + t * R + rr, row_r.to(tl.int64), mask=rr < R)
+    tl.store(send_src_ptr + row_r, t.to(tl.int64) + tl.zeros([R_POW2], tl.int64), mask=(rr < R) & sent_r)
+    # dst_buffer_slot_idx: dest * N + slot at the largest position of each destination, else -1.
+    is_last_k = tl.sum(tl.where(hit & (kk[:, None] == last_r[None, :]), 1, 0), axis=1) > 0
+    slot_k = tl.sum(tl.where(hit, row_r[None, :], 0), axis=1)
+    tl.store(dst_slot_ptr + t * K + kk, tl.where(is_last_k & (dest_k >= 0), slot_k, -1).to(tl.int32),
+             mask=kk < K)
+    pp = tl.arange(0, P_POW2)
+    for r in tl.static_range(R):
+        slot = tl.sum(tl.where(rr == r, slot_r, 0), axis=0)
+        if slot >= 0:
+            rec = _region(local_ptr, delta16_ptr, r) + rows_off + (me * N + slot).to(tl.int64) * rec_bytes
+            if HAS_SF:
+                sf = tl.load(sf_ptr + t.to(tl.int64) * stride_sf_t + pp * stride_sf_p, mask=pp < P)
+                tl.store((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, sf, mask=pp < P)
+            tl.store((rec + topk_off).to(tl.pointer_type(tl.int64)) + kk, ids_k.to(tl.int64), mask=kk < K)
+            tl.store((rec + g_off).to(tl.pointer_type(tl.int64)), (me * N + t).to(tl.int64))
+            if HAS_W:
+                w = tl.load(w_ptr + t.to(tl.int64) * stride_w + kk, mask=kk < K)
+                tl.store((rec + w_off).to(w_ptr.dtype) + kk, w, mask=kk < K)
+
+
+@triton.jit
+def _local_ids(rec, topk_off, valid, me, K: tl.constexpr, L: tl.constexpr, K_POW2: tl.constexpr):
+    """[MC, K_POW2] int64: local expert id of each top-k position of the records `rec` ([MC] uint8 pointers), -1
+    where the expert is not on rank `me` or the row is not valid."""
+    kk = tl.arange(0, K_POW2)
+    ids = tl.load((rec + topk_off).to(tl.pointer_type(tl.int64))[:, None] + kk[None, :],
+                  mask=valid[:, None] & (kk[None, :] < K), other=-1)
+    return tl.where((ids >= me * L) & (ids < (me + 1) * L), ids - me * L, -1)
+
+
+@triton.jit
+def _onehot(local, kk, ll, K: tl.constexpr, MC: tl.constexpr, L_POW2: tl.constexpr):
+    """[MC, L_POW2] int32: 1 where the row chose local expert l (an expert appears at most once per row)."""
+    onehot = tl.zeros([MC, L_POW2], dtype=tl.int32)
+    for j in tl.static_range(K):
+        local_j = tl.sum(tl.where(kk[None, :] == j, local, 0), axis=1)
+        onehot = tl.maximum(onehot, (local_j[:, None] == ll[None, :]).to(tl.int32))
+    return onehot
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -118,15 +154,17 @@ def dispatch_plan(
     me, num_expanded, alignment, rows_off, hdr_off, rec_bytes, topk_off, g_off, w_off,
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, HDR_COLS: tl.constexpr,
     EXPAND: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, EMIT_IDS: tl.constexpr,
-    R_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, FILL: tl.constexpr,
+    K_POW2: tl.constexpr, R_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, FILL: tl.constexpr,
 ):
     """One program: the receiver-side plan of the M = R * N received rows (see the module docstring).
 
-    Rows go in chunks of MC; the top-k positions of a chunk are unrolled (K <= 32), so the live state is one
-    [MC, L] one-hot. `w_in_ptr` only carries the weights' element type (the weights are read from the records).
+    Rows go in chunks of MC: one batch of loads per chunk, then the top-k positions unrolled on registers (K <= 32),
+    so the live state is one [MC, L] one-hot and a chunk costs one memory latency, not K. Weights move as integers
+    of their width (`w_in_ptr` carries that type; the weights themselves are read from the records).
     """
     M: tl.constexpr = R * N
     rr = tl.arange(0, R_POW2)
+    kk = tl.arange(0, K_POW2)
     ll = tl.arange(0, L_POW2)
     hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int64))
     count_r = tl.load(hdr + rr * HDR_COLS, mask=rr < R, other=0)  # rows from each source rank
@@ -165,25 +203,23 @@ def dispatch_plan(
         b_cnt = tl.sum(tl.where(rr[None, :] == bs[:, None], count_r[None, :], 0), axis=1)
         tl.store(buf_out_ptr + mm, tl.where(bk < b_cnt, b_off + bk, -1).to(tl.int64), mask=in_m)
 
+        # One batch of loads per chunk (the top-k rows, keys and weights); the positions are unrolled on registers.
         rec = rows_u8 + tl.maximum(b, 0).to(tl.int64) * rec_bytes
         g = tl.load((rec + g_off).to(tl.pointer_type(tl.int64)), mask=valid, other=-1)
+        local = _local_ids(rec, topk_off, valid, me, K, L, K_POW2)  # [MC, K_POW2]
+        if HAS_W and not EXPAND:
+            w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
+        in_mk = in_m[:, None] & (kk[None, :] < K)
+        tl.store(local_idx_ptr + mm[:, None] * K + kk[None, :], local, mask=in_mk)
+        last = tl.max(tl.where(local >= 0, kk[None, :], -1), axis=1)
         meta = meta_ptr + mm * (K + 2)
-        onehot = tl.zeros([MC, L_POW2], dtype=tl.int32)
-        last = tl.full([MC], -1, tl.int32)
-        for j in tl.static_range(K):
-            ids = tl.load((rec + topk_off).to(tl.pointer_type(tl.int64)) + j, mask=valid, other=-1)
-            is_local = (ids >= me * L) & (ids < (me + 1) * L)
-            local = tl.where(is_local, ids - me * L, -1)
-            tl.store(local_idx_ptr + mm * K + j, local, mask=in_m)
-            onehot = tl.maximum(onehot, (local[:, None] == ll[None, :]).to(tl.int32))
-            last = tl.where(is_local, j, last)
-            if not EXPAND:
-                tl.store(meta + 2 + j, tl.full([MC], -1, tl.int32), mask=in_m)
-                if HAS_W:
-                    w = tl.load((rec + w_off).to(w_in_ptr.dtype) + j, mask=is_local, other=0)
-                    tl.store(w_out_ptr + mm * K + j, w, mask=in_m)
         tl.store(meta, tl.where(valid, g, -1).to(tl.int32), mask=in_m)
         tl.store(meta + 1, tl.where(valid, src * K + last, -1).to(tl.int32), mask=in_m)
+        if not EXPAND:
+            tl.store(meta[:, None] + 2 + kk[None, :], tl.full([MC, K_POW2], -1, tl.int32), mask=in_mk)
+            if HAS_W:
+                tl.store(w_out_ptr + mm[:, None] * K + kk[None, :], w, mask=in_mk)
+        onehot = _onehot(local, kk, ll, K, MC, L_POW2)
         n_l += tl.sum(onehot, axis=0)
 
     aligned_l = (n_l + alignment - 1) // alignment * alignment
@@ -201,31 +237,32 @@ def dispatch_plan(
         tl.store(stats_ptr + ll, stats + n_l, mask=ll < L)
 
     if EXPAND:
-        tl.debug_barrier()  # pass 1's ids and the fills land before the reads and scatters below (other threads)
+        tl.debug_barrier()  # the fills land before the scatters below (other threads, same addresses)
         # Pass 2: (row m, position j) of expert e goes to start[e] + (rows before m that chose e).
         seen_l = tl.zeros([L_POW2], dtype=tl.int32)
         for m0 in range(0, M, MC):
             mm = m0 + tl.arange(0, MC)
             in_m = mm < M
-            onehot = tl.zeros([MC, L_POW2], dtype=tl.int32)
-            for j in tl.static_range(K):
-                local = tl.load(local_idx_ptr + mm * K + j, mask=in_m, other=-1)
-                onehot = tl.maximum(onehot, (local[:, None] == ll[None, :]).to(tl.int32))
+            bb = tl.load(out_src_ptr + mm, mask=in_m, other=-1)
+            rec = rows_u8 + tl.maximum(bb, 0).to(tl.int64) * rec_bytes
+            local = _local_ids(rec, topk_off, bb >= 0, me, K, L, K_POW2)
+            if HAS_W:
+                w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
+            onehot = _onehot(local, kk, ll, K, MC, L_POW2)
             base = (start_l + seen_l)[None, :] + tl.cumsum(onehot, axis=0) - onehot
-            rec = rows_u8 + tl.maximum(tl.load(out_src_ptr + mm, mask=in_m, other=-1), 0).to(tl.int64) * rec_bytes
             for j in tl.static_range(K):
-                local = tl.load(local_idx_ptr + mm * K + j, mask=in_m, other=-1)
-                row = tl.sum(tl.where(local[:, None] == ll[None, :], base, 0), axis=1)
-                row = tl.where(local >= 0, row, -1)
+                local_j = tl.sum(tl.where(kk[None, :] == j, local, 0), axis=1)
+                row = tl.sum(tl.where(local_j[:, None] == ll[None, :], base, 0), axis=1)
+                row = tl.where(local_j >= 0, row, -1)
                 tl.store(row_ptr_ptr + mm * K + j, row.to(tl.int64), mask=in_m)
                 tl.store(meta_ptr + mm * (K + 2) + 2 + j, row, mask=in_m)
                 placed = row >= 0
                 tl.store(pair_ptr + row, (mm * K + j).to(tl.int64), mask=placed)
                 if EMIT_IDS:
-                    tl.store(expert_ids_ptr + row, local.to(tl.int32), mask=placed)
+                    tl.store(expert_ids_ptr + row, local_j.to(tl.int32), mask=placed)
                 if HAS_W:
-                    w = tl.load((rec + w_off).to(w_in_ptr.dtype) + j, mask=placed, other=0)
-                    tl.store(w_out_ptr + row, w, mask=placed)
+                    w_j = tl.sum(tl.where(kk[None, :] == j, w, 0), axis=1)
+                    tl.store(w_out_ptr + row, w_j, mask=placed)
             seen_l += tl.sum(onehot, axis=0)
 
 
@@ -235,8 +272,10 @@ def dispatch_place(
     X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, EXPAND: tl.constexpr, HAS_SF: tl.constexpr,
     P_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """Program y: output row y (expanded row y with `EXPAND`) from its receive-area record, zeros without one."""
+    """Program (y, c): block c of output row y (expanded row y with `EXPAND`) from its receive-area record, zeros
+    without one; c = 0 also the scales."""
     y = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     if EXPAND:
         pair = tl.load(pair_ptr + y)
         b = tl.where(pair >= 0, tl.load(out_src_ptr + tl.maximum(pair, 0) // K), -1)
@@ -244,11 +283,10 @@ def dispatch_place(
         b = tl.load(out_src_ptr + y)
     rec = local_ptr + rows_off + tl.maximum(b, 0) * rec_bytes
     src = rec.to(tl.pointer_type(tl.int32))
-    for w0 in range(0, X_WORDS, BLOCK_W):
-        ww = w0 + tl.arange(0, BLOCK_W)
-        v = tl.load(src + ww, mask=ww < tl.where(b >= 0, X_WORDS, 0), other=0)
-        tl.store(out_ptr + y * X_WORDS + ww, v, mask=ww < X_WORDS)
+    ww = c * BLOCK_W + tl.arange(0, BLOCK_W)
+    v = tl.load(src + ww, mask=ww < tl.where(b >= 0, X_WORDS, 0), other=0)
+    tl.store(out_ptr + y * X_WORDS + ww, v, mask=ww < X_WORDS)
     if HAS_SF:
         pp = tl.arange(0, P_POW2)
         sf = tl.load((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, mask=pp < tl.where(b >= 0, P, 0), other=0)
-        tl.store(sf_out_ptr + y * P + pp, sf, mask=pp < P)
+        tl.store(sf_out_ptr + y * P + pp, sf, mask=pp < tl.where(c == 0, P, 0))
