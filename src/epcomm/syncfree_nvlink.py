@@ -32,6 +32,7 @@ _TOKEN_CHUNK = 64  # tokens per step when a send program counts the tokens befor
 _WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
 _FILL = 1024  # expanded rows initialised per step by the plan kernel
 _PLAN_ELEMS = 8192  # one-hot elements per chunk of the plan kernel ([rows, local experts])
+_PLAN_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
             N=n, K=num_topk, R=num_ranks, L=num_local, HDR_COLS=areas.hdr_cols, EXPAND=call.do_expand,
             HAS_W=w is not None, HAS_STATS=call.stats is not None, EMIT_IDS=expert_ids is not None,
             K_POW2=triton.next_power_of_2(num_topk), R_POW2=triton.next_power_of_2(num_ranks), L_POW2=l_pow2,
-            MC=max(1, min(64, _PLAN_ELEMS // l_pow2)), FILL=_FILL, num_warps=8)
+            MC=max(1, min(64, _PLAN_ELEMS // l_pow2)), FILL=_FILL, num_warps=_PLAN_WARPS)
     recv = layout.RecvLayout(local_idx_MK=local_idx_MK, num_unaligned_L=unaligned_L, aligned_start_L=start_L,
                              row_ptr_MK=row_ptr_MK, num_expanded_rows=s)
     plan = pipeline.Plan(exact=False, blocked=True, send_splits=None, recv_splits=None,

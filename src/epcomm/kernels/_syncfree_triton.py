@@ -128,12 +128,12 @@ def _send_rest(t, slot_r, last_r, row_r, sent_r, hit, dest_k, ids_k, sf_ptr, w_p
 
 @triton.jit
 def _local_ids(rec, topk_off, valid, me, K: tl.constexpr, L: tl.constexpr, K_POW2: tl.constexpr):
-    """[MC, K_POW2] int64: local expert id of each top-k position of the records `rec` ([MC] uint8 pointers), -1
+    """[MC, K_POW2] int32: local expert id of each top-k position of the records `rec` ([MC] uint8 pointers), -1
     where the expert is not on rank `me` or the row is not valid."""
     kk = tl.arange(0, K_POW2)
     ids = tl.load((rec + topk_off).to(tl.pointer_type(tl.int64))[:, None] + kk[None, :],
                   mask=valid[:, None] & (kk[None, :] < K), other=-1)
-    return tl.where((ids >= me * L) & (ids < (me + 1) * L), ids - me * L, -1)
+    return tl.where((ids >= me * L) & (ids < (me + 1) * L), ids - me * L, -1).to(tl.int32)
 
 
 @triton.jit
@@ -210,7 +210,7 @@ def dispatch_plan(
         if HAS_W and not EXPAND:
             w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
         in_mk = in_m[:, None] & (kk[None, :] < K)
-        tl.store(local_idx_ptr + mm[:, None] * K + kk[None, :], local, mask=in_mk)
+        tl.store(local_idx_ptr + mm[:, None] * K + kk[None, :], local.to(tl.int64), mask=in_mk)
         last = tl.max(tl.where(local >= 0, kk[None, :], -1), axis=1)
         meta = meta_ptr + mm * (K + 2)
         tl.store(meta, tl.where(valid, g, -1).to(tl.int32), mask=in_m)
@@ -250,19 +250,17 @@ def dispatch_plan(
                 w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
             onehot = _onehot(local, kk, ll, K, MC, L_POW2)
             base = (start_l + seen_l)[None, :] + tl.cumsum(onehot, axis=0) - onehot
-            for j in tl.static_range(K):
-                local_j = tl.sum(tl.where(kk[None, :] == j, local, 0), axis=1)
-                row = tl.sum(tl.where(local_j[:, None] == ll[None, :], base, 0), axis=1)
-                row = tl.where(local_j >= 0, row, -1)
-                tl.store(row_ptr_ptr + mm * K + j, row.to(tl.int64), mask=in_m)
-                tl.store(meta_ptr + mm * (K + 2) + 2 + j, row, mask=in_m)
-                placed = row >= 0
-                tl.store(pair_ptr + row, (mm * K + j).to(tl.int64), mask=placed)
-                if EMIT_IDS:
-                    tl.store(expert_ids_ptr + row, local_j.to(tl.int32), mask=placed)
-                if HAS_W:
-                    w_j = tl.sum(tl.where(kk[None, :] == j, w, 0), axis=1)
-                    tl.store(w_out_ptr + row, w_j, mask=placed)
+            row = tl.gather(base, tl.maximum(local, 0).to(tl.int32), axis=1)  # base[m, local[m, j]]
+            row = tl.where(local >= 0, row, -1)
+            in_mk = in_m[:, None] & (kk[None, :] < K)
+            tl.store(row_ptr_ptr + mm[:, None] * K + kk[None, :], row.to(tl.int64), mask=in_mk)
+            tl.store(meta_ptr + mm[:, None] * (K + 2) + 2 + kk[None, :], row, mask=in_mk)
+            placed = (row >= 0) & in_mk
+            tl.store(pair_ptr + row, (mm[:, None] * K + kk[None, :]).to(tl.int64), mask=placed)
+            if EMIT_IDS:
+                tl.store(expert_ids_ptr + row, local.to(tl.int32), mask=placed)
+            if HAS_W:
+                tl.store(w_out_ptr + row, w, mask=placed)
             seen_l += tl.sum(onehot, axis=0)
 
 
