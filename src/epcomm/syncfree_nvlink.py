@@ -31,8 +31,10 @@ from .debug import phase
 _TOKEN_CHUNK = 64  # tokens per step when a send program counts the tokens before its own
 _WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
 _FILL = 1024  # expanded rows initialised per step by the plan kernel
-_PLAN_ELEMS = 8192  # one-hot elements per chunk of the plan kernel ([rows, local experts])
-_PLAN_WARPS = 8
+# One-hot elements ([rows, local experts]) per program of the plan kernels: 16 rows of 128 local experts, so that
+# a chunk is a few us of work and the chunks run in parallel.
+_PLAN_ELEMS = 2048
+_PLAN_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -146,18 +148,27 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
     pair_S = torch.empty(s, **i64) if call.do_expand else None
     expert_ids = torch.empty(s, **i32) if call.emit_expert_ids else None
     l_pow2 = triton.next_power_of_2(num_local)
-    with phase("plan_kernel"):
-        k.dispatch_plan[(1,)](
-            areas.local, counts_R, out_src_M, buf_out_X, src_rank_M, valid_M, local_idx_MK, meta, unaligned_L,
-            start_L, psum_rank, psum_expert, unaligned32, call.stats if call.stats is not None else unaligned32,
-            _bits(w) if w is not None else meta, _bits(w_out) if w is not None else meta, _or(row_ptr_MK, meta),
-            _or(pair_S, meta),
-            _or(expert_ids, meta), rank, s, call.expert_alignment, areas.rows_off, areas.hdr_off, spec.nbytes,
-            spec.offsets["topk"], spec.offsets["g"], spec.offsets.get("w", 0),
-            N=n, K=num_topk, R=num_ranks, L=num_local, HDR_COLS=areas.hdr_cols, EXPAND=call.do_expand,
-            HAS_W=w is not None, HAS_STATS=call.stats is not None, EMIT_IDS=expert_ids is not None,
-            K_POW2=triton.next_power_of_2(num_topk), R_POW2=triton.next_power_of_2(num_ranks), L_POW2=l_pow2,
-            MC=max(1, min(64, _PLAN_ELEMS // l_pow2)), FILL=_FILL, num_warps=_PLAN_WARPS)
+    rows_per_program = max(1, min(64, _PLAN_ELEMS // l_pow2))
+    num_chunks = triton.cdiv(m, rows_per_program)
+    chunk_counts = torch.empty(num_chunks, l_pow2, **i32)
+    w_bits = dict(w_in_ptr=_bits(w) if w is not None else meta, w_out_ptr=_bits(w_out) if w is not None else meta)
+    shape = dict(N=n, K=num_topk, R=num_ranks, L=num_local, EXPAND=call.do_expand, HAS_W=w is not None,
+                 EMIT_IDS=expert_ids is not None, K_POW2=triton.next_power_of_2(num_topk), L_POW2=l_pow2,
+                 MC=rows_per_program, num_warps=_PLAN_WARPS)
+    with phase("plan_kernels"):
+        k.dispatch_plan_rows[(num_chunks,)](
+            areas.local, counts_R, out_src_M, buf_out_X, src_rank_M, valid_M, local_idx_MK, meta, psum_rank,
+            chunk_counts, pair_ptr=_or(pair_S, meta), expert_ids_ptr=_or(expert_ids, meta), me=rank,
+            num_expanded=s, rows_off=areas.rows_off, hdr_off=areas.hdr_off, rec_bytes=spec.nbytes,
+            topk_off=spec.offsets["topk"], g_off=spec.offsets["g"], w_off=spec.offsets.get("w", 0),
+            HDR_COLS=areas.hdr_cols, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **w_bits, **shape)
+        k.dispatch_plan_experts[(num_chunks if call.do_expand else 1,)](
+            areas.local, out_src_M, local_idx_MK, meta, chunk_counts, unaligned_L, start_L, psum_expert, unaligned32,
+            call.stats if call.stats is not None else unaligned32, row_ptr_ptr=_or(row_ptr_MK, meta),
+            pair_ptr=_or(pair_S, meta), expert_ids_ptr=_or(expert_ids, meta), num_chunks=num_chunks,
+            alignment=call.expert_alignment, rows_off=areas.rows_off, rec_bytes=spec.nbytes,
+            w_off=spec.offsets.get("w", 0), HAS_STATS=call.stats is not None,
+            GC=max(1, min(64, 4096 // l_pow2)), **w_bits, **shape)
     recv = layout.RecvLayout(local_idx_MK=local_idx_MK, num_unaligned_L=unaligned_L, aligned_start_L=start_L,
                              row_ptr_MK=row_ptr_MK, num_expanded_rows=s)
     plan = pipeline.Plan(exact=False, blocked=True, send_splits=None, recv_splits=None,

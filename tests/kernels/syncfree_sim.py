@@ -4,7 +4,7 @@ Ranks are simulated one after another in one process: every rank's region is a s
 through the same 16-byte deltas as on GPU. Every rank's send kernel runs before any receive (what the barrier
 enforces on GPU). The expected values come from `pipeline.dispatch_finish` on receive areas filled by the torch
 twin of the push (`push_rows_torch`) with the generic send plan, so the two paths meet at the same records.
-Compared: recv_x (data, scales and their strides), recv_topk_idx, recv_topk_weights, every field of the handle and
+The plan kernels run with a few rows per program, so that the per-expert prefix sums cross programs. Compared: recv_x (data, scales and their strides), recv_topk_idx, recv_topk_weights, every field of the handle and
 of its plan, and the stats. Run as a script: `python syncfree_sim.py CASE` (the test sets TRITON_INTERPRET=1).
 """
 
@@ -17,6 +17,7 @@ import torch
 from epcomm import layout, pipeline
 from epcomm.fp8 import per_token_cast_to_fp8
 from epcomm.kernels.push import push_rows_torch
+from epcomm import syncfree_nvlink
 from epcomm.syncfree_nvlink import Areas, finish, send
 from epcomm.validate import XSpec
 
@@ -124,6 +125,8 @@ def same(a, b, what):
 
 
 def check(c, tokens, seed=0):
+    # Rows per plan program: a few (many programs, prefix sums across them) unless the case says otherwise.
+    syncfree_nvlink._PLAN_ELEMS = c.get("plan_elems", 8)
     gen = torch.Generator().manual_seed(seed)
     calls = [make_call(gen, t, c, r) for r, t in enumerate(tokens)]
     want = generic([clone_call(k) for k in calls], c["ranks"], c["n"])
@@ -152,7 +155,7 @@ def want_stats(call, handle):
 CASES = {
     # name: (config, tokens per rank)
     "bf16-non-expand": (dict(ranks=2, n=8, hidden=2112, dtype=torch.bfloat16, experts=8, topk=3,
-                             idx_dtype=torch.int64, w_dtype=torch.float32, stats=True), (6, 8)),
+                             idx_dtype=torch.int64, w_dtype=torch.float32, stats=True, plan_elems=2048), (6, 8)),
     "fp8-expand": (dict(ranks=3, n=5, hidden=256, dtype=torch.bfloat16, fp8="fp32", experts=12, topk=4,
                         idx_dtype=torch.int32, w_dtype=torch.float32, expand=True, alignment=4, emit=True,
                         col_major=True, stats=True, sf_col_major_in=True), (5, 0, 3)),

@@ -23,7 +23,7 @@ import triton.language as tl
 from ._signal_triton import _region
 
 _RUNTIME_INTS = ["num_tokens", "stride_x", "stride_sf_t", "stride_sf_p", "stride_topk", "stride_w", "me",
-                 "num_expanded", "alignment"]
+                 "num_expanded", "alignment", "num_chunks"]
 
 
 @triton.jit
@@ -146,122 +146,143 @@ def _onehot(local, kk, ll, K: tl.constexpr, MC: tl.constexpr, L_POW2: tl.constex
     return onehot
 
 
+@triton.jit
+def _source_counts(local_ptr, hdr_off, R: tl.constexpr, HDR_COLS: tl.constexpr, R_POW2: tl.constexpr):
+    """([R_POW2] rows from each source rank, their inclusive prefix sum), from the headers the senders wrote."""
+    rr = tl.arange(0, R_POW2)
+    hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int64))
+    count_r = tl.load(hdr + rr * HDR_COLS, mask=rr < R, other=0)
+    return count_r, tl.cumsum(count_r, axis=0)
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
-def dispatch_plan(
-    local_ptr, counts_ptr, out_src_ptr, buf_out_ptr, src_rank_ptr, valid_ptr, local_idx_ptr, meta_ptr,
-    unaligned_ptr, start_ptr, psum_rank_ptr, psum_expert_ptr, unaligned32_ptr, stats_ptr,
-    w_in_ptr, w_out_ptr, row_ptr_ptr, pair_ptr, expert_ids_ptr,
-    me, num_expanded, alignment, rows_off, hdr_off, rec_bytes, topk_off, g_off, w_off,
+def dispatch_plan_rows(
+    local_ptr, counts_ptr, out_src_ptr, buf_out_ptr, src_rank_ptr, valid_ptr, local_idx_ptr, meta_ptr, psum_rank_ptr,
+    chunk_counts_ptr, w_in_ptr, w_out_ptr, pair_ptr, expert_ids_ptr,
+    me, num_expanded, rows_off, hdr_off, rec_bytes, topk_off, g_off, w_off,
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, HDR_COLS: tl.constexpr,
-    EXPAND: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, EMIT_IDS: tl.constexpr,
+    EXPAND: tl.constexpr, HAS_W: tl.constexpr, EMIT_IDS: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, FILL: tl.constexpr,
 ):
-    """One program: the receiver-side plan of the M = R * N received rows (see the module docstring).
-
-    Rows go in chunks of MC: one batch of loads per chunk, then the top-k positions unrolled on registers (K <= 32),
-    so the live state is one [MC, L] one-hot and a chunk costs one memory latency, not K. Weights move as integers
-    of their width (`w_in_ptr` carries that type; the weights themselves are read from the records).
-    """
+    """Program g: rows g*MC .. of the M = R * N received rows: compaction, local expert ids, metadata, (non-expand)
+    weights, and the chunk's count of rows per local expert (`chunk_counts[g]`); with `EXPAND`, also its share of the
+    expanded rows set to empty (before `dispatch_plan_experts` places the pairs: stream order)."""
     M: tl.constexpr = R * N
+    g_id = tl.program_id(0)
     rr = tl.arange(0, R_POW2)
     kk = tl.arange(0, K_POW2)
     ll = tl.arange(0, L_POW2)
-    hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int64))
-    count_r = tl.load(hdr + rr * HDR_COLS, mask=rr < R, other=0)  # rows from each source rank
-    tl.store(counts_ptr + rr, count_r, mask=rr < R)
-    end_r = tl.cumsum(count_r, axis=0)
+    count_r, end_r = _source_counts(local_ptr, hdr_off, R, HDR_COLS, R_POW2)
     off_r = end_r - count_r
     total = tl.sum(count_r, axis=0)
-    tl.store(psum_rank_ptr + rr, end_r.to(tl.int32), mask=rr < R)
-    rows_u8 = local_ptr + rows_off
-    if EXPAND:  # expanded rows hold nothing until the second pass places the pairs
-        for s0 in range(0, num_expanded, FILL):
-            ss = s0 + tl.arange(0, FILL)
-            tl.store(pair_ptr + ss, tl.full([FILL], -1, tl.int64), mask=ss < num_expanded)
+    if g_id == 0:
+        tl.store(counts_ptr + rr, count_r, mask=rr < R)
+        tl.store(psum_rank_ptr + rr, end_r.to(tl.int32), mask=rr < R)
+    if EXPAND:  # this program's share of the expanded rows: empty until the pairs are placed
+        share = tl.cdiv(num_expanded, tl.num_programs(0))
+        for s0 in range(0, share, FILL):
+            ss = g_id * share + s0 + tl.arange(0, FILL)
+            inside = (ss < num_expanded) & (s0 + tl.arange(0, FILL) < share)
+            tl.store(pair_ptr + ss, tl.full([FILL], -1, tl.int64), mask=inside)
             if HAS_W:
-                tl.store(w_out_ptr + ss, tl.zeros([FILL], dtype=w_out_ptr.dtype.element_ty), mask=ss < num_expanded)
+                tl.store(w_out_ptr + ss, tl.zeros([FILL], dtype=w_out_ptr.dtype.element_ty), mask=inside)
             if EMIT_IDS:
-                tl.store(expert_ids_ptr + ss, tl.full([FILL], -1, tl.int32), mask=ss < num_expanded)
+                tl.store(expert_ids_ptr + ss, tl.full([FILL], -1, tl.int32), mask=inside)
 
-    # Pass 1: compaction, local expert ids, metadata, per-expert counts.
-    n_l = tl.zeros([L_POW2], dtype=tl.int32)
-    for m0 in range(0, M, MC):
-        mm = m0 + tl.arange(0, MC)
-        in_m = mm < M
-        # Output row m holds row k of source s's block (rows in ascending token key), if m < total.
-        src = tl.sum(((mm[:, None] >= end_r[None, :]) & (rr[None, :] < R)).to(tl.int32), axis=1)
-        valid = mm < total
-        k_in = mm - tl.sum(tl.where(rr[None, :] == src[:, None], off_r[None, :], 0), axis=1)
-        b = tl.where(valid, src * N + k_in, -1)
-        tl.store(out_src_ptr + mm, b.to(tl.int64), mask=in_m)
-        tl.store(src_rank_ptr + mm, tl.where(valid, src, -1).to(tl.int64), mask=in_m)
-        tl.store(valid_ptr + mm, valid, mask=in_m)
-        # Buffer row mm (block s = mm // N, row k = mm % N) goes to output row off[s] + k, if k < count[s].
-        bs = mm // N
-        bk = mm % N
-        b_off = tl.sum(tl.where(rr[None, :] == bs[:, None], off_r[None, :], 0), axis=1)
-        b_cnt = tl.sum(tl.where(rr[None, :] == bs[:, None], count_r[None, :], 0), axis=1)
-        tl.store(buf_out_ptr + mm, tl.where(bk < b_cnt, b_off + bk, -1).to(tl.int64), mask=in_m)
+    mm = g_id * MC + tl.arange(0, MC)
+    in_m = mm < M
+    # Output row m holds row k of source s's block (rows in ascending token key), if m < total.
+    src = tl.sum(((mm[:, None] >= end_r[None, :]) & (rr[None, :] < R)).to(tl.int32), axis=1)
+    valid = mm < total
+    k_in = mm - tl.sum(tl.where(rr[None, :] == src[:, None], off_r[None, :], 0), axis=1)
+    b = tl.where(valid, src * N + k_in, -1)
+    tl.store(out_src_ptr + mm, b.to(tl.int64), mask=in_m)
+    tl.store(src_rank_ptr + mm, tl.where(valid, src, -1).to(tl.int64), mask=in_m)
+    tl.store(valid_ptr + mm, valid, mask=in_m)
+    # Buffer row mm (block s = mm // N, row k = mm % N) goes to output row off[s] + k, if k < count[s].
+    bs = mm // N
+    bk = mm % N
+    b_off = tl.sum(tl.where(rr[None, :] == bs[:, None], off_r[None, :], 0), axis=1)
+    b_cnt = tl.sum(tl.where(rr[None, :] == bs[:, None], count_r[None, :], 0), axis=1)
+    tl.store(buf_out_ptr + mm, tl.where(bk < b_cnt, b_off + bk, -1).to(tl.int64), mask=in_m)
 
-        # One batch of loads per chunk (the top-k rows, keys and weights); the positions are unrolled on registers.
-        rec = rows_u8 + tl.maximum(b, 0).to(tl.int64) * rec_bytes
-        g = tl.load((rec + g_off).to(tl.pointer_type(tl.int64)), mask=valid, other=-1)
-        local = _local_ids(rec, topk_off, valid, me, K, L, K_POW2)  # [MC, K_POW2]
-        if HAS_W and not EXPAND:
+    rec = local_ptr + rows_off + tl.maximum(b, 0).to(tl.int64) * rec_bytes
+    g = tl.load((rec + g_off).to(tl.pointer_type(tl.int64)), mask=valid, other=-1)
+    local = _local_ids(rec, topk_off, valid, me, K, L, K_POW2)  # [MC, K_POW2]
+    in_mk = in_m[:, None] & (kk[None, :] < K)
+    tl.store(local_idx_ptr + mm[:, None] * K + kk[None, :], local.to(tl.int64), mask=in_mk)
+    last = tl.max(tl.where(local >= 0, kk[None, :], -1), axis=1)
+    meta = meta_ptr + mm * (K + 2)
+    tl.store(meta, tl.where(valid, g, -1).to(tl.int32), mask=in_m)
+    tl.store(meta + 1, tl.where(valid, src * K + last, -1).to(tl.int32), mask=in_m)
+    if not EXPAND:
+        tl.store(meta[:, None] + 2 + kk[None, :], tl.full([MC, K_POW2], -1, tl.int32), mask=in_mk)
+        if HAS_W:
             w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
-        in_mk = in_m[:, None] & (kk[None, :] < K)
-        tl.store(local_idx_ptr + mm[:, None] * K + kk[None, :], local.to(tl.int64), mask=in_mk)
-        last = tl.max(tl.where(local >= 0, kk[None, :], -1), axis=1)
-        meta = meta_ptr + mm * (K + 2)
-        tl.store(meta, tl.where(valid, g, -1).to(tl.int32), mask=in_m)
-        tl.store(meta + 1, tl.where(valid, src * K + last, -1).to(tl.int32), mask=in_m)
-        if not EXPAND:
-            tl.store(meta[:, None] + 2 + kk[None, :], tl.full([MC, K_POW2], -1, tl.int32), mask=in_mk)
-            if HAS_W:
-                tl.store(w_out_ptr + mm[:, None] * K + kk[None, :], w, mask=in_mk)
-        onehot = _onehot(local, kk, ll, K, MC, L_POW2)
-        n_l += tl.sum(onehot, axis=0)
+            tl.store(w_out_ptr + mm[:, None] * K + kk[None, :], w, mask=in_mk)
+    n_l = tl.sum(_onehot(local, kk, ll, K, MC, L_POW2), axis=0)
+    tl.store(chunk_counts_ptr + g_id * L_POW2 + ll, n_l)
 
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def dispatch_plan_experts(
+    local_ptr, out_src_ptr, local_idx_ptr, meta_ptr, chunk_counts_ptr, unaligned_ptr, start_ptr, psum_expert_ptr,
+    unaligned32_ptr, stats_ptr, w_in_ptr, w_out_ptr, row_ptr_ptr, pair_ptr, expert_ids_ptr,
+    num_chunks, alignment, rows_off, rec_bytes, w_off,
+    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    EXPAND: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, EMIT_IDS: tl.constexpr,
+    K_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, GC: tl.constexpr,
+):
+    """Program g (one program without `EXPAND`): per-expert counts and aligned starts from every chunk's counts;
+    program 0 stores them (and adds the stats). With `EXPAND`, program g places the pairs of rows g*MC ..: (row m,
+    position j) of expert e goes to start[e] + (rows before m that chose e), prefix sums in token-key order."""
+    M: tl.constexpr = R * N
+    g_id = tl.program_id(0)
+    kk = tl.arange(0, K_POW2)
+    ll = tl.arange(0, L_POW2)
+    n_l = tl.zeros([L_POW2], dtype=tl.int32)
+    before_l = tl.zeros([L_POW2], dtype=tl.int32)  # rows of the chunks before this one, per expert
+    for c0 in range(0, num_chunks, GC):
+        cc = c0 + tl.arange(0, GC)
+        counts = tl.load(chunk_counts_ptr + cc[:, None] * L_POW2 + ll[None, :], mask=cc[:, None] < num_chunks,
+                         other=0)
+        n_l += tl.sum(counts, axis=0)
+        before_l += tl.sum(tl.where(cc[:, None] < g_id, counts, 0), axis=0)
     aligned_l = (n_l + alignment - 1) // alignment * alignment
     start_l = tl.cumsum(aligned_l, axis=0) - aligned_l
-    tl.store(unaligned_ptr + ll, n_l.to(tl.int64), mask=ll < L)
-    tl.store(unaligned32_ptr + ll, n_l, mask=ll < L)
-    tl.store(start_ptr + ll, start_l.to(tl.int64), mask=ll < L)
+    if g_id == 0:
+        tl.store(unaligned_ptr + ll, n_l.to(tl.int64), mask=ll < L)
+        tl.store(unaligned32_ptr + ll, n_l, mask=ll < L)
+        tl.store(start_ptr + ll, start_l.to(tl.int64), mask=ll < L)
+        if EXPAND:
+            psum = start_l + n_l
+        else:
+            psum = start_l + aligned_l
+        tl.store(psum_expert_ptr + ll, psum, mask=ll < L)
+        if HAS_STATS:
+            stats = tl.load(stats_ptr + ll, mask=ll < L, other=0)
+            tl.store(stats_ptr + ll, stats + n_l, mask=ll < L)
     if EXPAND:
-        psum = start_l + n_l
-    else:
-        psum = start_l + aligned_l
-    tl.store(psum_expert_ptr + ll, psum, mask=ll < L)
-    if HAS_STATS:
-        stats = tl.load(stats_ptr + ll, mask=ll < L, other=0)
-        tl.store(stats_ptr + ll, stats + n_l, mask=ll < L)
-
-    if EXPAND:
-        tl.debug_barrier()  # the fills land before the scatters below (other threads, same addresses)
-        # Pass 2: (row m, position j) of expert e goes to start[e] + (rows before m that chose e).
-        seen_l = tl.zeros([L_POW2], dtype=tl.int32)
-        for m0 in range(0, M, MC):
-            mm = m0 + tl.arange(0, MC)
-            in_m = mm < M
-            bb = tl.load(out_src_ptr + mm, mask=in_m, other=-1)
-            rec = rows_u8 + tl.maximum(bb, 0).to(tl.int64) * rec_bytes
-            local = _local_ids(rec, topk_off, bb >= 0, me, K, L, K_POW2)
-            if HAS_W:
-                w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
-            onehot = _onehot(local, kk, ll, K, MC, L_POW2)
-            base = (start_l + seen_l)[None, :] + tl.cumsum(onehot, axis=0) - onehot
-            row = tl.gather(base, tl.maximum(local, 0).to(tl.int32), axis=1)  # base[m, local[m, j]]
-            row = tl.where(local >= 0, row, -1)
-            in_mk = in_m[:, None] & (kk[None, :] < K)
-            tl.store(row_ptr_ptr + mm[:, None] * K + kk[None, :], row.to(tl.int64), mask=in_mk)
-            tl.store(meta_ptr + mm[:, None] * (K + 2) + 2 + kk[None, :], row, mask=in_mk)
-            placed = (row >= 0) & in_mk
-            tl.store(pair_ptr + row, (mm[:, None] * K + kk[None, :]).to(tl.int64), mask=placed)
-            if EMIT_IDS:
-                tl.store(expert_ids_ptr + row, local.to(tl.int32), mask=placed)
-            if HAS_W:
-                tl.store(w_out_ptr + row, w, mask=placed)
-            seen_l += tl.sum(onehot, axis=0)
+        mm = g_id * MC + tl.arange(0, MC)
+        in_m = mm < M
+        in_mk = in_m[:, None] & (kk[None, :] < K)
+        local = tl.load(local_idx_ptr + mm[:, None] * K + kk[None, :], mask=in_mk, other=-1).to(tl.int32)
+        if HAS_W:
+            b = tl.load(out_src_ptr + mm, mask=in_m, other=-1)
+            rec = local_ptr + rows_off + tl.maximum(b, 0).to(tl.int64) * rec_bytes
+            w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
+        onehot = _onehot(local, kk, ll, K, MC, L_POW2)
+        base = (start_l + before_l)[None, :] + tl.cumsum(onehot, axis=0) - onehot
+        row = tl.gather(base, tl.maximum(local, 0), axis=1)  # base[m, local[m, j]]
+        row = tl.where(local >= 0, row, -1)
+        tl.store(row_ptr_ptr + mm[:, None] * K + kk[None, :], row.to(tl.int64), mask=in_mk)
+        tl.store(meta_ptr + mm[:, None] * (K + 2) + 2 + kk[None, :], row, mask=in_mk)
+        placed = (row >= 0) & in_mk
+        tl.store(pair_ptr + row, (mm[:, None] * K + kk[None, :]).to(tl.int64), mask=placed)
+        if EMIT_IDS:
+            tl.store(expert_ids_ptr + row, local, mask=placed)
+        if HAS_W:
+            tl.store(w_out_ptr + row, w, mask=placed)
 
 
 @triton.jit(do_not_specialize=["num_expanded"])
