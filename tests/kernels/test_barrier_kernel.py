@@ -4,22 +4,13 @@ Each case runs `barrier_sim.py` in a fresh interpreter (the interpreter flag mus
 imported). On GPU every nvlink test goes through this barrier; tests/test_gpu.py checks its timeout on 2x H200.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from interpreter import run_sim
 
 
 @pytest.mark.parametrize("case", ["barriers", "timeout"])
 def test_barrier_kernel(case):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    script = Path(__file__).with_name("barrier_sim.py")
-    res = subprocess.run([sys.executable, str(script), case], capture_output=True, env=env, timeout=300)
-    out = res.stdout.decode() + res.stderr.decode()
-    assert res.returncode == 0, out[-3000:]
-    assert res.stdout.decode().strip().endswith("ok")
+    out = run_sim("barrier_sim.py", case, timeout=300)
     if case == "timeout":
         assert "timed out waiting for rank" in out, out[-3000:]
