@@ -635,7 +635,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         try:
             with debug.phase("combine"), self._on_comm_stream(previous_event):
                 self._exchange_header(name, call_id, call.signature() if call else {}, err)
-                launched = pipeline.combine_launch(self, call, call_id)
+                if call is not None and syncfree_nvlink.combine_applies(self, call):
+                    launched = syncfree_nvlink.combine_launch(self, call, call_id)
+                else:
+                    launched = pipeline.combine_launch(self, call, call_id)
         except TimeoutError as e:
             self._mark_broken(name, e)
         inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]

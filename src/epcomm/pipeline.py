@@ -378,15 +378,20 @@ class CombineCall:
                     has_topk_weights=self.topk_weights is not None, do_cpu_sync=h._plan.exact)
 
 
+def combine_record_spec(x: Tensor, weights: Optional[Tensor], num_topk: int) -> RecordSpec:
+    """Record of a row going back in combine: the row, then the weights of its top-k positions."""
+    fields = [Field("x", x.dtype, (x.shape[1],))]
+    if weights is not None:
+        fields.append(Field("w", weights.dtype, (num_topk,)))
+    return RecordSpec(fields)
+
+
 def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
     """Expert side: build the rows going back (partials or pairs) and move them to their origins."""
     h, plan = call.handle, call.handle._plan
     num_topk, n, num_ranks = h.num_topk, h.num_max_tokens_per_rank, buf.num_ranks
     local_MK = plan.recv.local_idx_MK
-    fields = [Field("x", call.x.dtype, (call.x.shape[1],))]
-    if call.topk_weights is not None:
-        fields.append(Field("w", call.topk_weights.dtype, (num_topk,)))
-    spec = RecordSpec(fields)
+    spec = combine_record_spec(call.x, call.topk_weights, num_topk)
     if call.per_pair:
         cap = None if plan.exact else n * min(num_topk, plan.recv.aligned_start_L.shape[0])
         send_src_X, counts_R = epilogue.pair_rows_by_source(plan.recv.row_ptr_MK, plan.src_rank_M, num_ranks, cap)

@@ -1,17 +1,24 @@
-"""The fused sync-free dispatch on the nvlink transport: decode-sized `dispatch(do_cpu_sync=False)` in 3 kernels.
+"""The fused sync-free dispatch on the nvlink transport: decode-sized `dispatch(do_cpu_sync=False)` in 4 kernels,
+and the send of its combine in one.
 
 The generic sync-free path (pipeline.py) computes the layouts with ~100 small torch kernels, about 500 us per call
 in a CUDA graph at 128 tokens (2x H200), whatever the transport. At decode sizes this module does the same call
 as:
 
-    barrier -> dispatch_send (layout + records into peers + counts) -> barrier -> dispatch_plan -> dispatch_place
+    barrier -> dispatch_send (layout + records into peers + counts) -> barrier -> dispatch_plan_rows
+            -> dispatch_plan_experts -> dispatch_place
 
-with the kernels of `kernels/_syncfree_triton.py`. Outputs, handle and plan are the generic path's, value for
-value (the receive area holds the same records in the same blocked layout, so combine and cached dispatch run
-unchanged on the handle; tests/kernels/syncfree_sim.py checks every field under the interpreter, the GPU tests
-compare both paths bitwise). `EPBuffer.dispatch` picks it when the call is sync-free, non-cached, on nvlink, and
-`num_ranks * num_max_tokens_per_rank <= EPCOMM_FUSED_SYNC_FREE_ROWS` (the plan kernel is one program over the
-received rows: see docs/benchmarks.md for the measured crossover).
+with the kernels of `kernels/_syncfree_triton.py`. Outputs, handle and plan are the generic path's, value for value:
+the receive area holds the same records in the same blocked layout, and the kernels write every tensor of the
+handle and its plan, so combine and cached dispatch accept the handle unchanged. The combine of such a handle (not
+per pair) sends with `combine_send` between the same two barriers instead of pack + copy-engine writes; the
+reduction is the generic one. tests/kernels/syncfree_sim.py checks every field under the interpreter; the GPU tests
+compare both paths bitwise.
+
+`EPBuffer.dispatch` / `combine` pick these kernels on nvlink when the dispatch is sync-free and non-cached (combine:
+its handle came from one) and `num_ranks * num_max_tokens_per_rank <= EPCOMM_FUSED_SYNC_FREE_ROWS`: past that the
+per-chunk plan work grows with the worst-case rows and the generic path wins (benchmarks/syncfree_sweep.py,
+docs/benchmarks.md).
 
 Shape legend (docs/shapes.md): T tokens, H hidden, K top-k, R ranks, L local experts, N num_max_tokens_per_rank,
 M = R * N received rows, S expanded rows, P scale packs.
@@ -211,6 +218,38 @@ def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan)
     return out if sf_out is None else (out, epilogue.place_sf(sf_out, call.col_major_sf))
 
 
+def combine_applies(buf, call: pipeline.CombineCall) -> bool:
+    """Whether `combine` sends with `combine_send`: a handle of a sync-free dispatch (blocked rows) on nvlink, not
+    per pair, at decode sizes, rows a whole number of words."""
+    plan = call.handle._plan
+    return (getattr(buf.transport, "name", None) == "nvlink" and plan.blocked and plan.route is None
+            and not call.per_pair and buf.num_ranks * call.handle.num_max_tokens_per_rank
+            <= envs.fused_sync_free_rows() and (call.x.shape[1] * call.x.element_size()) % 4 == 0)
+
+
+def combine_send(areas: Areas, call: pipeline.CombineCall, rank: int, num_ranks: int):
+    """Launch `combine_send`: every received row (expand: the canonical sum of its expanded rows first) back into
+    its origin's receive area, with its weights. Returns the record layout (`pipeline.combine_record_spec`)."""
+    from .kernels import _syncfree_triton as k
+
+    import triton
+
+    h, plan = call.handle, call.handle._plan
+    n, num_topk = h.num_max_tokens_per_rank, h.num_topk
+    spec = pipeline.combine_record_spec(call.x, call.topk_weights, num_topk)
+    y = epilogue.expert_partials(call.x, plan.recv.row_ptr_MK) if h.do_expand else call.x
+    y_words = _words(y)
+    w = call.topk_weights
+    w_arg = _bits(w.contiguous()) if w is not None else y_words
+    if num_ranks * n:
+        k.combine_send[(num_ranks * n, triton.cdiv(y_words.shape[1], _WORDS_PER_PROGRAM))](
+            y_words, w_arg, _or(plan.recv.row_ptr_MK, plan.buf_out_X), plan.recv.local_idx_MK, plan.buf_out_X,
+            areas.local, areas.delta16, y_words.stride(0), rank, areas.rows_off, spec.nbytes, spec.offsets.get("w", 0),
+            N=n, K=num_topk, Y_WORDS=y_words.shape[1], EXPAND=h.do_expand, HAS_W=w is not None,
+            K_POW2=triton.next_power_of_2(num_topk), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
+    return spec
+
+
 # -- on a buffer ---------------------------------------------------------------------------------------------------
 def _areas(tr) -> Areas:
     return Areas(local=tr.region.local, delta16=tr.region.delta16, rows_off=tr.rows_off, hdr_off=tr.headers_off,
@@ -236,3 +275,22 @@ def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
 
 def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
     return finish(buf, _areas(buf.transport), call, launched)
+
+
+def combine_launch(buf, call: pipeline.CombineCall, call_id: int) -> dict:
+    """Barrier, `combine_send`, barrier; returns what `pipeline.combine_finish` reads (the records in place).
+
+    Raises:
+        ValueError: the receive area cannot hold R x N records of this call (every rank computes the same sizes).
+    """
+    tr = buf.transport
+    n = call.handle.num_max_tokens_per_rank
+    spec = pipeline.combine_record_spec(call.x, call.topk_weights, call.handle.num_topk)
+    tr.check_rows_fit(buf.num_ranks * n, spec.nbytes)
+    tr.barrier()
+    with phase("send_kernel"):
+        combine_send(_areas(tr), call, buf.rank, buf.num_ranks)
+    tr.barrier()
+    rows = buf.num_ranks * n
+    return dict(spec=spec, recv_XB=tr.region.peer(buf.rank, tr.rows_off, (rows * spec.nbytes,), torch.uint8).view(
+        rows, spec.nbytes))

@@ -5,7 +5,8 @@ through the same 16-byte deltas as on GPU. Every rank's send kernel runs before 
 enforces on GPU). The expected values come from `pipeline.dispatch_finish` on receive areas filled by the torch
 twin of the push (`push_rows_torch`) with the generic send plan, so the two paths meet at the same records.
 The plan kernels run with a few rows per program, so that the per-expert prefix sums cross programs. Compared: recv_x (data, scales and their strides), recv_topk_idx, recv_topk_weights, every field of the handle and
-of its plan, and the stats. Run as a script: `python syncfree_sim.py CASE` (the test sets TRITON_INTERPRET=1).
+of its plan, and the stats; then a combine on every rank's handle (`combine_send` against the generic launch, both
+reduced by `pipeline.combine_finish`). Run as a script: `python syncfree_sim.py CASE` (the test sets TRITON_INTERPRET=1).
 """
 
 import sys
@@ -89,18 +90,64 @@ def fused(calls, num_ranks, n):
     spec = pipeline.dispatch_record_spec(calls[0].x, calls[0].topk_idx.shape[1],
                                          None if calls[0].topk_weights is None else calls[0].topk_weights.dtype,
                                          with_routing=True)
-    size = ROWS_OFF + num_ranks * n * spec.nbytes
-    size += -size % 16
-    whole = torch.full((num_ranks * size,), 0xAB, dtype=torch.uint8)  # garbage where nothing was written
-    areas = [Areas(local=whole[r * size:(r + 1) * size], delta16=torch.tensor(
-        [(s - r) * size // 16 for s in range(num_ranks)], dtype=torch.int64), rows_off=ROWS_OFF, hdr_off=HDR_OFF,
-        hdr_cols=HDR_COLS) for r in range(num_ranks)]
+    areas = sim_areas(num_ranks, n, spec.nbytes)
     launched = [send(areas[r], call, r, num_ranks) for r, call in enumerate(calls)]
     out = []
     for me, call in enumerate(calls):
         buf = types.SimpleNamespace(rank=me, num_ranks=num_ranks, uid=7)
         out.append(finish(buf, areas[me], call, launched[me]))
     return out
+
+
+class TwinTransport:
+    """`push_rows` of the nvlink transport on simulated ranks: the torch twin writes into every rank's area."""
+
+    def __init__(self, areas, rank):
+        self.areas, self.rank = areas, rank
+
+    def push_rows(self, spec, tensors, src_X, cap, *, call_id):
+        num_ranks = len(self.areas)
+        push_rows_torch(self.areas, 0, spec, tensors, src_X, cap, self.rank)
+        return self.areas[self.rank][:num_ranks * cap * spec.nbytes].view(num_ranks * cap, spec.nbytes)
+
+
+def check_combine(c, handles, gen):
+    """combine on every rank's handle: the generic launch (records pushed by the torch twin) against combine_send,
+    both finished by `pipeline.combine_finish` (the reduction reads the records in place)."""
+    num_ranks, n = c["ranks"], c["n"]
+    dtype = c["dtype"] if c["dtype"] in (torch.bfloat16, torch.float16, torch.float32, torch.float64) else torch.bfloat16
+    calls = []
+    for h in handles:
+        rows = h.num_expanded_tokens if h.do_expand else h.num_recv_tokens
+        x = torch.randn(rows, c["hidden"], generator=gen).to(dtype)
+        w = None
+        if c.get("w_dtype"):
+            w = torch.rand((rows,) if h.do_expand else (rows, h.num_topk), generator=gen).to(
+                torch.float64 if dtype == torch.float64 else torch.float32)
+        calls.append(pipeline.CombineCall(x=x, handle=h, topk_weights=w, bias_0=None, bias_1=None, per_pair=False))
+    spec = pipeline.combine_record_spec(calls[0].x, calls[0].topk_weights, handles[0].num_topk)
+    twin_areas = [torch.zeros(num_ranks * n * spec.nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
+    bufs = [types.SimpleNamespace(rank=r, num_ranks=num_ranks, uid=7, device=torch.device("cpu"),
+                                  transport=TwinTransport(twin_areas, r)) for r in range(num_ranks)]
+    launched = [pipeline.combine_launch(bufs[r], calls[r], 0) for r in range(num_ranks)]
+    want = [pipeline.combine_finish(bufs[r], calls[r], launched[r]) for r in range(num_ranks)]
+    areas = sim_areas(num_ranks, n, spec.nbytes)
+    for r in range(num_ranks):
+        syncfree_nvlink.combine_send(areas[r], calls[r], r, num_ranks)
+    for r in range(num_ranks):
+        rows_XB = areas[r].local[ROWS_OFF: ROWS_OFF + num_ranks * n * spec.nbytes].view(num_ranks * n, spec.nbytes)
+        got = pipeline.combine_finish(bufs[r], calls[r], dict(spec=spec, recv_XB=rows_XB))
+        same(want[r], got, f"rank {r} combine")
+
+
+def sim_areas(num_ranks, n, rec_bytes):
+    """Every rank's region as a slice of one tensor (garbage where nothing was written), and the deltas."""
+    size = ROWS_OFF + num_ranks * n * rec_bytes
+    size += -size % 16
+    whole = torch.full((num_ranks * size,), 0xAB, dtype=torch.uint8)
+    return [Areas(local=whole[r * size:(r + 1) * size], delta16=torch.tensor(
+        [(s - r) * size // 16 for s in range(num_ranks)], dtype=torch.int64), rows_off=ROWS_OFF, hdr_off=HDR_OFF,
+        hdr_cols=HDR_COLS) for r in range(num_ranks)]
 
 
 def same(a, b, what):
@@ -145,6 +192,7 @@ def check(c, tokens, seed=0):
         assert gh._topk_idx is fused_calls[r].topk_idx
         if calls[r].stats is not None:
             same(want_stats(calls[r], wh), fused_calls[r].stats, f"rank {r} stats")
+    check_combine(c, [g[3] for g in got], gen)
     return want
 
 

@@ -309,3 +309,33 @@ def dispatch_place(
         pp = tl.arange(0, P_POW2)
         sf = tl.load((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, mask=pp < tl.where(b >= 0, P, 0), other=0)
         tl.store(sf_out_ptr + y * P + pp, sf, mask=pp < tl.where(c == 0, P, 0))
+
+
+@triton.jit(do_not_specialize=["stride_y", "me"])
+def combine_send(
+    y_ptr, w_ptr, row_ptr_ptr, local_idx_ptr, buf_out_ptr, local_ptr, delta16_ptr, stride_y, me, rows_off, rec_bytes,
+    w_off, N: tl.constexpr, K: tl.constexpr, Y_WORDS: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr,
+    K_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Program (b, c): send row b = s * N + k of a blocked combine (the row of output row `buf_out[b]`, if any) into
+    rank s's receive area at row `me * N + k`: block c of the data row; c = 0 also the weights, 0 where the expert
+    is not local (expand: the weight of each position's expanded row). `pipeline.combine_launch`'s records."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    m = tl.load(buf_out_ptr + b)
+    if m >= 0:
+        s = b // N
+        rec = _region(local_ptr, delta16_ptr, s) + rows_off + (me * N + b % N).to(tl.int64) * rec_bytes
+        ww = c * BLOCK_W + tl.arange(0, BLOCK_W)
+        v = tl.load(y_ptr + m * stride_y + ww, mask=ww < Y_WORDS)
+        tl.store(rec.to(tl.pointer_type(tl.int32)) + ww, v, mask=ww < Y_WORDS)
+        if HAS_W:
+            if c == 0:
+                kk = tl.arange(0, K_POW2)
+                local = tl.load(local_idx_ptr + m * K + kk, mask=kk < K, other=-1)
+                if EXPAND:
+                    row = tl.load(row_ptr_ptr + m * K + kk, mask=kk < K, other=-1)
+                    w = tl.load(w_ptr + tl.maximum(row, 0), mask=(row >= 0) & (local >= 0), other=0)
+                else:
+                    w = tl.load(w_ptr + m * K + kk, mask=local >= 0, other=0)
+                tl.store((rec + w_off).to(w_ptr.dtype) + kk, w, mask=kk < K)
