@@ -1,7 +1,8 @@
 """The fused sync-free dispatch (`epcomm.syncfree_nvlink`) against the generic sync-free path, by size: per-call p50
 of `dispatch(do_cpu_sync=False)` in a CUDA graph (`epcomm.bench.timing.Timer.measure_graph`, one call per graph
 and 8 per graph), slower of 2 ranks, dsv3 rows (hidden 7168, 256 experts, top-8, uniform routing), T = N tokens per
-rank. Also the combine of the resulting handle (the same code on both paths).
+rank. Also the combine of the resulting handle (`combine_send` on the fused path, pack + copy-engine writes on the
+generic one; the same reduction).
 
 Run on a machine with 2 GPUs: `python benchmarks/syncfree_sweep.py [N ...]`. The default of
 `EPCOMM_FUSED_SYNC_FREE_ROWS` (envs.py) comes from this sweep (docs/benchmarks.md).

@@ -89,15 +89,19 @@ def test_nvlink_reports_unchecked_hardware_requirements(capsys):
     assert any("peer access" in u for u in unchecked)
     assert any("ranks <= GPUs per host: 8 ranks" in u for u in unchecked)
     assert all("(needs hardware)" in u for u in unchecked)
-    assert any("nvlink adds: dispatch hidden * elem_size % 16 == 0" in p for p in status_lines(out, "PASS"))
+    assert any("nvlink dispatch rows are 14336 bytes: whole 4-byte words" in n for n in status_lines(out, "NOTE"))
     assert "device cuda" in out  # nvlink plans default to --device cuda
     assert rc == (1 if status_lines(out, "FAIL") else 0)
 
 
-def test_nvlink_hidden_alignment_fails(capsys):
+def test_nvlink_odd_hidden_is_a_note_not_a_failure(capsys):
+    """nvlink runs any hidden size (tests/test_gpu.py runs fp16 hidden 70); rows that are not whole 4-byte words
+    only skip the fused sync-free kernels."""
     rc, out = run(capsys, *EXAMPLE[:6], "--hidden", "7001", *EXAMPLE[8:], "--transport", "nvlink")
-    assert rc == 1
-    assert any("nvlink adds: combine hidden * elem_size % 16 == 0" in f for f in status_lines(out, "FAIL"))
+    assert not any("hidden" in f for f in status_lines(out, "FAIL"))
+    assert any("combine rows are 14002 bytes: not whole 4-byte words" in n for n in status_lines(out, "NOTE"))
+    assert any("R * num_max_tokens_per_rank = 131072 > EPCOMM_FUSED_SYNC_FREE_ROWS" in n
+               for n in status_lines(out, "NOTE"))
 
 
 def test_expand_walkthrough_uses_segments_and_given_num_bytes(capsys):

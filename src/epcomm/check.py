@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from . import fp8, layout, pipeline, sizing
+from . import envs, fp8, layout, pipeline, sizing
 from .records import Field, RecordSpec
 from .transport import base as transport_base
 from .validate import Checker, XSpec, check_capacity
@@ -197,8 +197,15 @@ def check_constraints(r: Report, a) -> tuple:
         r.line("UNCHECKED", f"(needs hardware) a CUDA build of torch >= 2.11 with symmetric memory on the GPU "
                             f"host (here: torch {torch.__version__})")
         for what, e in (("dispatch", elem_d), ("combine", elem_c)):
-            r.check(H * e % 16 == 0, f"nvlink adds: {what} hidden * elem_size % 16 == 0 (16-byte vector "
-                    f"accesses): {H} * {e} = {H * e}, % 16 = {H * e % 16}")
+            words = H * e % 4 == 0
+            r.line("NOTE", f"nvlink {what} rows are {H * e} bytes: "
+                   + ("whole 4-byte words, so sync-free calls at decode sizes take the fused kernels"
+                      if words else "not whole 4-byte words, so sync-free calls take the generic path"))
+        rows = R * a.tokens
+        r.line("NOTE", f"nvlink sync-free dispatch: R * num_max_tokens_per_rank = {rows} "
+               + ("<=" if rows <= envs.fused_sync_free_rows() else ">")
+               + f" EPCOMM_FUSED_SYNC_FREE_ROWS ({envs.fused_sync_free_rows()}): "
+               + ("the fused kernels" if rows <= envs.fused_sync_free_rows() else "the generic path"))
     else:
         r.line("PASS", "collective needs no hidden-size alignment and no peer access (docs/decisions.md)")
         if dev.type == "cuda":

@@ -126,7 +126,7 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -
 
 
 def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tuple:
-    """After the barrier: launch `dispatch_plan` and `dispatch_place`; returns dispatch's
+    """After the barrier: launch `dispatch_plan_rows`, `dispatch_plan_experts` and `dispatch_place`; returns dispatch's
     `(recv_x, recv_topk_idx, recv_topk_weights, handle)` (`pipeline.dispatch_finish`'s values)."""
     from .kernels import _syncfree_triton as k
 
@@ -188,7 +188,7 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
         buf, call, plan, num_recv_tokens_per_expert_list=[], psum_rank=psum_rank, psum_expert=psum_expert,
         unaligned=unaligned32, recv_src_metadata=meta, dst_buffer_slot_idx=launched["dst_slot_TK"],
         recv_expert_ids=expert_ids)
-    recv_topk_idx = None if call.do_expand else local_idx_MK.to(call.topk_idx.dtype)
+    recv_topk_idx = None if call.do_expand else local_idx_MK.to(call.topk_idx.dtype, copy=True)  # fresh: the plan keeps its own
     return recv_x, recv_topk_idx, w_out, handle
 
 
@@ -219,8 +219,8 @@ def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan)
 
 
 def combine_applies(buf, call: pipeline.CombineCall) -> bool:
-    """Whether `combine` sends with `combine_send`: a handle of a sync-free dispatch (blocked rows) on nvlink, not
-    per pair, at decode sizes, rows a whole number of words."""
+    """Whether `combine` sends with `combine_send`: a handle of a sync-free dispatch (blocked rows, whichever path made
+    it) on nvlink, not per pair, at decode sizes, rows a whole number of words."""
     plan = call.handle._plan
     return (getattr(buf.transport, "name", None) == "nvlink" and plan.blocked and plan.route is None
             and not call.per_pair and buf.num_ranks * call.handle.num_max_tokens_per_rank

@@ -86,7 +86,7 @@ def generic(calls, num_ranks, n):
 
 
 def fused(calls, num_ranks, n):
-    """The three kernels on simulated ranks: every send, then every plan and place."""
+    """The fused kernels on simulated ranks: every send, then every plan and place."""
     spec = pipeline.dispatch_record_spec(calls[0].x, calls[0].topk_idx.shape[1],
                                          None if calls[0].topk_weights is None else calls[0].topk_weights.dtype,
                                          with_routing=True)
@@ -209,10 +209,17 @@ CASES = {
                         col_major=True, stats=True, sf_col_major_in=True), (5, 0, 3)),
     "skewed-fp32": (dict(ranks=2, n=6, hidden=24, dtype=torch.float32, experts=6, topk=2, idx_dtype=torch.int64,
                          w_dtype=torch.float32, expand=True, skew=True), (6, 4)),
-    "ue8m0-fp16": (dict(ranks=2, n=4, hidden=512, dtype=torch.bfloat16, fp8="ue8m0", experts=4, topk=2,
+    "ue8m0-bf16": (dict(ranks=2, n=4, hidden=512, dtype=torch.bfloat16, fp8="ue8m0", experts=4, topk=2,
                         idx_dtype=torch.int64), (4, 3)),
     "fp16-odd-hidden": (dict(ranks=3, n=7, hidden=70, dtype=torch.float16, experts=9, topk=9, idx_dtype=torch.int64,
                              w_dtype=torch.float32, expand=True, alignment=3), (7, 2, 5)),
+    "topk1-five-ranks": (dict(ranks=5, n=3, hidden=32, dtype=torch.bfloat16, experts=10, topk=1,
+                              idx_dtype=torch.int64, w_dtype=torch.float32, expand=True, alignment=2),
+                         (3, 1, 0, 2, 3)),
+    "no-tokens": (dict(ranks=2, n=4, hidden=16, dtype=torch.bfloat16, experts=4, topk=2, idx_dtype=torch.int64,
+                       expand=True, emit=True, stats=True), (0, 0)),
+    "top32": (dict(ranks=2, n=3, hidden=8, dtype=torch.float32, experts=64, topk=32, idx_dtype=torch.int32,
+                   w_dtype=torch.float32, expand=True, alignment=8), (3, 2)),
     "one-rank-fp64": (dict(ranks=1, n=9, hidden=16, dtype=torch.float64, experts=5, topk=2, idx_dtype=torch.int64,
                            w_dtype=torch.float64), (9,)),
 }

@@ -1,20 +1,26 @@
-"""Triton bodies of the fused sync-free dispatch on NVLink (imported lazily by `syncfree_nvlink.py`).
+"""Triton bodies of the fused sync-free dispatch and combine send on NVLink (imported lazily by `syncfree_nvlink.py`).
 
-Three kernels replace the ~100 small kernels of the generic sync-free epilogue (pipeline.py) at decode sizes:
+Four dispatch kernels replace the ~100 small kernels of the generic sync-free path (pipeline.py) at decode sizes:
 
-* `dispatch_send` (one program per token slot): the sender-side layout of layout.py (rank dedup, slot of a token
-  among the tokens sent to a rank = tokens before it that go there), the token's record written straight into
-  every destination's receive area at row `me * N + slot` (the blocked layout of the generic path), and the
-  count of rows for each destination in its header;
-* `dispatch_plan` (one program): after the barrier, the receiver-side layout of pipeline._compaction and
-  layout.recv_layout from the counts and the records' top-k rows: compaction, local expert ids, per-expert
-  counts, aligned starts, expanded-row pointers (prefix sums in token-key order, no sort), the handle's
-  metadata and the weights in their final layout;
-* `dispatch_place` (one program per output row): the data row (and scales) from the receive area into the
-  output layout, zeros for rows that hold no token.
+* `dispatch_send` (program (token slot t, block c of the row)): the sender-side layout of layout.py (rank dedup;
+  the slot of a token among the tokens sent to a rank = the tokens before it that go there), block c of the token's
+  record written straight into every destination's receive area at row `me * N + slot` (the generic path's blocked
+  layout); c = 0 also the rest of the record, the handle's sender-side tensors and the counts in the destinations'
+  headers;
+* `dispatch_plan_rows` (program: a chunk of MC received rows): after the barrier, pipeline._compaction and the
+  row-wise part of layout.recv_layout from the counts and the records' top-k rows (compaction, local expert ids,
+  metadata, non-expand weights) and the chunk's count of rows per local expert;
+* `dispatch_plan_experts` (one program, or one per chunk with expand): per-expert counts and aligned starts from the
+  chunk counts; with expand, each chunk's expanded-row pointers (prefix sums in token-key order, no sort), pairs,
+  expert ids and weights;
+* `dispatch_place` (program (output row, block)): the data row (and scales) from the receive area into the output
+  layout, zeros for rows that hold no token.
+
+`combine_send` (program (send row, block)) sends a sync-free handle's rows back for `pipeline.combine_finish`.
 
 Every value is defined as the generic path defines it (tests/kernels/syncfree_sim.py compares them field by
-field). Words are copied as int32: callers check that rows are whole words.
+field). Rows are copied as int32 words, weights and scales as integers of their width: callers check that rows are
+whole words.
 """
 
 import triton
@@ -285,7 +291,7 @@ def dispatch_plan_experts(
             tl.store(w_out_ptr + row, w, mask=placed)
 
 
-@triton.jit(do_not_specialize=["num_expanded"])
+@triton.jit
 def dispatch_place(
     local_ptr, out_src_ptr, pair_ptr, out_ptr, sf_out_ptr, rows_off, rec_bytes, sf_off,
     X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, EXPAND: tl.constexpr, HAS_SF: tl.constexpr,
