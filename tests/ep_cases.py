@@ -369,12 +369,20 @@ def transport_name(rank: int, world: int):
 
 
 def handle_recv_topk_idx(rank: int, world: int):
-    """handle.recv_topk_idx equals the non-expand dispatch's recv_topk_idx."""
+    """handle.recv_topk_idx equals the non-expand dispatch's recv_topk_idx, and the returned tensor is the caller's:
+    editing it in place (as a grouped GEMM's remap might) changes neither the handle nor the combine."""
     gen = torch.Generator().manual_seed(rank)
     idx, w = random_routing(gen, 11, 8, 3)
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=11, hidden=8)
-    out = buf.dispatch(torch.randn(11, 8, generator=gen), idx, w, num_experts=8)
-    assert torch.equal(out[3].recv_topk_idx, out[1])
+    for sync in (True, False):
+        x = torch.randn(11, 8, generator=gen)
+        recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=8, do_cpu_sync=sync)
+        assert torch.equal(handle.recv_topk_idx, recv_idx)
+        before = buf.combine(recv_x, handle, topk_weights=recv_w)[:2]
+        recv_idx.fill_(-1)
+        assert not torch.equal(handle.recv_topk_idx, recv_idx) or recv_idx.numel() == 0
+        after = buf.combine(recv_x, handle, topk_weights=recv_w)[:2]
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
     return True
 
 
