@@ -2,7 +2,9 @@
 `num_gpu_timeout_secs`, print the missing rank and abort the kernel (run by tests/test_gpu.py and
 tests/test_lowlatency.py). `python device_timeout_script.py PORT CALL`, CALL one of:
 - `low-latency`: `low_latency_dispatch` (the low-latency kernels' flags);
-- `sync-free`: `dispatch(do_cpu_sync=False)` on the nvlink transport (the device barrier of its region).
+- `sync-free`: `dispatch(do_cpu_sync=False)` on the nvlink transport (the device barrier of its region);
+- `sync-free-bad-id`: both ranks make the second call, rank 0's with an expert id equal to num_experts: its fused
+  send kernel must name the token and abort (and rank 1 times out at the barrier, naming rank 0).
 """
 
 import os
@@ -33,7 +35,13 @@ def body(rank: int, world: int, port: int, call: str) -> None:
     make_call()  # both ranks (the low-latency region is allocated collectively)
     torch.cuda.synchronize()
     dist.barrier()
-    if rank == 0:
+    if call == "sync-free-bad-id":
+        if rank == 0:
+            idx[3, 1] = 8
+        make_call()
+        torch.cuda.synchronize()
+        print(f"rank {rank}: NO ERROR", flush=True)
+    elif rank == 0:
         make_call()
         torch.cuda.synchronize()  # the aborted kernel surfaces here as a CUDA error
         print("rank 0: NO ERROR", flush=True)
@@ -42,9 +50,9 @@ def body(rank: int, world: int, port: int, call: str) -> None:
     os._exit(0)
 
 
-def check_timeout_names_rank_1(call: str, port: int) -> None:
-    """Run this script for `call` in a fresh interpreter (the aborted kernel takes its process down) and check that
-    rank 0 failed with the device-side message naming rank 1 (used by the GPU tests)."""
+def run_aborting(call: str, port: int) -> str:
+    """Run this script for `call` in a fresh interpreter (an aborted kernel takes its process down); check that it
+    failed, and return its output."""
     import subprocess
     from pathlib import Path
 
@@ -52,7 +60,13 @@ def check_timeout_names_rank_1(call: str, port: int) -> None:
     res = subprocess.run([sys.executable, str(Path(__file__)), str(port), call], capture_output=True, env=env,
                          timeout=180)
     out = res.stdout.decode() + res.stderr.decode()
-    assert res.returncode != 0 and "NO ERROR" not in out, out[-3000:]
+    assert res.returncode != 0 and "rank 0: NO ERROR" not in out, out[-3000:]
+    return out
+
+
+def check_timeout_names_rank_1(call: str, port: int) -> None:
+    """Rank 0 failed with the device-side message naming rank 1 (used by the GPU tests)."""
+    out = run_aborting(call, port)
     assert "timed out waiting for rank: 1" in out, out[-3000:]
 
 

@@ -85,3 +85,11 @@ def test_nvlink_device_barrier_names_missing_rank():
     sync-free dispatch) ends the wait after num_gpu_timeout_secs with a message naming it, and the kernel aborts
     (docs/decisions.md, "Errors and timeouts")."""
     device_timeout_script.check_timeout_names_rank_1("sync-free", 29562)
+
+
+def test_fused_sync_free_dispatch_names_a_bad_expert_id():
+    """A sync-free dispatch checks no id values on the host; the fused send kernel names the token whose expert id is
+    outside [-1, num_experts) and aborts instead of dropping the selection (the peer then times out naming it)."""
+    out = device_timeout_script.run_aborting("sync-free-bad-id", 29563)
+    assert "topk_idx has an expert id outside [-1, num_experts) in token: 3" in out, out[-3000:]
+    assert "timed out waiting for rank: 0" in out, out[-3000:]

@@ -119,7 +119,8 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -
         N=n, X_WORDS=data.shape[1], P=num_packs, K=num_topk, R=num_ranks, L=call.num_experts // num_ranks,
         HDR_COLS=areas.hdr_cols, HAS_SF=sf is not None, HAS_W=w is not None,
         K_POW2=triton.next_power_of_2(num_topk), R_POW2=triton.next_power_of_2(num_ranks),
-        P_POW2=triton.next_power_of_2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
+        P_POW2=triton.next_power_of_2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=_WORDS_PER_PROGRAM,
+        USE_TRAP=device.type == "cuda", num_warps=4)
     send_layout = layout.SendLayout(num_tokens_per_rank_R=counts_R, token_slot_TR=token_slot_TR,
                                     last_pos_TR=last_pos_TR)
     return dict(send=send_layout, send_row_TR=send_row_TR, send_src_X=send_src_X, dst_slot_TK=dst_slot_TK,

@@ -225,10 +225,22 @@ CASES = {
 }
 
 
+def check_bad_expert_id():
+    """An expert id >= num_experts (sync-free calls check no values on the host): the send kernel names the token
+    (on GPU it then traps; the interpreter only prints)."""
+    c = dict(ranks=2, n=4, hidden=16, dtype=torch.bfloat16, experts=4, topk=2, idx_dtype=torch.int64)
+    call = make_call(torch.Generator().manual_seed(0), 3, c, 0)
+    call.topk_idx[2, 1] = c["experts"]
+    send(sim_areas(2, 4, 256)[0], call, 0, 2)
+
+
 if __name__ == "__main__":
-    names = sys.argv[1:] or list(CASES)
+    names = sys.argv[1:] or list(CASES) + ["bad-expert-id"]
     for name in names:
-        config, tokens = CASES[name]
-        check(config, tokens, seed=len(name))
+        if name == "bad-expert-id":
+            check_bad_expert_id()
+        else:
+            config, tokens = CASES[name]
+            check(config, tokens, seed=len(name))
         print(name, "ok")
     print("ok")

@@ -16,3 +16,8 @@ from syncfree_sim import CASES
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_syncfree_kernels(case):
     run_sim("syncfree_sim.py", case)
+
+
+def test_syncfree_send_names_a_bad_expert_id():
+    out = run_sim("syncfree_sim.py", "bad-expert-id")
+    assert "topk_idx has an expert id outside [-1, num_experts) in token" in out

@@ -49,6 +49,7 @@ def dispatch_send(
     N: tl.constexpr, X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     HDR_COLS: tl.constexpr, HAS_SF: tl.constexpr, HAS_W: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr, P_POW2: tl.constexpr, TC: tl.constexpr, BLOCK_W: tl.constexpr,
+    USE_TRAP: tl.constexpr,
 ):
     """Program (t, c): block c of token t's data row to every destination; c = 0 also the rest of the record, token t's
     sender-side layout and the holes of send rows t, N + t, ..."""
@@ -79,6 +80,13 @@ def dispatch_send(
         tl.store(hdr.to(tl.pointer_type(tl.int64)) + me * HDR_COLS, count_r.to(tl.int64), mask=rr < R)
     if t < num_tokens:
         dest_k, ids_k = _dest_ranks(topk_ptr, t, stride_topk, K, L, K_POW2)
+        if c == 0:  # a sync-free call checks no values on the host: an id out of range stops the kernel loudly
+            bad = tl.sum(((ids_k < -1) | (ids_k >= R * L)).to(tl.int32), axis=0)
+            if bad > 0:
+                tl.device_print("epcomm sync-free dispatch: topk_idx has an expert id outside [-1, num_experts) "
+                                "in token", t)
+                if USE_TRAP:
+                    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         hit = dest_k[:, None] == rr[None, :]  # [K_POW2, R_POW2]
         sent_r = tl.max(hit.to(tl.int32), axis=0) > 0
         last_r = tl.max(tl.where(hit, kk[:, None], -1), axis=0)
