@@ -4,7 +4,7 @@ tests/test_lowlatency.py). `python device_timeout_script.py PORT CALL`, CALL one
 - `low-latency`: `low_latency_dispatch` (the low-latency kernels' flags);
 - `sync-free`: `dispatch(do_cpu_sync=False)` on the nvlink transport (the device barrier of its region);
 - `sync-free-bad-id`: both ranks make the second call, rank 0's with an expert id equal to num_experts: its fused
-  send kernel must name the token and abort (and rank 1 times out at the barrier, naming rank 0).
+  send kernel must name the token and abort.
 """
 
 import os
