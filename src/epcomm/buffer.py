@@ -556,8 +556,12 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     self._on_comm_stream(previous_event):
                 if cached:
                     self._exchange_header(name, call_id, call.signature(2) if call else {}, err)
-                    launched = pipeline.cached_launch(self, call, call_id)
-                    finish = pipeline.cached_finish
+                    if syncfree_nvlink.cached_applies(self, call):
+                        launched = syncfree_nvlink.dispatch_cached_launch(self, call, call_id)
+                        finish = syncfree_nvlink.dispatch_cached_finish
+                    else:
+                        launched = pipeline.cached_launch(self, call, call_id)
+                        finish = pipeline.cached_finish
                 elif err is None and syncfree_nvlink.applies(self, call):  # decode sizes: 4 kernels, same results
                     launched = syncfree_nvlink.dispatch_launch(self, call, call_id)
                     finish = syncfree_nvlink.dispatch_finish

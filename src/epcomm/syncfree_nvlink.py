@@ -10,9 +10,10 @@ as:
 
 with the kernels of `kernels/_syncfree_triton.py`. Outputs, handle and plan are the generic path's, value for value:
 the receive area holds the same records in the same blocked layout, and the kernels write every tensor of the
-handle and its plan, so combine and cached dispatch accept the handle unchanged. The combine of such a handle (not
-per pair) sends with `combine_send` between the same two barriers instead of pack + copy-engine writes; the
-reduction is the generic one. tests/kernels/syncfree_sim.py checks every field under the interpreter; the GPU tests
+handle and its plan, so the generic combine and cached dispatch accept the handle. At the same sizes those two run
+fused as well: the combine (not per pair) sends with `combine_send` between the same two barriers instead of pack +
+copy-engine writes, then reduces as the generic path; a cached dispatch is `cached_send` between the barriers, then
+`dispatch_place` with the weights. tests/kernels/syncfree_sim.py checks every field under the interpreter; the GPU tests
 compare both paths bitwise.
 
 `EPBuffer.dispatch` / `combine` pick these kernels on nvlink when the dispatch is sync-free and non-cached (combine:
@@ -67,9 +68,10 @@ def applies(buf, call: pipeline.DispatchCall) -> bool:
     return buf.num_ranks * call.n <= envs.fused_sync_free_rows() and (x.shape[1] * x.element_size()) % 4 == 0
 
 
-def _spec(call: pipeline.DispatchCall):
+def _spec(call: pipeline.DispatchCall, with_routing: bool = True):
+    """The generic path's dispatch record (cached dispatch: without the routing fields)."""
     wdt = None if call.topk_weights is None else call.topk_weights.dtype
-    return pipeline.dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=True)
+    return pipeline.dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=with_routing)
 
 
 def _bits(t: Tensor) -> Tensor:
@@ -85,6 +87,15 @@ def _words(t: Tensor) -> Tensor:
     return t.view(torch.uint8).view(torch.int32) if t.element_size() == 1 else t.view(torch.int32)
 
 
+def _send_inputs(call: pipeline.DispatchCall) -> tuple:
+    """(data words [T, X], sf or None, sf bits, weights or None, weight bits): what the send kernels read."""
+    data = _words(call.x.data)
+    sf = call.x.sf if call.x.is_fp8 else None
+    w = call.topk_weights
+    return (data, sf, None if sf is None else _bits(sf), w,
+            None if w is None else _bits(w if w.stride(1) == 1 else w.contiguous()))
+
+
 def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -> dict:
     """Launch `dispatch_send`: every token's record into the receive areas of the ranks it goes to, and the
     sender-side layout. Returns the tensors `finish` needs."""
@@ -96,12 +107,8 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -
     num_tokens, num_topk = topk.shape
     n, device = call.n, areas.local.device
     spec = _spec(call)
-    data = _words(x.data)
-    sf = x.sf if x.is_fp8 else None
-    sf_arg = None if sf is None else _bits(sf)
+    data, sf, sf_arg, w, w_arg = _send_inputs(call)
     topk_arg = topk if topk.stride(1) == 1 else topk.contiguous()
-    w = call.topk_weights
-    w_arg = None if w is None else _bits(w if w.stride(1) == 1 else w.contiguous())
     token_slot_TR = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=device)
     last_pos_TR = torch.empty_like(token_slot_TR)
     send_row_TR = torch.empty_like(token_slot_TR)
@@ -185,7 +192,7 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
                          buf_out_X=buf_out_X, src_rank_M=src_rank_M, valid_M=valid_M, recv=recv,
                          send=launched["send"], pair_S=pair_S)
     with phase("place"):
-        recv_x = _place(areas, call, spec, plan)
+        recv_x, _ = _place(areas, call, spec, plan)
     handle = pipeline.new_handle(
         buf, call, plan, num_recv_tokens_per_expert_list=[], psum_rank=psum_rank, psum_expert=psum_expert,
         unaligned=unaligned32, recv_src_metadata=meta, dst_buffer_slot_idx=launched["dst_slot_TK"],
@@ -199,25 +206,33 @@ def _or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:
     return placeholder if t is None else t
 
 
-def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan):
-    """recv_x: the data rows (and scales) in the output layout, zeros where no token lands."""
+def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan, with_weights: bool = False):
+    """(recv_x, recv_topk_weights or None): the data rows (and scales) in the output layout, zeros where no token
+    lands; with `with_weights`, the weights too (cached dispatch; a full one gets them from the plan kernels)."""
     from .kernels import _syncfree_triton as k
 
     import triton
 
-    x = call.x
+    x, num_topk = call.x, call.topk_idx.shape[1]
     rows = plan.pair_S.shape[0] if call.do_expand else plan.out_src_M.shape[0]
     out = torch.empty(rows, x.hidden, dtype=x.data.dtype, device=areas.local.device)
     words = out.shape[1] * out.element_size() // 4
     num_packs = x.sf.shape[1] if x.is_fp8 else 1
     sf_out = torch.empty(rows, num_packs, dtype=x.sf.dtype, device=out.device) if x.is_fp8 else None
+    w_out = None
+    if with_weights and call.topk_weights is not None:
+        w_out = torch.empty((rows,) if call.do_expand else (rows, num_topk), dtype=call.topk_weights.dtype,
+                            device=out.device)
     if rows:
         k.dispatch_place[(rows, triton.cdiv(words, _WORDS_PER_PROGRAM))](
             areas.local, plan.out_src_M, _or(plan.pair_S, plan.out_src_M), out.view(torch.uint8).view(torch.int32),
-            sf_out.view(torch.int32) if sf_out is not None else out, areas.rows_off, spec.nbytes,
-            spec.offsets.get("sf", 0), X_WORDS=words, P=num_packs, K=call.topk_idx.shape[1], EXPAND=call.do_expand,
-            HAS_SF=x.is_fp8, P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
-    return out if sf_out is None else (out, epilogue.place_sf(sf_out, call.col_major_sf))
+            sf_out.view(torch.int32) if sf_out is not None else out, _bits(w_out) if w_out is not None else out,
+            plan.recv.local_idx_MK, areas.rows_off, spec.nbytes, spec.offsets.get("sf", 0), spec.offsets.get("w", 0),
+            X_WORDS=words, P=num_packs, K=num_topk, EXPAND=call.do_expand, HAS_SF=x.is_fp8, HAS_W=w_out is not None,
+            K_POW2=triton.next_power_of_2(num_topk), P_POW2=triton.next_power_of_2(num_packs),
+            BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
+    recv_x = out if sf_out is None else (out, epilogue.place_sf(sf_out, call.col_major_sf))
+    return recv_x, w_out
 
 
 def combine_applies(buf, call: pipeline.CombineCall) -> bool:
@@ -250,6 +265,46 @@ def combine_send(areas: Areas, call: pipeline.CombineCall, rank: int, num_ranks:
             N=n, K=num_topk, Y_WORDS=y_words.shape[1], EXPAND=h.do_expand, HAS_W=w is not None,
             K_POW2=triton.next_power_of_2(num_topk), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
     return spec
+
+
+def cached_applies(buf, call: pipeline.DispatchCall) -> bool:
+    """Whether a cached dispatch runs `cached_send` + `dispatch_place`: the handle of a sync-free dispatch (blocked
+    rows) on nvlink at decode sizes, rows a whole number of words."""
+    plan = call.handle._plan
+    x = call.x.data
+    return (getattr(buf.transport, "name", None) == "nvlink" and plan.blocked and plan.route is None
+            and buf.num_ranks * call.n <= envs.fused_sync_free_rows() and (x.shape[1] * x.element_size()) % 4 == 0)
+
+
+def cached_send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int):
+    """Launch `cached_send`: the handle's send rows (`plan.send_src_X`) of the new data, scales and weights into
+    the destinations' receive areas. Returns the record layout (`pipeline.cached_launch`'s)."""
+    from .kernels import _syncfree_triton as k
+
+    import triton
+
+    n, num_topk = call.n, call.topk_idx.shape[1]
+    spec = _spec(call, with_routing=False)
+    data, sf, sf_arg, w, w_arg = _send_inputs(call)
+    num_packs = sf.shape[1] if sf is not None else 1
+    if num_ranks * n:
+        k.cached_send[(num_ranks * n, triton.cdiv(data.shape[1], _WORDS_PER_PROGRAM))](
+            data, sf_arg if sf is not None else data, w_arg if w is not None else data, call.handle._plan.send_src_X,
+            areas.local, areas.delta16, data.stride(0), sf.stride(0) if sf is not None else 0,
+            sf.stride(1) if sf is not None else 0, w_arg.stride(0) if w is not None else 0, rank, areas.rows_off,
+            spec.nbytes, spec.offsets.get("sf", 0), spec.offsets.get("w", 0), N=n, X_WORDS=data.shape[1], P=num_packs,
+            K=num_topk, HAS_SF=sf is not None, HAS_W=w is not None, K_POW2=triton.next_power_of_2(num_topk),
+            P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
+    return spec
+
+
+def cached_finish(areas: Areas, call: pipeline.DispatchCall, spec) -> tuple:
+    """After the barrier: `dispatch_place` with the weights; returns the cached dispatch's
+    `(recv_x, recv_topk_idx, recv_topk_weights, handle)` (`pipeline.cached_finish`'s values)."""
+    plan = call.handle._plan
+    recv_x, recv_w = _place(areas, call, spec, plan, with_weights=True)
+    recv_topk_idx = None if call.do_expand else plan.recv.local_idx_MK.to(call.topk_idx.dtype, copy=True)
+    return recv_x, recv_topk_idx, recv_w, call.handle
 
 
 # -- on a buffer ---------------------------------------------------------------------------------------------------
@@ -296,3 +351,23 @@ def combine_launch(buf, call: pipeline.CombineCall, call_id: int) -> dict:
     rows = buf.num_ranks * n
     return dict(spec=spec, recv_XB=tr.region.peer(buf.rank, tr.rows_off, (rows * spec.nbytes,), torch.uint8).view(
         rows, spec.nbytes))
+
+
+def dispatch_cached_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
+    """Barrier, `cached_send`, barrier (as `dispatch_launch`).
+
+    Raises:
+        ValueError: the receive area cannot hold R x N records of this call.
+    """
+    tr = buf.transport
+    spec = _spec(call, with_routing=False)
+    tr.check_rows_fit(buf.num_ranks * call.n, spec.nbytes)
+    tr.barrier()
+    with phase("send_kernel"):
+        cached_send(_areas(tr), call, buf.rank, buf.num_ranks)
+    tr.barrier()
+    return dict(spec=spec, fused=True)
+
+
+def dispatch_cached_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
+    return cached_finish(_areas(buf.transport), call, launched["spec"])

@@ -6,7 +6,8 @@ enforces on GPU). The expected values come from `pipeline.dispatch_finish` on re
 twin of the push (`push_rows_torch`) with the generic send plan, so the two paths meet at the same records.
 The plan kernels run with a few rows per program, so that the per-expert prefix sums cross programs. Compared: recv_x (data, scales and their strides), recv_topk_idx, recv_topk_weights, every field of the handle and
 of its plan, and the stats; then a combine on every rank's handle (`combine_send` against the generic launch, both
-reduced by `pipeline.combine_finish`). Run as a script: `python syncfree_sim.py CASE` (the test sets TRITON_INTERPRET=1).
+reduced by `pipeline.combine_finish`) and a cached dispatch of new data on it (`cached_send` + `dispatch_place`
+against `pipeline.cached_launch` / `cached_finish`). Run as a script: `python syncfree_sim.py CASE` (the test sets TRITON_INTERPRET=1).
 """
 
 import sys
@@ -140,6 +141,31 @@ def check_combine(c, handles, gen):
         same(want[r], got, f"rank {r} combine")
 
 
+def check_cached(c, calls, handles, gen):
+    """Cached dispatch of new data and weights on every rank's handle: the generic launch (torch twin) and finish
+    against `cached_send` + `dispatch_place`."""
+    num_ranks, n = c["ranks"], c["n"]
+    cached = []
+    for call, h in zip(calls, handles):
+        fresh = make_call(gen, call.x.num_tokens, c, 0)  # new data and weights; the routing is the handle's
+        cached.append(pipeline.DispatchCall(**{f.name: getattr(call, f.name) for f in fields(call)} | dict(
+            x=fresh.x, topk_weights=fresh.topk_weights, stats=None, handle=h)))
+    spec = syncfree_nvlink._spec(cached[0], with_routing=False)
+    twin_areas = [torch.zeros(num_ranks * n * spec.nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
+    bufs = [types.SimpleNamespace(rank=r, num_ranks=num_ranks, uid=7, device=torch.device("cpu"),
+                                  transport=TwinTransport(twin_areas, r)) for r in range(num_ranks)]
+    launched = [pipeline.cached_launch(bufs[r], cached[r], 0) for r in range(num_ranks)]
+    want = [pipeline.cached_finish(bufs[r], cached[r], launched[r]) for r in range(num_ranks)]
+    areas = sim_areas(num_ranks, n, spec.nbytes)
+    for r in range(num_ranks):
+        syncfree_nvlink.cached_send(areas[r], cached[r], r, num_ranks)
+    for r in range(num_ranks):
+        got = syncfree_nvlink.cached_finish(areas[r], cached[r], spec)
+        for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+            same(want[r][i], got[i], f"rank {r} cached dispatch {what}")
+        assert got[3] is handles[r]
+
+
 def sim_areas(num_ranks, n, rec_bytes):
     """Every rank's region as a slice of one tensor (garbage where nothing was written), and the deltas."""
     size = ROWS_OFF + num_ranks * n * rec_bytes
@@ -193,6 +219,7 @@ def check(c, tokens, seed=0):
         if calls[r].stats is not None:
             same(want_stats(calls[r], wh), fused_calls[r].stats, f"rank {r} stats")
     check_combine(c, [g[3] for g in got], gen)
+    check_cached(c, fused_calls, [g[3] for g in got], gen)
     return want
 
 

@@ -16,7 +16,8 @@ Four dispatch kernels replace the ~100 small kernels of the generic sync-free pa
 * `dispatch_place` (program (output row, block)): the data row (and scales) from the receive area into the output
   layout, zeros for rows that hold no token.
 
-`combine_send` (program (send row, block)) sends a sync-free handle's rows back for `pipeline.combine_finish`.
+`combine_send` (program (send row, block)) sends a sync-free handle's rows back for `pipeline.combine_finish`;
+`cached_send` (program (send row, block)) sends a cached dispatch's rows, which `dispatch_place` (with weights) places.
 
 Every value is defined as the generic path defines it (tests/kernels/syncfree_sim.py compares them field by
 field). Rows are copied as int32 words, weights and scales as integers of their width: callers check that rows are
@@ -301,12 +302,13 @@ def dispatch_plan_experts(
 
 @triton.jit
 def dispatch_place(
-    local_ptr, out_src_ptr, pair_ptr, out_ptr, sf_out_ptr, rows_off, rec_bytes, sf_off,
-    X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, EXPAND: tl.constexpr, HAS_SF: tl.constexpr,
-    P_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
+    local_ptr, out_src_ptr, pair_ptr, out_ptr, sf_out_ptr, w_out_ptr, local_idx_ptr, rows_off, rec_bytes, sf_off,
+    w_off, X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, EXPAND: tl.constexpr, HAS_SF: tl.constexpr,
+    HAS_W: tl.constexpr, K_POW2: tl.constexpr, P_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Program (y, c): block c of output row y (expanded row y with `EXPAND`) from its receive-area record, zeros
-    without one; c = 0 also the scales."""
+    without one; c = 0 also the scales and, with `HAS_W` (cached dispatch: the plan kernels do not run), the weights:
+    [M, K] with 0 where the expert is not local, or [S] (the weight of the pair placed at the row, 0 for none)."""
     y = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if EXPAND:
@@ -323,6 +325,45 @@ def dispatch_place(
         pp = tl.arange(0, P_POW2)
         sf = tl.load((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, mask=pp < tl.where(b >= 0, P, 0), other=0)
         tl.store(sf_out_ptr + y * P + pp, sf, mask=pp < tl.where(c == 0, P, 0))
+    if HAS_W:
+        if c == 0:
+            w_in = (rec + w_off).to(w_out_ptr.dtype)
+            if EXPAND:
+                w = tl.load(w_in + tl.maximum(pair, 0) % K, mask=b >= 0, other=0)
+                tl.store(w_out_ptr + y, w)
+            else:
+                kk = tl.arange(0, K_POW2)
+                local = tl.load(local_idx_ptr + y * K + kk, mask=kk < K, other=-1)
+                w = tl.load(w_in + kk, mask=local >= 0, other=0)
+                tl.store(w_out_ptr + y * K + kk, w, mask=kk < K)
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_sf_t", "stride_sf_p", "stride_w", "me"])
+def cached_send(
+    x_ptr, sf_ptr, w_ptr, send_src_ptr, local_ptr, delta16_ptr, stride_x, stride_sf_t, stride_sf_p, stride_w, me,
+    rows_off, rec_bytes, sf_off, w_off, N: tl.constexpr, X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr,
+    HAS_SF: tl.constexpr, HAS_W: tl.constexpr, K_POW2: tl.constexpr, P_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Program (b, c): send row b = s * N + k of a cached dispatch (token `send_src[b]`, if any) into rank s's
+    receive area at row `me * N + k`: block c of the data row; c = 0 also its scales and weights
+    (`pipeline.cached_launch`'s records: data | scales | weights)."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(send_src_ptr + b)
+    if t >= 0:
+        rec = _region(local_ptr, delta16_ptr, b // N) + rows_off + (me * N + b % N).to(tl.int64) * rec_bytes
+        ww = c * BLOCK_W + tl.arange(0, BLOCK_W)
+        v = tl.load(x_ptr + t * stride_x + ww, mask=ww < X_WORDS)
+        tl.store(rec.to(tl.pointer_type(tl.int32)) + ww, v, mask=ww < X_WORDS)
+        if c == 0:
+            if HAS_SF:
+                pp = tl.arange(0, P_POW2)
+                sf = tl.load(sf_ptr + t * stride_sf_t + pp * stride_sf_p, mask=pp < P)
+                tl.store((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, sf, mask=pp < P)
+            if HAS_W:
+                kk = tl.arange(0, K_POW2)
+                w = tl.load(w_ptr + t * stride_w + kk, mask=kk < K)
+                tl.store((rec + w_off).to(w_ptr.dtype) + kk, w, mask=kk < K)
 
 
 @triton.jit(do_not_specialize=["stride_y", "me"])
