@@ -2,7 +2,7 @@
 of `dispatch(do_cpu_sync=False)` in a CUDA graph (`epcomm.bench.timing.Timer.measure_graph`, one call per graph
 and 8 per graph), slower of 2 ranks, dsv3 rows (hidden 7168, 256 experts, top-8, uniform routing), T = N tokens per
 rank. Also the combine of the resulting handle (`combine_send` on the fused path, pack + copy-engine writes on the
-generic one; the same reduction).
+generic one; the same reduction) and a cached dispatch on it (graph of 1 / graph of 8).
 
 Run on a machine with 2 GPUs: `python benchmarks/syncfree_sweep.py [N ...]`. The default of
 `EPCOMM_FUSED_SYNC_FREE_ROWS` (envs.py) comes from this sweep (docs/benchmarks.md).
@@ -52,11 +52,13 @@ def body(rank: int, world: int, port: int, sizes: list) -> None:
                 out = dispatch()
                 y = (out[0][0].float() if dtype == "fp8" else out[0]).bfloat16()
                 handle = out[3]
+                def cached():
+                    return buf.dispatch(x, handle=handle, topk_weights=w)
                 t = torch.tensor([p50_us(dispatch, 1), p50_us(dispatch, 8),
-                                  p50_us(lambda: buf.combine(y, handle, topk_weights=None if expand else out[2]), 1)],
-                                 device="cuda")
+                                  p50_us(lambda: buf.combine(y, handle, topk_weights=None if expand else out[2]), 1),
+                                  p50_us(cached, 1), p50_us(cached, 8)], device="cuda")
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                row.append(f"{path} {t[0]:.1f} / {t[1]:.1f} us (combine {t[2]:.1f})")
+                row.append(f"{path} {t[0]:.1f} / {t[1]:.1f} us (combine {t[2]:.1f}, cached {t[3]:.1f} / {t[4]:.1f})")
             os.environ.pop("EPCOMM_FUSED_SYNC_FREE_ROWS")
             lines.append(f"N=T={n} R*N={world * n} {dtype} {'expand' if expand else 'non-expand'}: "
                          + "; ".join(row))
