@@ -127,18 +127,27 @@ def check_combine(c, handles, gen):
                 torch.float64 if dtype == torch.float64 else torch.float32)
         calls.append(pipeline.CombineCall(x=x, handle=h, topk_weights=w, bias_0=None, bias_1=None, per_pair=False))
     spec = pipeline.combine_record_spec(calls[0].x, calls[0].topk_weights, handles[0].num_topk)
-    twin_areas = [torch.zeros(num_ranks * n * spec.nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
-    bufs = [types.SimpleNamespace(rank=r, num_ranks=num_ranks, uid=7, device=torch.device("cpu"),
-                                  transport=TwinTransport(twin_areas, r)) for r in range(num_ranks)]
-    launched = [pipeline.combine_launch(bufs[r], calls[r], 0) for r in range(num_ranks)]
-    want = [pipeline.combine_finish(bufs[r], calls[r], launched[r]) for r in range(num_ranks)]
-    areas = sim_areas(num_ranks, n, spec.nbytes)
-    for r in range(num_ranks):
-        syncfree_nvlink.combine_send(areas[r], calls[r], r, num_ranks)
+    bufs, want, areas = both_paths(calls, spec, n, pipeline.combine_launch, pipeline.combine_finish,
+                                   syncfree_nvlink.combine_send)
     for r in range(num_ranks):
         rows_XB = areas[r].local[ROWS_OFF: ROWS_OFF + num_ranks * n * spec.nbytes].view(num_ranks * n, spec.nbytes)
         got = pipeline.combine_finish(bufs[r], calls[r], dict(spec=spec, recv_XB=rows_XB))
         same(want[r], got, f"rank {r} combine")
+
+
+def both_paths(calls, spec, n, generic_launch, generic_finish, fused_send):
+    """Every rank's generic launch (records pushed by the torch twin) and finish, then every rank's fused send into
+    simulated regions: `(fake buffers, generic results, regions)`; the caller finishes the fused side."""
+    num_ranks = len(calls)
+    twin_areas = [torch.zeros(num_ranks * n * spec.nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
+    bufs = [types.SimpleNamespace(rank=r, num_ranks=num_ranks, uid=7, device=torch.device("cpu"),
+                                  transport=TwinTransport(twin_areas, r)) for r in range(num_ranks)]
+    launched = [generic_launch(bufs[r], calls[r], 0) for r in range(num_ranks)]
+    want = [generic_finish(bufs[r], calls[r], launched[r]) for r in range(num_ranks)]
+    areas = sim_areas(num_ranks, n, spec.nbytes)
+    for r in range(num_ranks):
+        fused_send(areas[r], calls[r], r, num_ranks)
+    return bufs, want, areas
 
 
 def check_cached(c, calls, handles, gen):
@@ -151,14 +160,8 @@ def check_cached(c, calls, handles, gen):
         cached.append(pipeline.DispatchCall(**{f.name: getattr(call, f.name) for f in fields(call)} | dict(
             x=fresh.x, topk_weights=fresh.topk_weights, stats=None, handle=h)))
     spec = syncfree_nvlink._spec(cached[0], with_routing=False)
-    twin_areas = [torch.zeros(num_ranks * n * spec.nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
-    bufs = [types.SimpleNamespace(rank=r, num_ranks=num_ranks, uid=7, device=torch.device("cpu"),
-                                  transport=TwinTransport(twin_areas, r)) for r in range(num_ranks)]
-    launched = [pipeline.cached_launch(bufs[r], cached[r], 0) for r in range(num_ranks)]
-    want = [pipeline.cached_finish(bufs[r], cached[r], launched[r]) for r in range(num_ranks)]
-    areas = sim_areas(num_ranks, n, spec.nbytes)
-    for r in range(num_ranks):
-        syncfree_nvlink.cached_send(areas[r], cached[r], r, num_ranks)
+    _, want, areas = both_paths(cached, spec, n, pipeline.cached_launch, pipeline.cached_finish,
+                                syncfree_nvlink.cached_send)
     for r in range(num_ranks):
         got = syncfree_nvlink.cached_finish(areas[r], cached[r], spec)
         for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
