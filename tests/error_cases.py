@@ -63,6 +63,7 @@ def scenarios():
         "do_expand_str": bad(do_expand=lambda a: "yes"),
         "num_sms_negative": bad(num_sms=lambda a: -3),
         "x_3d": bad(x=lambda a: a["x"].unsqueeze(0)),
+        "x_hidden_zero": bad(x=lambda a: a["x"][:, :0]),
         "x_meta_device": bad(x=lambda a: a["x"].to("meta")),
         "x_tuple_len3": bad(x=lambda a: (a["x"], a["x"], a["x"])),
         "too_many_tokens": bad(x=lambda a: torch.randn(N + 1, H).bfloat16(),

@@ -17,6 +17,7 @@ EXPECTED = {
     "do_expand_str": (TypeError, r"do_expand must be a bool, got str 'yes'"),
     "num_sms_negative": (ValueError, r"num_sms must be an int >= 0 \(0 = get_theoretical_num_sms\), got -3"),
     "x_3d": (ValueError, r"x must be 2-D, got shape \(1, 6, 32\)"),
+    "x_hidden_zero": (ValueError, r"x has shape \(6, 0\): hidden must be >= 1"),
     "x_meta_device": (ValueError, r"x is on meta but the buffer lives on cpu"),
     "x_tuple_len3": (ValueError, r"x as a tuple must be \(data, scales\), got 3 elements"),
     "too_many_tokens": (ValueError, r"x has 17 tokens but num_max_tokens_per_rank is 16"),

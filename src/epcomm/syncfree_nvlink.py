@@ -1,5 +1,5 @@
-"""The fused sync-free dispatch on the nvlink transport: decode-sized `dispatch(do_cpu_sync=False)` in 4 kernels,
-and the send of its combine in one.
+"""The fused sync-free path on the nvlink transport: decode-sized `dispatch(do_cpu_sync=False)` in 4 kernels, and
+the combine and cached dispatch on its handle with one send kernel each.
 
 The generic sync-free path (pipeline.py) computes the layouts with ~100 small torch kernels, about 500 us per call
 in a CUDA graph at 128 tokens (2x H200), whatever the transport. At decode sizes this module does the same call
@@ -16,8 +16,8 @@ copy-engine writes, then reduces as the generic path; a cached dispatch is `cach
 `dispatch_place` with the weights. tests/kernels/syncfree_sim.py checks every field under the interpreter; the GPU tests
 compare both paths bitwise.
 
-`EPBuffer.dispatch` / `combine` pick these kernels on nvlink when the dispatch is sync-free and non-cached (combine:
-its handle came from one) and `num_ranks * num_max_tokens_per_rank <= EPCOMM_FUSED_SYNC_FREE_ROWS` (default 4096).
+`EPBuffer.dispatch` / `combine` pick these kernels on nvlink for a sync-free dispatch, and for a combine (not per
+pair) or cached dispatch on a sync-free handle (from either path), when `num_ranks * num_max_tokens_per_rank <= EPCOMM_FUSED_SYNC_FREE_ROWS` (default 4096).
 On 2x H200 the fused dispatch takes 0.05-0.5x the generic time up to 4096 rows and loses BF16 non-expand at 8192:
 the send kernel's prefix count grows as T^2 and the plan with the worst-case rows
 (benchmarks/results/decode-syncfree_2xH200-NV18_2026-11-30.md).
@@ -80,10 +80,11 @@ def _bits(t: Tensor) -> Tensor:
 
 
 def _words(t: Tensor) -> Tensor:
-    """[T, H] of any 1/2/4-byte dtype as [T, H * size / 4] int32 (rows must be whole words; a copy if the row
-    stride is not)."""
+    """[T, H] of any 1/2/4-byte dtype as [T, H * size / 4] int32 (rows must be whole words; a fresh copy if the
+    start or the row stride is not: `contiguous()` would keep a misaligned start, or a one-row tensor's odd
+    stride, and the view would raise)."""
     if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 4 or t.data_ptr() % 4:
-        t = t.contiguous()
+        t = t.clone(memory_format=torch.contiguous_format)
     return t.view(torch.uint8).view(torch.int32) if t.element_size() == 1 else t.view(torch.int32)
 
 
@@ -164,6 +165,7 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
     pair_S = torch.empty(s, **i64) if call.do_expand else None
     expert_ids = torch.empty(s, **i32) if call.emit_expert_ids else None
     l_pow2 = triton.next_power_of_2(num_local)
+    stats = call.stats if call.stats is None or call.stats.is_contiguous() else call.stats.contiguous()
     rows_per_program = max(1, min(64, _PLAN_ELEMS // l_pow2))
     num_chunks = triton.cdiv(m, rows_per_program)
     chunk_counts = torch.empty(num_chunks, l_pow2, **i32)
@@ -180,11 +182,13 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
             HDR_COLS=areas.hdr_cols, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **w_bits, **shape)
         k.dispatch_plan_experts[(num_chunks if call.do_expand else 1,)](
             areas.local, out_src_M, local_idx_MK, meta, chunk_counts, unaligned_L, start_L, psum_expert, unaligned32,
-            call.stats if call.stats is not None else unaligned32, row_ptr_ptr=_or(row_ptr_MK, meta),
+            _or(stats, unaligned32), row_ptr_ptr=_or(row_ptr_MK, meta),
             pair_ptr=_or(pair_S, meta), expert_ids_ptr=_or(expert_ids, meta), num_chunks=num_chunks,
             alignment=call.expert_alignment, rows_off=areas.rows_off, rec_bytes=spec.nbytes,
-            w_off=spec.offsets.get("w", 0), HAS_STATS=call.stats is not None,
+            w_off=spec.offsets.get("w", 0), HAS_STATS=stats is not None,
             GC=max(1, min(64, 4096 // l_pow2)), **w_bits, **shape)
+    if stats is not call.stats:  # the kernel added into a contiguous copy of strided stats
+        call.stats.copy_(stats)
     recv = layout.RecvLayout(local_idx_MK=local_idx_MK, num_unaligned_L=unaligned_L, aligned_start_L=start_L,
                              row_ptr_MK=row_ptr_MK, num_expanded_rows=s)
     plan = pipeline.Plan(exact=False, blocked=True, send_splits=None, recv_splits=None,

@@ -90,9 +90,15 @@ def check_x(c: Checker, x, *, allow_fp8: bool) -> XSpec:
             c.fail(ValueError, f"x as a tuple must be (data, scales), got {len(x)} elements")
         data = c.tensor("x[0] (FP8 data)", x[0], ndim=2, dtypes=FP8_DTYPES)
         sf = c.tensor("x[1] (scales)", x[1], ndim=2, dtypes=(torch.float32, torch.int32), shape=(data.shape[0], None))
+        _require_hidden(c, "x[0] (FP8 data)", data)
         return XSpec(data, sf)
     data = c.tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    _require_hidden(c, "x", data)
     return XSpec(data, None)
+
+
+def _require_hidden(c: Checker, name: str, data: Tensor) -> None:
+    c.require(data.shape[1] >= 1, f"{name} has shape {tuple(data.shape)}: hidden must be >= 1")
 
 
 def weights_dtype(x_dtype: torch.dtype) -> torch.dtype:

@@ -37,8 +37,21 @@ def routing(gen, num_tokens, num_experts, num_topk, skew_to=None):
     return idx
 
 
+def as_view(x, how):
+    """x with the same values as a view the caller might pass: "misaligned" (a start 2 bytes past a word),
+    "odd-stride" (rows of a wider buffer whose row stride is not a whole number of words), or x itself."""
+    if how == "misaligned":
+        flat = torch.empty(x.numel() + 1, dtype=x.dtype)
+        out = flat[1:].view(x.shape)
+    elif how == "odd-stride":
+        out = torch.empty(x.shape[0], x.shape[1] + 1, dtype=x.dtype)[:, :x.shape[1]]
+    else:
+        return x
+    return out.copy_(x)
+
+
 def make_call(gen, num_tokens, c, rank):
-    x = torch.randn(num_tokens, c["hidden"], generator=gen).to(c["dtype"])
+    x = as_view(torch.randn(num_tokens, c["hidden"], generator=gen).to(c["dtype"]), c.get("x_view"))
     sf = None
     if c.get("fp8"):
         x, sf = per_token_cast_to_fp8(x.float(), use_ue8m0=c["fp8"] == "ue8m0")
@@ -46,8 +59,9 @@ def make_call(gen, num_tokens, c, rank):
             sf = sf.t().contiguous().t()
     topk = routing(gen, num_tokens, c["experts"], c["topk"], c.get("skew") and (0, c["ranks"])).to(c["idx_dtype"])
     w = torch.rand(num_tokens, c["topk"], generator=gen).to(c["w_dtype"]) if c.get("w_dtype") else None
-    stats = torch.randint(0, 100, (c["experts"] // c["ranks"],), generator=gen, dtype=torch.int32) \
+    stats = torch.randint(0, 100, (c["experts"] // c["ranks"] * 2,), generator=gen, dtype=torch.int32) \
         if c.get("stats") else None
+    stats = stats[::2] if c.get("stats") == "strided" else (None if stats is None else stats[:stats.numel() // 2])
     return pipeline.DispatchCall(
         x=XSpec(x, sf), topk_idx=topk, topk_weights=w, stats=stats, num_experts=c["experts"], n=c["n"],
         expert_alignment=c.get("alignment", 1), do_cpu_sync=False, do_expand=c.get("expand", False),
@@ -56,7 +70,9 @@ def make_call(gen, num_tokens, c, rank):
 
 
 def clone_call(call):
-    stats = None if call.stats is None else call.stats.clone()
+    # The same strides: a strided stats tensor stays strided.
+    stats = None if call.stats is None else torch.empty_strided(call.stats.shape, call.stats.stride(),
+                                                                dtype=call.stats.dtype).copy_(call.stats)
     return pipeline.DispatchCall(**{f.name: getattr(call, f.name) for f in fields(call)} | {"stats": stats})
 
 
@@ -120,7 +136,7 @@ def check_combine(c, handles, gen):
     calls = []
     for h in handles:
         rows = h.num_expanded_tokens if h.do_expand else h.num_recv_tokens
-        x = torch.randn(rows, c["hidden"], generator=gen).to(dtype)
+        x = as_view(torch.randn(rows, c["hidden"], generator=gen).to(dtype), c.get("x_view"))
         w = None
         if c.get("w_dtype"):
             w = torch.rand((rows,) if h.do_expand else (rows, h.num_topk), generator=gen).to(
@@ -250,6 +266,11 @@ CASES = {
                        expand=True, emit=True, stats=True), (0, 0)),
     "top32": (dict(ranks=2, n=3, hidden=8, dtype=torch.float32, experts=64, topk=32, idx_dtype=torch.int32,
                    w_dtype=torch.float32, expand=True, alignment=8), (3, 2)),
+    "views": (dict(ranks=2, n=3, hidden=40, dtype=torch.bfloat16, experts=4, topk=2, idx_dtype=torch.int64,
+                   w_dtype=torch.float32, stats="strided", x_view="misaligned"), (3, 2)),
+    "one-token-odd-stride": (dict(ranks=2, n=1, hidden=40, dtype=torch.bfloat16, experts=4, topk=2,
+                                  idx_dtype=torch.int64, w_dtype=torch.float32, expand=True, x_view="odd-stride"),
+                             (1, 1)),
     "one-rank-fp64": (dict(ranks=1, n=9, hidden=16, dtype=torch.float64, experts=5, topk=2, idx_dtype=torch.int64,
                            w_dtype=torch.float64), (9,)),
 }

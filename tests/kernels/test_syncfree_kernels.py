@@ -3,7 +3,8 @@
 Each case runs `syncfree_sim.py` in a fresh interpreter (the interpreter flag must be set before triton is
 imported): BF16 / FP8 (fp32 and packed UE8M0 scales, column-major outputs) / FP16 / FP32 / FP64 rows, both layouts,
 alignment, expert ids, stats, weights, skewed routing (a rank receives nothing), ranks with no tokens, top-k 1 and
-32, one and five ranks; then a combine on every handle.
+32, one and five ranks; then a combine and a cached dispatch on every handle; strided stats, misaligned and odd-stride
+inputs.
 The GPU suite runs the same kernels on 2x H200 against the generic path (tests/test_gpu.py).
 """
 

@@ -13,8 +13,8 @@ Four dispatch kernels replace the ~100 small kernels of the generic sync-free pa
 * `dispatch_plan_experts` (one program, or one per chunk with expand): per-expert counts and aligned starts from the
   chunk counts; with expand, each chunk's expanded-row pointers (prefix sums in token-key order, no sort), pairs,
   expert ids and weights;
-* `dispatch_place` (program (output row, block)): the data row (and scales) from the receive area into the output
-  layout, zeros for rows that hold no token.
+* `dispatch_place` (program (output row, block)): the data row (and scales; for a cached dispatch, the weights) from
+  the receive area into the output layout, zeros for rows that hold no token.
 
 `combine_send` (program (send row, block)) sends a sync-free handle's rows back for `pipeline.combine_finish`;
 `cached_send` (program (send row, block)) sends a cached dispatch's rows, which `dispatch_place` (with weights) places.
