@@ -52,6 +52,7 @@ def body(rank: int, world: int, port: int, sizes: list) -> None:
                 out = dispatch()
                 y = (out[0][0].float() if dtype == "fp8" else out[0]).bfloat16()
                 handle = out[3]
+
                 def cached():
                     return buf.dispatch(x, handle=handle, topk_weights=w)
                 t = torch.tensor([p50_us(dispatch, 1), p50_us(dispatch, 8),
