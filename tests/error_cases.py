@@ -6,6 +6,7 @@ must raise the same class (docs/decisions.md "Errors and timeouts").
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -227,14 +228,20 @@ def construct_one_bad(rank: int, world: int, kind: str):
                        "timeout_type": dict(num_cpu_timeout_secs="5"), "dtype": dict(dtype=torch.int8),
                        "transport": dict(transport="collective"),
                        "tokens": dict(num_max_tokens_per_rank=N + 1),
-                       "size": dict(num_bytes=4 << 20)}[kind])
+                       "size": dict(num_bytes=4 << 20), "env": {}}[kind])
     if rank == 0 and kind == "transport":
         kwargs["transport"] = "auto"
+    env = "EPCOMM_FUSED_SYNC_FREE_ROWS"
+    if rank == 1 and kind == "env":
+        os.environ[env] = "4k"
     start = time.monotonic()
     try:
         epcomm.EPBuffer(None, **kwargs)
     except (TypeError, ValueError) as e:
         return type(e).__name__, str(e), time.monotonic() - start
+    finally:
+        if kind == "env":
+            os.environ.pop(env, None)
     return None
 
 

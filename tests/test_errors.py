@@ -156,6 +156,7 @@ def test_nvlink_on_cpu_names_the_rank(run_ranks):
     ("timeout", ValueError, r"num_cpu_timeout_secs must be > 0 seconds, got -1"),
     ("timeout_type", TypeError, r"num_cpu_timeout_secs must be a number of seconds, got str"),
     ("dtype", TypeError, r"dtype must be a float dtype .* got torch.int8"),
+    ("env", ValueError, r"EPCOMM_FUSED_SYNC_FREE_ROWS must be an integer >= 0, got '4k'"),
 ])
 def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind, exc, pattern):
     out = run_ranks(2, error_cases.construct_one_bad, kind)

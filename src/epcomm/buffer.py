@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, debug, pipeline, resolve, sizing, streams, syncfree_nvlink
+from . import agreement, debug, envs, pipeline, resolve, sizing, streams, syncfree_nvlink
 from .allocator import BufferAllocator
 from .events import EventHandle
 from .handle import EPHandle
@@ -145,6 +145,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                       f"{num_bytes}")
             # Sets num_lb_bytes, lb_allocation_plan and lb_storage; materializes a plan (local, lb.py).
             self._init_lb_region(lb_allocation_plan_or_num_bytes)
+            envs.check_all()
         except (TypeError, ValueError) as e:
             err = e
         self.num_bytes = num_bytes

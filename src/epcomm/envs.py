@@ -38,6 +38,18 @@ def pull_chunks() -> int:
     return int(value)
 
 
+def check_all() -> None:
+    """Parse every `EPCOMM_*` value now (EPBuffer construction), so that a bad one raises on every rank at once
+    rather than in the first call that reads it.
+
+    Raises:
+        ValueError: a variable's value is not one its table row allows.
+    """
+    nvlink_push()
+    pull_chunks()
+    fused_sync_free_rows()
+
+
 def fused_sync_free_rows() -> int:
     value = os.environ.get("EPCOMM_FUSED_SYNC_FREE_ROWS", "")
     if value == "":
