@@ -264,7 +264,8 @@ def dispatch_finish(buf, call: DispatchCall, launched: dict):
                 pair_S=pair_S, route=launched["route"])
     with phase("place"):
         recv_x, recv_w = _place(call, launched, plan)
-    recv_topk_idx = None if call.do_expand else recv.local_idx_MK.to(call.topk_idx.dtype, copy=True)  # fresh: the plan keeps its own
+    # A fresh tensor: the plan keeps its own local ids.
+    recv_topk_idx = None if call.do_expand else recv.local_idx_MK.to(call.topk_idx.dtype, copy=True)
     if call.stats is not None:
         call.stats += recv.num_unaligned_L.to(call.stats.dtype)
     with phase("handle"):
@@ -353,7 +354,8 @@ def cached_launch(buf, call: DispatchCall, call_id: int) -> dict:
 def cached_finish(buf, call: DispatchCall, launched: dict):
     plan: Plan = call.handle._plan
     recv_x, recv_w = _place(call, launched, plan)
-    recv_topk_idx = None if call.do_expand else plan.recv.local_idx_MK.to(call.topk_idx.dtype, copy=True)  # fresh: the plan keeps its own
+    # A fresh tensor: the plan keeps its own local ids.
+    recv_topk_idx = None if call.do_expand else plan.recv.local_idx_MK.to(call.topk_idx.dtype, copy=True)
     return recv_x, recv_topk_idx, recv_w, call.handle
 
 

@@ -17,7 +17,8 @@ copy-engine writes, then reduces as the generic path; a cached dispatch is `cach
 compare both paths bitwise.
 
 `EPBuffer.dispatch` / `combine` pick these kernels on nvlink for a sync-free dispatch, and for a combine (not per
-pair) or cached dispatch on a sync-free handle (from either path), when `num_ranks * num_max_tokens_per_rank <= EPCOMM_FUSED_SYNC_FREE_ROWS` (default 4096).
+pair) or cached dispatch on a sync-free handle (from either path), when
+`num_ranks * num_max_tokens_per_rank <= EPCOMM_FUSED_SYNC_FREE_ROWS` (default 4096).
 On 2x H200 the fused dispatch takes 0.05-0.5x the generic time up to 4096 rows and loses BF16 non-expand at 8192:
 the send kernel's prefix count grows as T^2 and the plan with the worst-case rows
 (benchmarks/results/decode-syncfree_2xH200-NV18_2026-11-30.md).
@@ -60,12 +61,20 @@ class Areas:
     hdr_cols: int
 
 
+def _fits(buf, n: int, x: Tensor) -> bool:
+    """nvlink, `R * n` rows within `EPCOMM_FUSED_SYNC_FREE_ROWS`, and rows of `x` that are whole 4-byte words."""
+    return (getattr(buf.transport, "name", None) == "nvlink" and buf.num_ranks * n <= envs.fused_sync_free_rows()
+            and (x.shape[1] * x.element_size()) % 4 == 0)
+
+
+def _sync_free_handle(handle) -> bool:
+    """A handle of a sync-free dispatch (blocked rows, no exact route), whichever path made it."""
+    return handle._plan.blocked and handle._plan.route is None
+
+
 def applies(buf, call: pipeline.DispatchCall) -> bool:
-    """Whether `dispatch` takes the fused path for this (resolved, valid) call."""
-    if getattr(buf.transport, "name", None) != "nvlink" or call.do_cpu_sync or call.handle is not None:
-        return False
-    x = call.x.data
-    return buf.num_ranks * call.n <= envs.fused_sync_free_rows() and (x.shape[1] * x.element_size()) % 4 == 0
+    """Whether `dispatch` takes the fused path for this (resolved, valid, non-cached) call."""
+    return not call.do_cpu_sync and call.handle is None and _fits(buf, call.n, call.x.data)
 
 
 def _spec(call: pipeline.DispatchCall, with_routing: bool = True):
@@ -97,9 +106,9 @@ def _send_inputs(call: pipeline.DispatchCall) -> tuple:
             None if w is None else _bits(w if w.stride(1) == 1 else w.contiguous()))
 
 
-def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -> dict:
-    """Launch `dispatch_send`: every token's record into the receive areas of the ranks it goes to, and the
-    sender-side layout. Returns the tensors `finish` needs."""
+def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, spec) -> dict:
+    """Launch `dispatch_send`: every token's record (layout `spec`, `_spec(call)`) into the receive areas of the ranks
+    it goes to, and the sender-side layout. Returns the tensors `finish` needs."""
     from .kernels import _syncfree_triton as k
 
     import triton
@@ -107,7 +116,6 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int) -
     x, topk = call.x, call.topk_idx
     num_tokens, num_topk = topk.shape
     n, device = call.n, areas.local.device
-    spec = _spec(call)
     data, sf, sf_arg, w, w_arg = _send_inputs(call)
     topk_arg = topk if topk.stride(1) == 1 else topk.contiguous()
     token_slot_TR = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=device)
@@ -201,7 +209,8 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
         buf, call, plan, num_recv_tokens_per_expert_list=[], psum_rank=psum_rank, psum_expert=psum_expert,
         unaligned=unaligned32, recv_src_metadata=meta, dst_buffer_slot_idx=launched["dst_slot_TK"],
         recv_expert_ids=expert_ids)
-    recv_topk_idx = None if call.do_expand else local_idx_MK.to(call.topk_idx.dtype, copy=True)  # fresh: the plan keeps its own
+    # A fresh tensor: the plan keeps its own local ids.
+    recv_topk_idx = None if call.do_expand else local_idx_MK.to(call.topk_idx.dtype, copy=True)
     return recv_x, recv_topk_idx, w_out, handle
 
 
@@ -240,24 +249,20 @@ def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan,
 
 
 def combine_applies(buf, call: pipeline.CombineCall) -> bool:
-    """Whether `combine` sends with `combine_send`: a handle of a sync-free dispatch (blocked rows, whichever path made
-    it) on nvlink, not per pair, at decode sizes, rows a whole number of words."""
-    plan = call.handle._plan
-    return (getattr(buf.transport, "name", None) == "nvlink" and plan.blocked and plan.route is None
-            and not call.per_pair and buf.num_ranks * call.handle.num_max_tokens_per_rank
-            <= envs.fused_sync_free_rows() and (call.x.shape[1] * call.x.element_size()) % 4 == 0)
+    """Whether `combine` sends with `combine_send`: a sync-free handle, not per pair, at decode sizes."""
+    return (not call.per_pair and _sync_free_handle(call.handle)
+            and _fits(buf, call.handle.num_max_tokens_per_rank, call.x))
 
 
-def combine_send(areas: Areas, call: pipeline.CombineCall, rank: int, num_ranks: int):
+def combine_send(areas: Areas, call: pipeline.CombineCall, rank: int, num_ranks: int, spec) -> None:
     """Launch `combine_send`: every received row (expand: the canonical sum of its expanded rows first) back into
-    its origin's receive area, with its weights. Returns the record layout (`pipeline.combine_record_spec`)."""
+    its origin's receive area, with its weights, as records of layout `spec` (`pipeline.combine_record_spec`)."""
     from .kernels import _syncfree_triton as k
 
     import triton
 
     h, plan = call.handle, call.handle._plan
     n, num_topk = h.num_max_tokens_per_rank, h.num_topk
-    spec = pipeline.combine_record_spec(call.x, call.topk_weights, num_topk)
     y = epilogue.expert_partials(call.x, plan.recv.row_ptr_MK) if h.do_expand else call.x
     y_words = _words(y)
     w = call.topk_weights
@@ -268,27 +273,22 @@ def combine_send(areas: Areas, call: pipeline.CombineCall, rank: int, num_ranks:
             areas.local, areas.delta16, y_words.stride(0), rank, areas.rows_off, spec.nbytes, spec.offsets.get("w", 0),
             N=n, K=num_topk, Y_WORDS=y_words.shape[1], EXPAND=h.do_expand, HAS_W=w is not None,
             K_POW2=triton.next_power_of_2(num_topk), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
-    return spec
 
 
 def cached_applies(buf, call: pipeline.DispatchCall) -> bool:
-    """Whether a cached dispatch runs `cached_send` + `dispatch_place`: the handle of a sync-free dispatch (blocked
-    rows) on nvlink at decode sizes, rows a whole number of words."""
-    plan = call.handle._plan
-    x = call.x.data
-    return (getattr(buf.transport, "name", None) == "nvlink" and plan.blocked and plan.route is None
-            and buf.num_ranks * call.n <= envs.fused_sync_free_rows() and (x.shape[1] * x.element_size()) % 4 == 0)
+    """Whether a cached dispatch runs `cached_send` + `dispatch_place`: a sync-free handle at decode sizes."""
+    return _sync_free_handle(call.handle) and _fits(buf, call.n, call.x.data)
 
 
-def cached_send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int):
+def cached_send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, spec) -> None:
     """Launch `cached_send`: the handle's send rows (`plan.send_src_X`) of the new data, scales and weights into
-    the destinations' receive areas. Returns the record layout (`pipeline.cached_launch`'s)."""
+    the destinations' receive areas, as records of layout `spec` (`_spec(call, with_routing=False)`, as
+    `pipeline.cached_launch`'s)."""
     from .kernels import _syncfree_triton as k
 
     import triton
 
     n, num_topk = call.n, call.topk_idx.shape[1]
-    spec = _spec(call, with_routing=False)
     data, sf, sf_arg, w, w_arg = _send_inputs(call)
     num_packs = sf.shape[1] if sf is not None else 1
     if num_ranks * n:
@@ -299,7 +299,6 @@ def cached_send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks:
             spec.nbytes, spec.offsets.get("sf", 0), spec.offsets.get("w", 0), N=n, X_WORDS=data.shape[1], P=num_packs,
             K=num_topk, HAS_SF=sf is not None, HAS_W=w is not None, K_POW2=triton.next_power_of_2(num_topk),
             P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
-    return spec
 
 
 def cached_finish(areas: Areas, call: pipeline.DispatchCall, spec) -> tuple:
@@ -317,21 +316,30 @@ def _areas(tr) -> Areas:
                  hdr_cols=tr.header_cols)
 
 
-def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
-    """Barrier (peers have read their previous rows), the send kernel, barrier (every record has landed).
+def _between_barriers(buf, num_rows: int, spec, send_kernel, call):
+    """Check that `num_rows` records of `spec` fit the receive area (before any data moves; every rank computes the
+    same sizes), then barrier (peers have read their previous rows), `send_kernel`, barrier (every record has
+    landed).
 
     Raises:
-        ValueError: the receive area cannot hold R x N records of this call (before any data moves, on every rank:
-            every rank computes the same sizes).
+        ValueError: the receive area cannot hold the records.
     """
     tr = buf.transport
-    spec = _spec(call)
-    tr.check_rows_fit(buf.num_ranks * call.n, spec.nbytes)
+    tr.check_rows_fit(num_rows, spec.nbytes)
     tr.barrier()
     with phase("send_kernel"):
-        launched = send(_areas(tr), call, buf.rank, buf.num_ranks)
+        launched = send_kernel(_areas(tr), call, buf.rank, buf.num_ranks, spec)
     tr.barrier()
     return launched
+
+
+def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
+    """`dispatch_send` between the two barriers; returns what `dispatch_finish` needs.
+
+    Raises:
+        ValueError: the receive area cannot hold R x N records of this call.
+    """
+    return _between_barriers(buf, buf.num_ranks * call.n, _spec(call), send, call)
 
 
 def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
@@ -339,37 +347,27 @@ def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
 
 
 def combine_launch(buf, call: pipeline.CombineCall, call_id: int) -> dict:
-    """Barrier, `combine_send`, barrier; returns what `pipeline.combine_finish` reads (the records in place).
+    """`combine_send` between the two barriers; returns what `pipeline.combine_finish` reads (the records in place).
 
     Raises:
-        ValueError: the receive area cannot hold R x N records of this call (every rank computes the same sizes).
+        ValueError: the receive area cannot hold R x N records of this call.
     """
-    tr = buf.transport
-    n = call.handle.num_max_tokens_per_rank
+    rows = buf.num_ranks * call.handle.num_max_tokens_per_rank
     spec = pipeline.combine_record_spec(call.x, call.topk_weights, call.handle.num_topk)
-    tr.check_rows_fit(buf.num_ranks * n, spec.nbytes)
-    tr.barrier()
-    with phase("send_kernel"):
-        combine_send(_areas(tr), call, buf.rank, buf.num_ranks)
-    tr.barrier()
-    rows = buf.num_ranks * n
+    _between_barriers(buf, rows, spec, combine_send, call)
+    tr = buf.transport
     return dict(spec=spec, recv_XB=tr.region.peer(buf.rank, tr.rows_off, (rows * spec.nbytes,), torch.uint8).view(
         rows, spec.nbytes))
 
 
 def dispatch_cached_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
-    """Barrier, `cached_send`, barrier (as `dispatch_launch`).
+    """`cached_send` between the two barriers; returns what `dispatch_cached_finish` needs.
 
     Raises:
         ValueError: the receive area cannot hold R x N records of this call.
     """
-    tr = buf.transport
     spec = _spec(call, with_routing=False)
-    tr.check_rows_fit(buf.num_ranks * call.n, spec.nbytes)
-    tr.barrier()
-    with phase("send_kernel"):
-        cached_send(_areas(tr), call, buf.rank, buf.num_ranks)
-    tr.barrier()
+    _between_barriers(buf, buf.num_ranks * call.n, spec, cached_send, call)
     return dict(spec=spec, fused=True)
 
 

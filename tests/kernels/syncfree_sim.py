@@ -108,7 +108,7 @@ def fused(calls, num_ranks, n):
                                          None if calls[0].topk_weights is None else calls[0].topk_weights.dtype,
                                          with_routing=True)
     areas = sim_areas(num_ranks, n, spec.nbytes)
-    launched = [send(areas[r], call, r, num_ranks) for r, call in enumerate(calls)]
+    launched = [send(areas[r], call, r, num_ranks, spec) for r, call in enumerate(calls)]
     out = []
     for me, call in enumerate(calls):
         buf = types.SimpleNamespace(rank=me, num_ranks=num_ranks, uid=7)
@@ -162,7 +162,7 @@ def both_paths(calls, spec, n, generic_launch, generic_finish, fused_send):
     want = [generic_finish(bufs[r], calls[r], launched[r]) for r in range(num_ranks)]
     areas = sim_areas(num_ranks, n, spec.nbytes)
     for r in range(num_ranks):
-        fused_send(areas[r], calls[r], r, num_ranks)
+        fused_send(areas[r], calls[r], r, num_ranks, spec)
     return bufs, want, areas
 
 
@@ -282,7 +282,7 @@ def check_bad_expert_id():
     c = dict(ranks=2, n=4, hidden=16, dtype=torch.bfloat16, experts=4, topk=2, idx_dtype=torch.int64)
     call = make_call(torch.Generator().manual_seed(0), 3, c, 0)
     call.topk_idx[2, 1] = c["experts"]
-    send(sim_areas(2, 4, 256)[0], call, 0, 2)
+    send(sim_areas(2, 4, 256)[0], call, 0, 2, syncfree_nvlink._spec(call))
 
 
 if __name__ == "__main__":
