@@ -50,7 +50,7 @@ def _run(num_ranks: int, num_tokens: int, seed: int) -> None:
     matrix = [[len(sends[s][d]) for d in range(num_ranks)] for s in range(num_ranks)]
     xs = [torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16() for _ in range(num_ranks)]
     ws = [torch.randn(num_tokens, 3, generator=gen) for _ in range(num_ranks)]
-    ys = [None] * num_ranks
+    ys, ws_back = [None] * num_ranks, [None] * num_ranks
     meet = threading.Barrier(num_ranks)
     region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
 
@@ -68,15 +68,38 @@ def _run(num_ranks: int, num_tokens: int, seed: int) -> None:
             meet.wait()
         # The return direction: each received row goes back to its source, landing in the source's send order.
         ys[r] = torch.randn(route.num_recv, HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
+        ws_back[r] = torch.randn(route.num_recv, 3, generator=torch.Generator().manual_seed(100 + r))
         meet.wait()
         back = route.back()
+
+        def want_back(field: list) -> torch.Tensor:
+            parts = []
+            for d in range(num_ranks):
+                first = sum(matrix[s][d] for s in range(r))  # my rows sit after those of lower ranks at d
+                parts.append(field[d][first: first + matrix[r][d]])
+            return torch.cat(parts)
         out_y = torch.empty(back.num_recv, HIDDEN, dtype=torch.bfloat16)
         tr.move_fields([(ys[r], out_y)], back, call_id=3)
-        parts = []
-        for d in range(num_ranks):
-            first = sum(matrix[s][d] for s in range(r))  # my rows sit after those of lower ranks at d
-            parts.append(ys[d][first: first + matrix[r][d]])
-        assert torch.equal(out_y, torch.cat(parts)), f"rank {r}: combine direction"
+        assert torch.equal(out_y, want_back(ys)), f"rank {r}: combine direction"
+        # `return_fields` (the combine's move: a push into the origins' areas, read in place) between pulls on the
+        # same two staging areas. A borrowed result must still hold after my next call, whose rows every peer
+        # has written by the time that call returns.
+        prev = None
+        for call in range(4, 12):
+            if call % 3 == 0:
+                out_x = torch.empty_like(want_x)
+                tr.move_fields([(xs[r], out_x)], route, call_id=call)
+                assert torch.equal(out_x, want_x), f"rank {r} call {call}: pull after a return"
+                got = None
+            else:
+                got = tr.return_fields([ys[r], ws_back[r]], back, call_id=call)
+                assert torch.equal(got[0], want_back(ys)) and torch.equal(got[1], want_back(ws_back)), (
+                    f"rank {r} call {call}: return")
+            if prev is not None:
+                assert torch.equal(prev[0], want_back(ys)) and torch.equal(prev[1], want_back(ws_back)), (
+                    f"rank {r} call {call}: the previous call's borrowed result was overwritten")
+            prev = got
+            meet.wait()
 
     errors = []
 
@@ -98,12 +121,14 @@ def _run(num_ranks: int, num_tokens: int, seed: int) -> None:
         raise (real or errors)[0]
 
 
-@pytest.mark.parametrize("chunks", ["", "3"])
+@pytest.mark.parametrize("chunks,back", [("", "push"), ("3", "push"), ("", "pull"), ("3", "pull")])
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-def test_pull_lands_every_row_in_place(num_ranks, chunks, monkeypatch):
+def test_pull_lands_every_row_in_place(num_ranks, chunks, back, monkeypatch):
     """Random routings (empty ranks included), three calls on one route (both staging areas), then the return
-    direction (combine); in one piece and in 3 chunks (each published by its own barrier)."""
+    direction (combine) by `move_fields` and by `return_fields` (push or pull) mixed with pulls; in one piece and
+    in 3 chunks (each published by its own barrier)."""
     monkeypatch.setenv("EPCOMM_PULL_CHUNKS", chunks)
+    monkeypatch.setenv("EPCOMM_NVLINK_RETURN", back)
     for seed in range(4):
         _run(num_ranks, 17, seed)
 

@@ -138,6 +138,15 @@ def _move_fields(tr, tensors: dict, route: Route, call_id: int) -> dict:
     return outs
 
 
+def _return_fields(tr, tensors: dict, route: Route, call_id: int) -> dict:
+    """The combine direction of `_move_fields`: the fields may come back as views of the transport's memory,
+    read by the combine's reduction before the next call (`Transport.return_fields`)."""
+    names = [name for name, t in tensors.items() if t is not None]
+    with phase("move_rows"):
+        outs = tr.return_fields([tensors[name].contiguous() for name in names], route, call_id=call_id)
+    return dict(zip(names, outs))
+
+
 def _field(launched: dict, name: str, idx: Optional[Tensor] = None, holes: bool = False) -> Tensor:
     """Field `name` of the received rows `idx` (all when None; -1 gives zeros with `holes`), from the moved
     fields or the records."""
@@ -413,7 +422,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             w_MK = w_MK.masked_fill(_memo(plan, "nonlocal_MK", lambda: local_MK < 0), 0)
         if plan.route is not None:
             back = _memo(plan, "route_back", plan.route.back)
-            return dict(fields=_move_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id))
+            return dict(fields=_return_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id))
         with phase("move_rows"):
             recv_XB = _push(buf.transport, spec, {"x": y_MH, "w": w_MK}, plan.buf_out_X, n, call_id)
         return dict(spec=spec, recv_XB=recv_XB)

@@ -30,6 +30,7 @@ from ..kernels import push
 from ..sizing import align
 from .base import Transport
 from .pull import PullPlan, pull_fields
+from .push_back import ReturnPlan, return_fields
 from .symm import SymmetricRegion
 
 _HEADER_COLS = 64
@@ -178,6 +179,20 @@ class NVLinkTransport(Transport):
         self.barrier()
         return self.region.peer(self.rank, self._rows_off, (need,), torch.uint8).view(num_ranks * cap, rec)
 
+    def _check_stage(self, need: int) -> None:
+        """Raises: ValueError -- a staging area cannot hold `need` bytes (every rank computes the same `need`)."""
+        if need > self.rows_capacity:
+            raise ValueError(
+                f"EPBuffer: rank {self.rank}: the nvlink staging area holds {self.rows_capacity} bytes but this "
+                f"call needs {need}; size the buffer with EPBuffer.get_buffer_size_hint for this shape "
+                "(num_max_tokens_per_rank, hidden, num_topk, dtype)")
+
+    def _next_stage(self) -> int:
+        """Byte offset of this call's staging area (the two alternate by call)."""
+        stage = self._stage_off[self._stage_calls % 2]
+        self._stage_calls += 1
+        return stage
+
     def move_fields(self, moves: list, route, *, call_id: int) -> None:
         """Pull (transport/pull.py): stage my rows for the peers, barrier, copy my rows out of the peers' areas.
 
@@ -190,14 +205,8 @@ class NVLinkTransport(Transport):
         if plan is None:
             plan = route.cache["nvlink"] = PullPlan(route, self.rank, self.num_ranks, self.device)
         row_bytes = [src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size() for src, _ in moves]
-        need = plan.stage_bytes(row_bytes)
-        if need > self.rows_capacity:
-            raise ValueError(
-                f"EPBuffer: rank {self.rank}: the nvlink staging area holds {self.rows_capacity} bytes but this "
-                f"call stages {need}; size the buffer with EPBuffer.get_buffer_size_hint for this shape "
-                "(num_max_tokens_per_rank, hidden, num_topk, dtype)")
-        stage = self._stage_off[self._stage_calls % 2]
-        self._stage_calls += 1
+        self._check_stage(plan.stage_bytes(row_bytes))
+        stage = self._next_stage()
         # A CUDA graph replays this call on one staging area, so the alternation that makes one barrier enough
         # does not hold: a captured call waits for its peers before staging and after pulling.
         capturing = streams.capturing(self.device)
@@ -210,6 +219,31 @@ class NVLinkTransport(Transport):
         pull_fields(self, plan, moves, row_bytes, stage, capturing, self._side if capturing else None)
         if capturing:
             self.barrier()
+
+    def return_fields(self, srcs: list, route, *, call_id: int) -> list:
+        """The combine direction by a push (transport/push_back.py): my rows for each rank are one block of `srcs`,
+        which the copy engines write straight into that rank's area; returns views of my area (borrowed until my
+        next call). Rows not in send order, or `EPCOMM_NVLINK_RETURN=pull`, take `move_fields`.
+
+        Raises:
+            ValueError: the rows a rank receives exceed a staging area (`num_bytes` of the buffer).
+        """
+        if route.src_X is not None or route.matrix is None or envs.nvlink_return() == "pull":
+            return super().return_fields(srcs, route, call_id=call_id)
+        plan = route.cache.get("nvlink-return")
+        if plan is None:
+            plan = route.cache["nvlink-return"] = ReturnPlan(route, self.rank, self.num_ranks)
+        row_bytes = [src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size() for src in srcs]
+        self._check_stage(plan.area_bytes(row_bytes))
+        stage = self._next_stage()
+        capturing = streams.capturing(self.device)
+        if capturing:
+            # A graph replays this call on one area: every peer must have read its area (the replay before)
+            # before anyone writes into it again.
+            self.barrier()
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device, priority=-1)
+        return return_fields(self, plan, srcs, row_bytes, stage, self._side if capturing else None)
 
     def destroy(self) -> None:
         self.region = None

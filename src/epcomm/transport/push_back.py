@@ -1,0 +1,91 @@
+"""The nvlink transport's return push: combine rows written straight into their origins' areas (`return_fields`).
+
+In the combine direction each rank's rows for rank d are one contiguous block of its expert outputs (the rows it
+received from d, in d's send order), so no gather is needed: the copy engines write each block from the expert
+outputs straight into d's area, at the rows d expects from this rank, and d's reduction reads the area in place
+after one device barrier. Against the pull (`pull.py`) this saves the sender's staging gather and the receiver's
+copy into a fresh tensor: the bytes cross NVLink once and are read once.
+
+Rank d's area (one of the two staging areas, alternating by call as for the pull) holds, per field, `num_recv[d]`
+rows at an offset aligned to 256 bytes; rows from rank s start at row `recv_off[d][s]` (rows of lower ranks
+first). Every rank derives all of it from the split matrix, so no offsets travel.
+
+The result is borrowed: views of this rank's area, valid until its next call lets peers write the area again (two
+calls later, after a barrier that this rank reaches only when the reads enqueued before it are done).
+
+Worked example (2 ranks, matrix [[2, 3], [1, 4]]: rank 0 returns 2 rows to itself and 3 to rank 1):
+    rank 0 copies its rows 0..1 into its own area at row 0, rows 2..4 into rank 1's area at row 4
+    rank 1 copies its row 0 into rank 0's area at row 2, rows 1..4 into its own area at row 0
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..debug import phase
+from ..moves import offsets
+from .pull import aligned
+
+
+class ReturnPlan:
+    """Offsets a return push derives once per route: where each rank's rows land in every area."""
+
+    def __init__(self, route, me: int, num_ranks: int):
+        m = route.matrix
+        assert m is not None and route.src_X is None, "a return push needs the split matrix and rows in send order"
+        self.me, self.num_ranks = me, num_ranks
+        self.num_recv = [sum(m[s][d] for s in range(num_ranks)) for d in range(num_ranks)]
+        self.recv_off = [offsets([m[s][d] for s in range(num_ranks)]) for d in range(num_ranks)]  # [d][s]
+        self.send_splits = list(route.send_splits)
+        self.send_off = offsets(route.send_splits)
+
+    def area_bytes(self, row_bytes: list) -> int:
+        """The largest area any rank needs for fields of `row_bytes` bytes per row."""
+        return max(sum(aligned(n * b) for b in row_bytes) for n in self.num_recv)
+
+    def field_offsets(self, rank: int, stage: int, row_bytes: list) -> list:
+        """Byte offset of each field in `rank`'s area."""
+        out, off = [], stage
+        for b in row_bytes:
+            out.append(off)
+            off += aligned(self.num_recv[rank] * b)
+        return out
+
+
+def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
+                  side: Optional["torch.cuda.Stream"]) -> list:
+    """Write my rows of every field into their origins' areas, one device barrier; return views of my area.
+
+    `tr` is the nvlink transport (`region`, `barrier`); `srcs` are [X, ...] contiguous tensors in send order;
+    `side` copies my rows for myself beside the writes to peers (None: in order, after the barrier).
+    """
+    me = plan.me
+
+    def write(dest: int) -> None:
+        n = plan.send_splits[dest]
+        if n == 0:
+            return
+        lo = plan.send_off[dest]
+        for src, off, nbytes in zip(srcs, plan.field_offsets(dest, stage, row_bytes), row_bytes):
+            view = tr.region.peer(dest, off + plan.recv_off[dest][me] * nbytes,
+                                  (n,) + tuple(src.shape[1:]), src.dtype)
+            view.copy_(src[lo: lo + n])
+
+    main = torch.cuda.current_stream(tr.device) if side is not None else None
+    if side is not None:  # my own rows on the second stream, beside the writes to peers
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            write(me)
+    with phase("push"):
+        for k in range(1, plan.num_ranks):  # rank me+1 first, so that not every rank writes to rank 0 first
+            write((me + k) % plan.num_ranks)
+    tr.barrier()  # every peer's rows are in my area
+    if side is not None:
+        main.wait_stream(side)
+    else:  # one stream: after the barrier, so that peers are not kept waiting for it
+        write(me)
+    return [tr.region.peer(me, off, (plan.num_recv[me],) + tuple(src.shape[1:]), src.dtype)
+            for src, off in zip(srcs, plan.field_offsets(me, stage, row_bytes))]
+
