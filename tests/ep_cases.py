@@ -495,6 +495,23 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
     return replays
 
 
+def return_in_chunks(rank: int, world: int, chunks: str) -> int:
+    """The nvlink combine's return push in `chunks` chunks (EPCOMM_RETURN_CHUNKS), each reduced as it lands:
+    eager calls (on the second stream) in several modes and routings, then a captured cached dispatch + combine."""
+    import os
+
+    os.environ["EPCOMM_RETURN_CHUNKS"] = chunks
+    try:
+        for case in (dict(num_bias=2), dict(do_expand=True, dtype="fp8", allow_multiple_reduction=True),
+                     dict(routing=routing_all_to_rank0), dict(routing=routing_all_masked), dict(tokens=(37, 0)),
+                     dict(tokens=(300, 299), hidden=512, num_experts=32, num_topk=8)):
+            check_mode(rank, world, seed=11, device="cuda", transport="nvlink", **case)
+        graph_replay_exact(rank, world, "nvlink")
+    finally:
+        os.environ.pop("EPCOMM_RETURN_CHUNKS", None)
+    return int(chunks)
+
+
 def _fields_equal(a, b, what: str) -> None:
     """Dataclasses (handle, plan, layouts), tensors, tuples and plain values, bitwise, field by field."""
     from dataclasses import fields, is_dataclass

@@ -80,6 +80,14 @@ def test_cuda_graph_replay_of_cached_calls(nccl, transport):
     assert nccl.run(ep_cases.graph_replay_exact, transport) == [4, 4]
 
 
+@pytest.mark.parametrize("chunks", ["1", "2", "5"])
+def test_combine_return_push_in_chunks(nccl, chunks):
+    """The nvlink combine of CPU-synced handles (transport/push_back.py) with the rows written in chunks, each
+    reduced as soon as it lands (eager and captured), bitwise against the reference; empty ranks and tokens
+    without items included."""
+    assert nccl.run(ep_cases.return_in_chunks, chunks) == [int(chunks)] * 2
+
+
 def test_nvlink_device_barrier_names_missing_rank():
     """Issue 3 item 4 on the nvlink transport: a peer that never reaches a device barrier (here: never makes a
     sync-free dispatch) ends the wait after num_gpu_timeout_secs with a message naming it, and the kernel aborts

@@ -92,7 +92,8 @@ def _run(num_ranks: int, num_tokens: int, seed: int) -> None:
                 assert torch.equal(out_x, want_x), f"rank {r} call {call}: pull after a return"
                 got = None
             else:
-                got = tr.return_fields([ys[r], ws_back[r]], back, call_id=call)
+                got, ready = tr.return_fields([ys[r], ws_back[r]], back, call_id=call)
+                assert ready is None  # one stream on CPU: ready in order
                 assert torch.equal(got[0], want_back(ys)) and torch.equal(got[1], want_back(ws_back)), (
                     f"rank {r} call {call}: return")
             if prev is not None:
@@ -126,8 +127,9 @@ def _run(num_ranks: int, num_tokens: int, seed: int) -> None:
 def test_pull_lands_every_row_in_place(num_ranks, chunks, back, monkeypatch):
     """Random routings (empty ranks included), three calls on one route (both staging areas), then the return
     direction (combine) by `move_fields` and by `return_fields` (push or pull) mixed with pulls; in one piece and
-    in 3 chunks (each published by its own barrier)."""
+    in 3 chunks (each published by its own barrier, for the pull and the return push)."""
     monkeypatch.setenv("EPCOMM_PULL_CHUNKS", chunks)
+    monkeypatch.setenv("EPCOMM_RETURN_CHUNKS", chunks)
     monkeypatch.setenv("EPCOMM_NVLINK_RETURN", back)
     for seed in range(4):
         _run(num_ranks, 17, seed)

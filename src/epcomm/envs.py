@@ -5,6 +5,7 @@
 | `EPCOMM_DEBUG` | unset | `1`: log sizes, transport choices and per-call counts to stderr (logger `epcomm`) |
 | `EPCOMM_NVLINK_PUSH` | `copy-engine` | how the nvlink transport moves the records of sync-free calls: `copy-engine` (pack, then copy-engine writes) or `kernel` (the Triton push kernel) |
 | `EPCOMM_NVLINK_RETURN` | `push` | how the nvlink transport returns combine rows of CPU-synced handles: `push` (copy-engine writes straight into the origins' areas, read in place) or `pull` (staged, then copied out by the origins) |
+| `EPCOMM_RETURN_CHUNKS` | unset | nvlink combine of CPU-synced handles (`push`): write in this many chunks, each reduced as soon as it arrives (default 1 eager, up to 4 in a CUDA graph) |
 | `EPCOMM_PULL_CHUNKS` | unset | nvlink CPU-synced calls: stage and pull in this many chunks (default 1 eager, up to 2 in a CUDA graph) |
 | `EPCOMM_FUSED_SYNC_FREE_ROWS` | `4096` | nvlink: `dispatch(do_cpu_sync=False)`, and combine (not per pair) and cached dispatch on its handle, take the fused kernels (`syncfree_nvlink.py`) when `num_ranks * num_max_tokens_per_rank` is at most this and rows are whole 4-byte words; `0`: never. Must be the same on every rank |
 | `EPCOMM_PHASE_TIMES` | unset | `1`: synchronise the device around each phase and sum its wall time (`epcomm.debug.phase_times()`); diagnostics only |
@@ -38,11 +39,20 @@ def nvlink_return() -> str:
 
 
 def pull_chunks() -> int:
-    value = os.environ.get("EPCOMM_PULL_CHUNKS", "")
+    return _chunks("EPCOMM_PULL_CHUNKS")
+
+
+def return_chunks() -> int:
+    return _chunks("EPCOMM_RETURN_CHUNKS")
+
+
+def _chunks(name: str) -> int:
+    """0 when unset (the caller's default), else an integer in [1, 64]."""
+    value = os.environ.get(name, "")
     if value == "":
         return 0
     if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 64:
-        raise ValueError(f"EPCOMM_PULL_CHUNKS must be an integer in [1, 64], got {value!r}")
+        raise ValueError(f"{name} must be an integer in [1, 64], got {value!r}")
     return int(value)
 
 
@@ -56,6 +66,7 @@ def check_all() -> None:
     nvlink_push()
     nvlink_return()
     pull_chunks()
+    return_chunks()
     fused_sync_free_rows()
 
 

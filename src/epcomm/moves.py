@@ -77,6 +77,11 @@ def offsets(splits: list) -> list:
     return out
 
 
+def chunk_rows(rows: int, c: int, chunks: int) -> tuple:
+    """Rows `[a, b)` of chunk `c` when a block of `rows` rows moves in `chunks` pieces (c * rows // chunks)."""
+    return c * rows // chunks, (c + 1) * rows // chunks
+
+
 def transfer_word(*sizes: int) -> torch.dtype:
     """int64, int32 or uint8: the widest integer type dividing every byte count in `sizes` that gloo and NCCL
     both move (neither moves int16). Row gathers and copies then move words instead of bytes."""

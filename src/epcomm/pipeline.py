@@ -23,6 +23,7 @@ from torch import Tensor
 from . import agreement, epilogue, layout
 from .debug import phase
 from .kernels import canonical_reduce
+from .kernels.reduce import canonical_reduce_chunks
 from .moves import Route
 from .records import Field, RecordSpec, scatter_index
 from .validate import XSpec
@@ -139,12 +140,13 @@ def _move_fields(tr, tensors: dict, route: Route, call_id: int) -> dict:
 
 
 def _return_fields(tr, tensors: dict, route: Route, call_id: int) -> dict:
-    """The combine direction of `_move_fields`: the fields may come back as views of the transport's memory,
-    read by the combine's reduction before the next call (`Transport.return_fields`)."""
+    """The combine direction of `_move_fields` (`Transport.return_fields`): `fields` may be views of the
+    transport's memory, read by the combine's reduction before the next call; `ready` is None or one event per
+    chunk of rows."""
     names = [name for name, t in tensors.items() if t is not None]
     with phase("move_rows"):
-        outs = tr.return_fields([tensors[name].contiguous() for name in names], route, call_id=call_id)
-    return dict(zip(names, outs))
+        outs, ready = tr.return_fields([tensors[name].contiguous() for name in names], route, call_id=call_id)
+    return dict(fields=dict(zip(names, outs)), ready=ready)
 
 
 def _field(launched: dict, name: str, idx: Optional[Tensor] = None, holes: bool = False) -> Tensor:
@@ -422,7 +424,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             w_MK = w_MK.masked_fill(_memo(plan, "nonlocal_MK", lambda: local_MK < 0), 0)
         if plan.route is not None:
             back = _memo(plan, "route_back", plan.route.back)
-            return dict(fields=_return_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id))
+            return _return_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id)
         with phase("move_rows"):
             recv_XB = _push(buf.transport, spec, {"x": y_MH, "w": w_MK}, plan.buf_out_X, n, call_id)
         return dict(spec=spec, recv_XB=recv_XB)
@@ -468,6 +470,32 @@ def _left_packed(item_TK: Tensor, width: int) -> Tensor:
     return item_TK.gather(1, order)[:, :width].contiguous()
 
 
+def _token_chunks(item_TP: Tensor, recv_splits: list, chunks: int) -> tuple:
+    """Tokens grouped by the chunk in which the last of their returned rows arrives.
+
+    Returned rows come grouped by source rank (`recv_splits`), and chunk c of a source's n rows is
+    `moves.chunk_rows(n, c, chunks)`: row j of the source is in chunk `((j + 1) * chunks - 1) // n`. A token is
+    ready when its latest item is (chunk 0 without items).
+
+    Returns:
+        `(tokens_T [T] int64, bounds_C [chunks + 1] int64)`: chunk c's tokens are `tokens_T[bounds_C[c]:bounds_C[c+1]]`.
+    """
+    device = item_TP.device
+    sizes_R = torch.tensor(recv_splits, dtype=torch.int64, device=device)
+    src_X = torch.repeat_interleave(torch.arange(len(recv_splits), device=device), sizes_R,
+                                    output_size=sum(recv_splits))
+    j_X = torch.arange(src_X.shape[0], device=device) - (torch.cumsum(sizes_R, 0) - sizes_R)[src_X]
+    chunk_X = ((j_X + 1) * chunks - 1) // sizes_R[src_X]
+    chunk_T = torch.zeros(item_TP.shape[0], dtype=torch.int64, device=device)
+    if item_TP.shape[1] and chunk_X.shape[0]:
+        chunk_T = torch.where(item_TP >= 0, chunk_X[item_TP.clamp(min=0)], 0).amax(dim=1)
+    tokens_T = torch.sort(chunk_T, stable=True).indices
+    bounds_C = torch.zeros(chunks + 1, dtype=torch.int64, device=device)
+    counts_C = (chunk_T[:, None] == torch.arange(chunks, device=device)).sum(0)  # no host sync (bincount has one)
+    bounds_C[1:] = torch.cumsum(counts_C, 0)
+    return tokens_T, bounds_C
+
+
 def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     """Origin side: the canonical reduction (bias first, then ascending position) and the weights back."""
     h, plan = call.handle, call.handle._plan
@@ -477,8 +505,17 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     dest_TK = _memo(plan, "dest_TK", lambda: layout.dest_rank_of(h._topk_idx.long(), h.num_experts // buf.num_ranks))
     item_TK = _memo(plan, ("item_TK", call.per_pair), lambda: _left_packed(
         returned_item_rows(buf, h, call.per_pair), num_topk if call.per_pair else min(num_topk, buf.num_ranks)))
-    combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype,
-                                  num_sms=call.num_sms)
+    ready = launched.get("ready")
+    if ready is not None and y_XH.shape[0] and num_tokens:  # rows arrive in chunks: reduce each as it lands
+        tokens_T, bounds_C = _memo(plan, ("token_chunks", len(ready)), lambda: _token_chunks(
+            item_TK, plan.route.send_splits, len(ready)))
+        combined_x = canonical_reduce_chunks(y_XH, item_TK, call.bias_0, call.bias_1, call.x.dtype,
+                                             tokens_T=tokens_T, bounds_C=bounds_C, ready=ready, num_sms=call.num_sms)
+    else:
+        for event in ready or ():
+            torch.cuda.current_stream(buf.device).wait_event(event)
+        combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype,
+                                      num_sms=call.num_sms)
     combined_w = None
     if call.topk_weights is not None:
         w_XK = fields["w"] if fields is not None else launched["spec"].view(launched["recv_XB"], "w")

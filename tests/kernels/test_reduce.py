@@ -72,3 +72,69 @@ def test_triton_kernel_matches_twin_interpreted():
         for num_sms in (0, 3):  # one program per work item; a persistent grid of 3 programs
             got = _run_triton_interpreted(rows, item, b0, b1, out_dtype, num_sms)
             assert torch.equal(got, want), (num_sms, (got - want).abs().max())
+
+
+def test_token_chunks_group_each_token_by_its_last_row():
+    """pipeline._token_chunks: the chunk of a token is the last chunk holding one of its returned rows, where chunk c
+    of a source's n rows is moves.chunk_rows(n, c, C) (the rows the return push writes in step c)."""
+    from epcomm.moves import chunk_rows
+    from epcomm.pipeline import _token_chunks
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        recv_splits = torch.randint(0, 9, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+        num_rows, chunks = sum(recv_splits), int(torch.randint(1, 6, (1,), generator=gen))
+        num_tokens, width = int(torch.randint(0, 12, (1,), generator=gen)), int(torch.randint(0, 4, (1,), generator=gen))
+        item = torch.randint(-1, max(num_rows, 1), (num_tokens, width), generator=gen)
+        if num_rows == 0:
+            item.fill_(-1)
+        row_chunk = []
+        for n in recv_splits:
+            for j in range(n):
+                row_chunk.append(next(c for c in range(chunks) if chunk_rows(n, c, chunks)[0] <= j
+                                      < chunk_rows(n, c, chunks)[1]))
+        want = [max([row_chunk[i] for i in item[t].tolist() if i >= 0], default=0) for t in range(num_tokens)]
+        tokens, bounds = _token_chunks(item, recv_splits, chunks)
+        assert sorted(tokens.tolist()) == list(range(num_tokens)), trial
+        assert bounds[0] == 0 and bounds[-1] == num_tokens and bool((bounds[1:] >= bounds[:-1]).all()), trial
+        for c in range(chunks):
+            got = tokens[bounds[c]: bounds[c + 1]].tolist()
+            assert got == sorted(got) and all(want[t] == c for t in got), (trial, c)
+
+
+def test_triton_kernel_token_list_mode_interpreted():
+    """The reduction kernel over one chunk of tokens at a time (`TOKEN_LIST`, as the chunked combine launches it):
+    after every chunk each token is written once, with the twin's bits; a persistent grid smaller than a chunk."""
+    pytest = __import__("pytest")
+    pytest.importorskip("triton")
+    import pickle
+    import subprocess
+    import sys
+
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(30, 50, generator=gen)
+    item = torch.randint(-1, 30, (23, 3), generator=gen)
+    bias = torch.randn(23, 50, generator=gen)
+    tokens = torch.randperm(23, generator=gen)
+    bounds = torch.tensor([0, 0, 9, 20, 23])  # an empty chunk, then uneven ones
+    code = (
+        "import pickle, sys, torch\n"
+        "from epcomm.kernels import _reduce_triton, reduce\n"
+        "rows, item, bias, tokens, bounds = pickle.load(sys.stdin.buffer)\n"
+        "outs = []\n"
+        "for num_sms in (0, 2):\n"
+        "    r, i, b0, b1, out, cap, tile = reduce._kernel_args(rows, item, bias, None, torch.float32, num_sms)\n"
+        "    out.fill_(float('nan'))\n"
+        "    for c in range(4):\n"
+        "        _reduce_triton.launch(r, i, b0, b1, out, num_programs=cap, tokens=tokens, bounds=bounds, chunk=c,\n"
+        "                              num_chunks=4, **tile)\n"
+        "    outs.append(out)\n"
+        "sys.stdout.buffer.write(pickle.dumps(outs))\n"
+    )
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((rows, item, bias, tokens, bounds)),
+                         capture_output=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr.decode()[-3000:]
+    want = canonical_reduce_torch(rows, item, bias, None)
+    for got in pickle.loads(res.stdout):
+        assert torch.equal(got, want), (got - want).abs().max()

@@ -6,25 +6,36 @@ import triton.language as tl
 
 @triton.jit
 def _canonical_reduce_kernel(
-    rows_ptr, item_ptr, bias0_ptr, bias1_ptr, out_ptr,
-    num_tokens, hidden, stride_rows, stride_item, stride_bias0, stride_bias1, stride_out,
+    rows_ptr, item_ptr, bias0_ptr, bias1_ptr, out_ptr, tokens_ptr, bounds_ptr,
+    num_tokens, hidden, stride_rows, stride_item, stride_bias0, stride_bias1, stride_out, chunk,
     NUM_POS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, ACC_FP64: tl.constexpr,
-    DOWNCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOWNCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_LIST: tl.constexpr,
 ):
     """out[t] = round(0 + bias0[t] + bias1[t] + sum_p rows[item[t, p]] (p ascending, item >= 0)).
+
+    Every token, or with `TOKEN_LIST` only tokens `tokens[bounds[chunk]:bounds[chunk + 1]]` (a combine reducing
+    the tokens whose rows have arrived while later rows still travel).
 
     Worked example (fp32, no bias): rows = [[1.], [2.], [4.]], item = [[2, -1, 0], [-1, -1, -1]]
     -> out = [[5.], [0.]].
     """
     # Persistent: program i handles tiles i, i + P, ... (a tile = BLOCK_T tokens x BLOCK_H channels), so the grid
     # size bounds the SMs the reduction occupies (`num_sms`).
+    first = 0
+    if TOKEN_LIST:  # the chunk's token count is known on the device only
+        first = tl.load(bounds_ptr + chunk)
+        num_tokens = tl.load(bounds_ptr + chunk + 1) - first
     num_h_tiles = tl.cdiv(hidden, BLOCK_H)
     num_tiles = tl.cdiv(num_tokens, BLOCK_T) * num_h_tiles
     acc_dtype = tl.float64 if ACC_FP64 else tl.float32
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        t = (tile // num_h_tiles * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        i = tile // num_h_tiles * BLOCK_T + tl.arange(0, BLOCK_T)
         offs = (tile % num_h_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
-        t_ok = t < num_tokens
+        t_ok = i < num_tokens
+        if TOKEN_LIST:
+            t = tl.load(tokens_ptr + first + i, mask=t_ok, other=0).to(tl.int64)
+        else:
+            t = i.to(tl.int64)
         inside = t_ok[:, None] & (offs < hidden)[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=acc_dtype)
         if HAS_BIAS0:
@@ -47,19 +58,25 @@ def _canonical_reduce_kernel(
 
 
 def launch(rows, item, bias0, bias1, out, num_programs: int = 0, block_t: int = 4, block_h: int = 1024,
-           num_warps: int = 8):
-    """`num_programs` > 0 caps the grid (at most that many SMs busy); 0 = one program per tile."""
+           num_warps: int = 8, tokens=None, bounds=None, chunk: int = 0, num_chunks: int = 1):
+    """`num_programs` > 0 caps the grid (at most that many SMs busy); 0 = one program per tile.
+
+    With `tokens` ([T] int32/int64, a permutation of the tokens) and `bounds` ([num_chunks + 1] int64 on the
+    device), only chunk `chunk`'s tokens are reduced; the uncapped grid is then sized for an even share of the
+    tokens, and its programs loop over the rest."""
     num_tokens, num_pos = item.shape
     hidden = rows.shape[1]
     block_h = min(block_h, triton.next_power_of_2(max(hidden, 16)))
-    tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(hidden, block_h)
+    tiles = triton.cdiv(triton.cdiv(num_tokens, num_chunks), block_t) * triton.cdiv(hidden, block_h)
     grid = (min(tiles, num_programs) if num_programs > 0 else tiles,)
     _canonical_reduce_kernel[grid](
         rows, item, bias0 if bias0 is not None else out, bias1 if bias1 is not None else out, out,
+        tokens if tokens is not None else item, bounds if bounds is not None else item,
         num_tokens, hidden, rows.stride(0), item.stride(0),
         bias0.stride(0) if bias0 is not None else 0, bias1.stride(0) if bias1 is not None else 0, out.stride(0),
+        chunk,
         NUM_POS=num_pos, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
         ACC_FP64=rows.dtype.itemsize == 8, DOWNCAST=out.dtype.itemsize < max(4, rows.dtype.itemsize),
-        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_T=block_t, BLOCK_H=block_h, TOKEN_LIST=tokens is not None, num_warps=num_warps,
     )
     return out

@@ -85,6 +85,48 @@ def canonical_reduce(
         return canonical_reduce_torch(rows_XH, item_row_TP, bias_0, bias_1, out_dtype)
     from . import _reduce_triton
 
+    rows, item, bias_0, bias_1, out, num_sms, tile = _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype,
+                                                                   num_sms)
+    return _reduce_triton.launch(rows, item, bias_0, bias_1, out, num_programs=num_sms, **tile)
+
+
+def canonical_reduce_chunks(
+    rows_XH: Tensor,
+    item_row_TP: Tensor,
+    bias_0: Optional[Tensor],
+    bias_1: Optional[Tensor],
+    out_dtype: torch.dtype,
+    *,
+    tokens_T: Tensor,
+    bounds_C: Tensor,
+    ready: list,
+    num_sms: int = 0,
+) -> Tensor:
+    """`canonical_reduce` (the Triton kernel, CUDA) one chunk of tokens at a time, each after its rows arrive.
+
+    Args:
+        rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms: as `canonical_reduce`.
+        tokens_T: [T] int64 -- every token once, grouped by chunk.
+        bounds_C: [C + 1] int64 (device) -- chunk c is `tokens_T[bounds_C[c]:bounds_C[c + 1]]`.
+        ready: C CUDA events; chunk c's kernel waits for `ready[c]` (its tokens' rows have arrived).
+
+    Returns:
+        [T, H] out_dtype -- the same bits as `canonical_reduce`: each token is summed by one program, in order.
+    """
+    from . import _reduce_triton
+
+    rows, item, bias_0, bias_1, out, num_sms, tile = _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype,
+                                                                   num_sms)
+    stream = torch.cuda.current_stream(rows.device)
+    for c, event in enumerate(ready):
+        stream.wait_event(event)
+        _reduce_triton.launch(rows, item, bias_0, bias_1, out, num_programs=num_sms, tokens=tokens_T,
+                              bounds=bounds_C, chunk=c, num_chunks=len(ready), **tile)
+    return out
+
+
+def _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms) -> tuple:
+    """Contiguous operands, the output, the grid cap and the tile of the reduction kernel."""
     rows = rows_XH if rows_XH.stride(1) == 1 else rows_XH.contiguous()
     bias_0 = None if bias_0 is None else bias_0.contiguous()
     bias_1 = None if bias_1 is None else bias_1.contiguous()
@@ -95,7 +137,7 @@ def canonical_reduce(
     # channels x 8 warps with one program per tile (90 us); a capped grid needs more bytes in flight per program:
     # 16 x 2048 x 16 warps (206 us at 28 programs, against 260 us for 8 x 2048).
     tile = dict(block_t=16, block_h=2048, num_warps=16) if num_sms > 0 else dict(block_t=4, block_h=1024, num_warps=8)
-    return _reduce_triton.launch(rows, item_row_TP.contiguous(), bias_0, bias_1, out, num_programs=num_sms, **tile)
+    return rows, item_row_TP.contiguous(), bias_0, bias_1, out, num_sms, tile
 
 
 def weighted_reduce_torch(rows_XH: Tensor, item_row_TP: Tensor, weights_TP: Tensor, out_dtype: torch.dtype) -> Tensor:

@@ -34,6 +34,7 @@ from .push_back import ReturnPlan, return_fields
 from .symm import SymmetricRegion
 
 _HEADER_COLS = 64
+_RETURN_CHUNKS_CAPTURED = 4  # a first guess, measured in benchmarks/results (EPCOMM_RETURN_CHUNKS overrides)
 
 
 class NVLinkTransport(Transport):
@@ -220,10 +221,11 @@ class NVLinkTransport(Transport):
         if capturing:
             self.barrier()
 
-    def return_fields(self, srcs: list, route, *, call_id: int) -> list:
+    def return_fields(self, srcs: list, route, *, call_id: int) -> tuple:
         """The combine direction by a push (transport/push_back.py): my rows for each rank are one block of `srcs`,
         which the copy engines write straight into that rank's area; returns views of my area (borrowed until my
-        next call). Rows not in send order, or `EPCOMM_NVLINK_RETURN=pull`, take `move_fields`.
+        next call), and in a CUDA graph one event per chunk (`Transport.return_fields`). Rows not in send order,
+        or `EPCOMM_NVLINK_RETURN=pull`, take `move_fields`.
 
         Raises:
             ValueError: the rows a rank receives exceed a staging area (`num_bytes` of the buffer).
@@ -237,13 +239,20 @@ class NVLinkTransport(Transport):
         self._check_stage(plan.area_bytes(row_bytes))
         stage = self._next_stage()
         capturing = streams.capturing(self.device)
+        chunks = envs.return_chunks()
+        if chunks == 0:  # like the pull: chunks pay in a graph, where launches are cheap, and only for large rows
+            largest = max(plan.num_recv) * sum(row_bytes)  # the same on every rank: they agree on the barriers
+            chunks = max(1, min(_RETURN_CHUNKS_CAPTURED, largest // (4 << 20))) if capturing else 1
         if capturing:
             # A graph replays this call on one area: every peer must have read its area (the replay before)
             # before anyone writes into it again.
             self.barrier()
+        side = None
+        if (capturing or chunks > 1) and self.device.type == "cuda":
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device, priority=-1)
-        return return_fields(self, plan, srcs, row_bytes, stage, self._side if capturing else None)
+            side = self._side
+        return return_fields(self, plan, srcs, row_bytes, stage, side, chunks)
 
     def destroy(self) -> None:
         self.region = None

@@ -25,7 +25,7 @@ import torch
 
 from .. import envs
 from ..debug import phase
-from ..moves import offsets
+from ..moves import chunk_rows, offsets
 from ..sizing import align
 
 # Chunking pays when launches are cheap (graph replay) and the staged bytes are large; eager calls on slow hosts
@@ -88,13 +88,13 @@ class PullPlan:
 
         staged, pulled = [], []
         for c in range(chunks):
-            a, b = _bounds(self.staged_rows[self.me], c, chunks)
+            a, b = chunk_rows(self.staged_rows[self.me], c, chunks)
             staged.append((self.staged_idx[a:b], field_views(self.me, a, b - a)) if b > a else None)
             pieces = []
             for s in range(self.num_ranks):
                 if s == self.me or self.recv_splits[s] == 0:
                     continue
-                a, b = _bounds(self.staged_rows[s], c, chunks)
+                a, b = chunk_rows(self.staged_rows[s], c, chunks)
                 lo = max(a, self.first_row_at[s])
                 hi = min(b, self.first_row_at[s] + self.recv_splits[s])
                 if hi > lo:
@@ -103,10 +103,6 @@ class PullPlan:
             pulled.append(pieces)
         got = self._views[key] = (staged, pulled)
         return got
-
-
-def _bounds(rows: int, c: int, chunks: int) -> tuple:
-    return c * rows // chunks, (c + 1) * rows // chunks
 
 
 def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, capturing: bool,

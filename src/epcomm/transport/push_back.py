@@ -10,6 +10,9 @@ Rank d's area (one of the two staging areas, alternating by call as for the pull
 rows at an offset aligned to 256 bytes; rows from rank s start at row `recv_off[d][s]` (rows of lower ranks
 first). Every rank derives all of it from the split matrix, so no offsets travel.
 
+In a CUDA graph (or with `EPCOMM_RETURN_CHUNKS`) the writes run on a second stream in chunks, each published by
+its own barrier and an event, so that the origin reduces the tokens of chunk c while chunk c + 1 travels.
+
 The result is borrowed: views of this rank's area, valid until its next call lets peers write the area again (two
 calls later, after a barrier that this rank reaches only when the reads enqueued before it are done).
 
@@ -20,12 +23,13 @@ Worked example (2 ranks, matrix [[2, 3], [1, 4]]: rank 0 returns 2 rows to itsel
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
 from ..debug import phase
-from ..moves import offsets
+from ..moves import chunk_rows, offsets
 from .pull import aligned
 
 
@@ -55,37 +59,48 @@ class ReturnPlan:
 
 
 def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
-                  side: Optional["torch.cuda.Stream"]) -> list:
-    """Write my rows of every field into their origins' areas, one device barrier; return views of my area.
+                  side: Optional["torch.cuda.Stream"], chunks: int = 1) -> tuple:
+    """Write my rows of every field into their origins' areas, device barriers; return views of my area.
 
-    `tr` is the nvlink transport (`region`, `barrier`); `srcs` are [X, ...] contiguous tensors in send order;
-    `side` copies my rows for myself beside the writes to peers (None: in order, after the barrier).
+    `tr` is the nvlink transport (`region`, `barrier`); `srcs` are [X, ...] contiguous tensors in send order. The
+    writes go in `chunks` steps: step c writes chunk c of every block (`moves.chunk_rows`), then a barrier. With
+    `side` None the steps run in order on the current stream and the result is ready in stream order:
+    `(views, None)`. With a `side` stream they run there and the result is `(views, ready)`, one event per step,
+    after which chunk c of every source's rows may be read (so the reduction of early chunks overlaps the writes of
+    later ones).
     """
-    me = plan.me
+    me, num_ranks = plan.me, plan.num_ranks
+    order = [(me + k) % num_ranks for k in range(1, num_ranks)]  # not every rank writes to rank 0 first
 
-    def write(dest: int) -> None:
-        n = plan.send_splits[dest]
-        if n == 0:
+    def write(dest: int, c: int) -> None:
+        a, b = chunk_rows(plan.send_splits[dest], c, chunks)
+        if b == a:
             return
-        lo = plan.send_off[dest]
+        lo = plan.send_off[dest] + a
         for src, off, nbytes in zip(srcs, plan.field_offsets(dest, stage, row_bytes), row_bytes):
-            view = tr.region.peer(dest, off + plan.recv_off[dest][me] * nbytes,
-                                  (n,) + tuple(src.shape[1:]), src.dtype)
-            view.copy_(src[lo: lo + n])
+            view = tr.region.peer(dest, off + (plan.recv_off[dest][me] + a) * nbytes,
+                                  (b - a,) + tuple(src.shape[1:]), src.dtype)
+            view.copy_(src[lo: lo + b - a])
 
-    main = torch.cuda.current_stream(tr.device) if side is not None else None
-    if side is not None:  # my own rows on the second stream, beside the writes to peers
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            write(me)
-    with phase("push"):
-        for k in range(1, plan.num_ranks):  # rank me+1 first, so that not every rank writes to rank 0 first
-            write((me + k) % plan.num_ranks)
-    tr.barrier()  # every peer's rows are in my area
+    views = [tr.region.peer(me, off, (plan.num_recv[me],) + tuple(src.shape[1:]), src.dtype)
+             for src, off in zip(srcs, plan.field_offsets(me, stage, row_bytes))]
+    ready = None
     if side is not None:
-        main.wait_stream(side)
-    else:  # one stream: after the barrier, so that peers are not kept waiting for it
-        write(me)
-    return [tr.region.peer(me, off, (plan.num_recv[me],) + tuple(src.shape[1:]), src.dtype)
-            for src, off in zip(srcs, plan.field_offsets(me, stage, row_bytes))]
-
+        side.wait_stream(torch.cuda.current_stream(tr.device))
+        for src in srcs:
+            src.record_stream(side)
+        ready = []
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for c in range(chunks):
+            with phase("push"):
+                for dest in order:
+                    write(dest, c)
+                if side is not None:
+                    write(me, c)
+            tr.barrier()  # chunk c of every peer's rows is in my area
+            if side is None:
+                write(me, c)  # one stream: after the barrier, so that peers are not kept waiting for it
+            else:
+                ready.append(torch.cuda.Event())
+                ready[-1].record(side)
+    return views, ready
