@@ -481,11 +481,9 @@ def _token_chunks(item_TP: Tensor, recv_splits: list, chunks: int) -> tuple:
         `(tokens_T [T] int64, bounds_C [chunks + 1] int64)`: chunk c's tokens are `tokens_T[bounds_C[c]:bounds_C[c+1]]`.
     """
     device = item_TP.device
-    sizes_R = torch.tensor(recv_splits, dtype=torch.int64, device=device)
-    src_X = torch.repeat_interleave(torch.arange(len(recv_splits), device=device), sizes_R,
-                                    output_size=sum(recv_splits))
-    j_X = torch.arange(src_X.shape[0], device=device) - (torch.cumsum(sizes_R, 0) - sizes_R)[src_X]
-    chunk_X = ((j_X + 1) * chunks - 1) // sizes_R[src_X]
+    # From host sizes with device ops only (no host-to-device copy: this may run under CUDA-graph capture).
+    pieces = [((torch.arange(n, device=device) + 1) * chunks - 1) // n for n in recv_splits if n]
+    chunk_X = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
     chunk_T = torch.zeros(item_TP.shape[0], dtype=torch.int64, device=device)
     if item_TP.shape[1] and chunk_X.shape[0]:
         chunk_T = torch.where(item_TP >= 0, chunk_X[item_TP.clamp(min=0)], 0).amax(dim=1)
