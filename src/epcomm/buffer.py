@@ -643,7 +643,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 if call is not None and syncfree_nvlink.combine_applies(self, call):
                     launched = syncfree_nvlink.combine_launch(self, call, call_id)
                 else:
-                    launched = pipeline.combine_launch(self, call, call_id)
+                    launched = pipeline.combine_launch(self, call, call_id, defer=defer_epilogue)
         except TimeoutError as e:
             self._mark_broken(name, e)
         inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]

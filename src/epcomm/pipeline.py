@@ -139,14 +139,19 @@ def _move_fields(tr, tensors: dict, route: Route, call_id: int) -> dict:
     return outs
 
 
-def _return_fields(tr, tensors: dict, route: Route, call_id: int) -> dict:
+def _return_fields(tr, tensors: dict, route: Route, call_id: int, skip_own: bool) -> dict:
     """The combine direction of `_move_fields` (`Transport.return_fields`): `fields` may be views of the
     transport's memory, read by the combine's reduction before the next call; `ready` is None or one event per
-    chunk of rows."""
+    chunk of rows; `own` is None or `(row, {name: rows})`: rows `row ..` of each field are these rows of its
+    source, left in place."""
     names = [name for name, t in tensors.items() if t is not None]
+    srcs = [tensors[name].contiguous() for name in names]
     with phase("move_rows"):
-        outs, ready = tr.return_fields([tensors[name].contiguous() for name in names], route, call_id=call_id)
-    return dict(fields=dict(zip(names, outs)), ready=ready)
+        outs, ready, own = tr.return_fields(srcs, route, call_id=call_id, skip_own=skip_own)
+    if own is not None:
+        row, count, src_row = own
+        own = (row, {name: src[src_row: src_row + count] for name, src in zip(names, srcs)})
+    return dict(fields=dict(zip(names, outs)), ready=ready, own=own)
 
 
 def _field(launched: dict, name: str, idx: Optional[Tensor] = None, holes: bool = False) -> Tensor:
@@ -399,8 +404,10 @@ def combine_record_spec(x: Tensor, weights: Optional[Tensor], num_topk: int) -> 
     return RecordSpec(fields)
 
 
-def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
-    """Expert side: build the rows going back (partials or pairs) and move them to their origins."""
+def combine_launch(buf, call: CombineCall, call_id: int, defer: bool = False) -> dict:
+    """Expert side: build the rows going back (partials or pairs) and move them to their origins. Unless the
+    epilogue is deferred (`defer`: it may run after the caller has reused `x`), a transport may leave this rank's
+    rows for itself in place, and the reduction reads them from `x` (or the partials)."""
     h, plan = call.handle, call.handle._plan
     num_topk, n, num_ranks = h.num_topk, h.num_max_tokens_per_rank, buf.num_ranks
     local_MK = plan.recv.local_idx_MK
@@ -424,7 +431,7 @@ def combine_launch(buf, call: CombineCall, call_id: int) -> dict:
             w_MK = w_MK.masked_fill(_memo(plan, "nonlocal_MK", lambda: local_MK < 0), 0)
         if plan.route is not None:
             back = _memo(plan, "route_back", plan.route.back)
-            return _return_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id)
+            return _return_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id, skip_own=not defer)
         with phase("move_rows"):
             recv_XB = _push(buf.transport, spec, {"x": y_MH, "w": w_MK}, plan.buf_out_X, n, call_id)
         return dict(spec=spec, recv_XB=recv_XB)
@@ -503,20 +510,24 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     dest_TK = _memo(plan, "dest_TK", lambda: layout.dest_rank_of(h._topk_idx.long(), h.num_experts // buf.num_ranks))
     item_TK = _memo(plan, ("item_TK", call.per_pair), lambda: _left_packed(
         returned_item_rows(buf, h, call.per_pair), num_topk if call.per_pair else min(num_topk, buf.num_ranks)))
-    ready = launched.get("ready")
+    ready, own = launched.get("ready"), launched.get("own")
+    own_x = None if own is None else (own[1]["x"], own[0])  # my rows for myself, read where they are
     if ready is not None and y_XH.shape[0] and num_tokens:  # rows arrive in chunks: reduce each as it lands
         tokens_T, bounds_C = _memo(plan, ("token_chunks", len(ready)), lambda: _token_chunks(
             item_TK, plan.route.send_splits, len(ready)))
         combined_x = canonical_reduce_chunks(y_XH, item_TK, call.bias_0, call.bias_1, call.x.dtype,
-                                             tokens_T=tokens_T, bounds_C=bounds_C, ready=ready, num_sms=call.num_sms)
+                                             tokens_T=tokens_T, bounds_C=bounds_C, ready=ready, num_sms=call.num_sms,
+                                             own=own_x)
     else:
         for event in ready or ():
             torch.cuda.current_stream(buf.device).wait_event(event)
         combined_x = canonical_reduce(y_XH, item_TK, call.bias_0, call.bias_1, out_dtype=call.x.dtype,
-                                      num_sms=call.num_sms)
+                                      num_sms=call.num_sms, own=own_x)
     combined_w = None
     if call.topk_weights is not None:
         w_XK = fields["w"] if fields is not None else launched["spec"].view(launched["recv_XB"], "w")
+        if own is not None:  # a few bytes per row: fill my rows in (my part of the area is mine alone)
+            w_XK[own[0]: own[0] + own[1]["w"].shape[0]].copy_(own[1]["w"])
         combined_w = torch.zeros(num_tokens, num_topk, dtype=w_XK.dtype, device=buf.device)
         if w_XK.shape[0]:
             # Flat index of (row of the token's rank, position) in the returned weights; -1 positions read 0.

@@ -102,9 +102,10 @@ def test_token_chunks_group_each_token_by_its_last_row():
             assert got == sorted(got) and all(want[t] == c for t in got), (trial, c)
 
 
-def test_triton_kernel_token_list_mode_interpreted():
+def test_triton_kernel_token_list_and_own_rows_interpreted():
     """The reduction kernel over one chunk of tokens at a time (`TOKEN_LIST`, as the chunked combine launches it):
-    after every chunk each token is written once, with the twin's bits; a persistent grid smaller than a chunk."""
+    after every chunk each token is written once, with the twin's bits; a persistent grid smaller than a chunk.
+    Also with rows 11..18 read from a separate `own` tensor (the rows a rank keeps for itself), whole and chunked."""
     pytest = __import__("pytest")
     pytest.importorskip("triton")
     import pickle
@@ -117,24 +118,34 @@ def test_triton_kernel_token_list_mode_interpreted():
     bias = torch.randn(23, 50, generator=gen)
     tokens = torch.randperm(23, generator=gen)
     bounds = torch.tensor([0, 0, 9, 20, 23])  # an empty chunk, then uneven ones
+    own_rows = torch.randn(8, 50, generator=gen)
     code = (
         "import pickle, sys, torch\n"
         "from epcomm.kernels import _reduce_triton, reduce\n"
-        "rows, item, bias, tokens, bounds = pickle.load(sys.stdin.buffer)\n"
+        "rows, item, bias, tokens, bounds, own_rows = pickle.load(sys.stdin.buffer)\n"
         "outs = []\n"
-        "for num_sms in (0, 2):\n"
-        "    r, i, b0, b1, out, cap, tile = reduce._kernel_args(rows, item, bias, None, torch.float32, num_sms)\n"
-        "    out.fill_(float('nan'))\n"
-        "    for c in range(4):\n"
-        "        _reduce_triton.launch(r, i, b0, b1, out, num_programs=cap, tokens=tokens, bounds=bounds, chunk=c,\n"
-        "                              num_chunks=4, **tile)\n"
-        "    outs.append(out)\n"
+        "for own in ({}, dict(own=own_rows, own_lo=11)):\n"
+        "    for num_sms in (0, 2):\n"
+        "        r, i, b0, b1, out, cap, tile = reduce._kernel_args(rows, item, bias, None, torch.float32, num_sms)\n"
+        "        out.fill_(float('nan'))\n"
+        "        for c in range(4):\n"
+        "            _reduce_triton.launch(r, i, b0, b1, out, num_programs=cap, tokens=tokens, bounds=bounds, chunk=c,\n"
+        "                                  num_chunks=4, **tile, **own)\n"
+        "        outs.append(out)\n"
+        "    outs.append(reduce.canonical_reduce(rows, item, bias, None, torch.float32, use_triton=True,\n"
+        "                                        own=(own['own'], 11) if own else None))\n"
         "sys.stdout.buffer.write(pickle.dumps(outs))\n"
     )
     env = dict(__import__("os").environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((rows, item, bias, tokens, bounds)),
+    res = subprocess.run([sys.executable, "-c", code],
+                         input=pickle.dumps((rows, item, bias, tokens, bounds, own_rows)),
                          capture_output=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr.decode()[-3000:]
-    want = canonical_reduce_torch(rows, item, bias, None)
-    for got in pickle.loads(res.stdout):
-        assert torch.equal(got, want), (got - want).abs().max()
+    outs = pickle.loads(res.stdout)
+    patched = rows.clone()
+    patched[11:19] = own_rows
+    assert not torch.equal(canonical_reduce_torch(patched, item, bias, None), canonical_reduce_torch(rows, item, bias))
+    for k, got in enumerate(outs):
+        want = canonical_reduce_torch(rows if k < 3 else patched, item, bias, None)
+        assert torch.equal(got, want), (k, (got - want).abs().max())
+    assert torch.equal(canonical_reduce_torch(rows, item, bias, None, own=(own_rows, 11)), outs[3])

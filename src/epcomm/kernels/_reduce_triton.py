@@ -6,15 +6,18 @@ import triton.language as tl
 
 @triton.jit
 def _canonical_reduce_kernel(
-    rows_ptr, item_ptr, bias0_ptr, bias1_ptr, out_ptr, tokens_ptr, bounds_ptr,
-    num_tokens, hidden, stride_rows, stride_item, stride_bias0, stride_bias1, stride_out, chunk,
+    rows_ptr, item_ptr, bias0_ptr, bias1_ptr, out_ptr, tokens_ptr, bounds_ptr, own_ptr,
+    num_tokens, hidden, stride_rows, stride_item, stride_bias0, stride_bias1, stride_out, chunk, own_lo, own_n,
+    stride_own,
     NUM_POS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, ACC_FP64: tl.constexpr,
     DOWNCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_LIST: tl.constexpr,
+    HAS_OWN: tl.constexpr,
 ):
     """out[t] = round(0 + bias0[t] + bias1[t] + sum_p rows[item[t, p]] (p ascending, item >= 0)).
 
     Every token, or with `TOKEN_LIST` only tokens `tokens[bounds[chunk]:bounds[chunk + 1]]` (a combine reducing
-    the tokens whose rows have arrived while later rows still travel).
+    the tokens whose rows have arrived while later rows still travel). With `HAS_OWN`, rows `own_lo ..
+    own_lo + own_n - 1` are read from `own` instead (a rank's rows for itself, never copied into `rows`).
 
     Worked example (fp32, no bias): rows = [[1.], [2.], [4.]], item = [[2, -1, 0], [-1, -1, -1]]
     -> out = [[5.], [0.]].
@@ -47,8 +50,11 @@ def _canonical_reduce_kernel(
             # masked add of 0) keeps the sum bitwise that of skipping the position.
             row = tl.load(item_ptr + t * stride_item + p, mask=t_ok, other=-1).to(tl.int64)
             limit = tl.where(row >= 0, hidden, 0)  # no channel of an absent item is read
-            val = tl.load(rows_ptr + tl.maximum(row, 0)[:, None] * stride_rows + offs[None, :],
-                          mask=offs[None, :] < limit[:, None], other=0.0)
+            src = rows_ptr + tl.maximum(row, 0)[:, None] * stride_rows + offs[None, :]
+            if HAS_OWN:
+                mine = (row >= own_lo) & (row < own_lo + own_n)
+                src = tl.where(mine[:, None], own_ptr + (row - own_lo)[:, None] * stride_own + offs[None, :], src)
+            val = tl.load(src, mask=offs[None, :] < limit[:, None], other=0.0)
             acc = tl.where((row >= 0)[:, None], acc + val.to(acc_dtype), acc)
         if DOWNCAST:  # one rounding, to nearest even (as torch)
             out = acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
@@ -58,8 +64,10 @@ def _canonical_reduce_kernel(
 
 
 def launch(rows, item, bias0, bias1, out, num_programs: int = 0, block_t: int = 4, block_h: int = 1024,
-           num_warps: int = 8, tokens=None, bounds=None, chunk: int = 0, num_chunks: int = 1):
-    """`num_programs` > 0 caps the grid (at most that many SMs busy); 0 = one program per tile.
+           num_warps: int = 8, tokens=None, bounds=None, chunk: int = 0, num_chunks: int = 1, own=None,
+           own_lo: int = 0):
+    """`num_programs` > 0 caps the grid (at most that many SMs busy); 0 = one program per tile. `own` ([n, H],
+    rows' dtype, unit channel stride): rows `own_lo .. own_lo + n - 1` are read from it.
 
     With `tokens` ([T] int32/int64, a permutation of the tokens) and `bounds` ([num_chunks + 1] int64 on the
     device), only chunk `chunk`'s tokens are reduced; the uncapped grid is then sized for an even share of the
@@ -72,11 +80,13 @@ def launch(rows, item, bias0, bias1, out, num_programs: int = 0, block_t: int = 
     _canonical_reduce_kernel[grid](
         rows, item, bias0 if bias0 is not None else out, bias1 if bias1 is not None else out, out,
         tokens if tokens is not None else item, bounds if bounds is not None else item,
+        own if own is not None else rows,
         num_tokens, hidden, rows.stride(0), item.stride(0),
         bias0.stride(0) if bias0 is not None else 0, bias1.stride(0) if bias1 is not None else 0, out.stride(0),
-        chunk,
+        chunk, own_lo, own.shape[0] if own is not None else 0, own.stride(0) if own is not None else 0,
         NUM_POS=num_pos, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
         ACC_FP64=rows.dtype.itemsize == 8, DOWNCAST=out.dtype.itemsize < max(4, rows.dtype.itemsize),
-        BLOCK_T=block_t, BLOCK_H=block_h, TOKEN_LIST=tokens is not None, num_warps=num_warps,
+        BLOCK_T=block_t, BLOCK_H=block_h, TOKEN_LIST=tokens is not None, HAS_OWN=own is not None,
+        num_warps=num_warps,
     )
     return out

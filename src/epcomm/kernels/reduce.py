@@ -30,6 +30,7 @@ def canonical_reduce_torch(
     bias_0: Optional[Tensor] = None,
     bias_1: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    own: Optional[tuple] = None,
 ) -> Tensor:
     """Sum `rows_XH[item_row_TP[t, p]]` over positions `p` in ascending order, after the biases.
 
@@ -38,10 +39,16 @@ def canonical_reduce_torch(
         item_row_TP: [T, P] int64 -- row of `rows_XH` at position p of token t, -1 for none.
         bias_0, bias_1: [T, H] float or None -- added first, in this order.
         out_dtype: dtype of the result; default `rows_XH.dtype`.
+        own: None, or `(own_NH, lo)`: rows `lo .. lo + N - 1` of `rows_XH` are `own_NH` (a rank's rows for itself,
+            which the nvlink return push leaves where they are).
 
     Returns:
         [T, H] out_dtype -- the sums, rounded once.
     """
+    if own is not None:
+        own_NH, lo = own
+        rows_XH = rows_XH.clone()
+        rows_XH[lo: lo + own_NH.shape[0]] = own_NH
     out_dtype = out_dtype or rows_XH.dtype
     acc_dtype = accumulate_dtype(rows_XH.dtype)
     num_tokens = item_row_TP.shape[0]
@@ -72,6 +79,7 @@ def canonical_reduce(
     *,
     use_triton: Optional[bool] = None,
     num_sms: int = 0,
+    own: Optional[tuple] = None,
 ) -> Tensor:
     """Launcher: the Triton kernel on CUDA (one pass, no host sync), the torch twin elsewhere.
 
@@ -82,12 +90,12 @@ def canonical_reduce(
     if use_triton is None:
         use_triton = rows_XH.is_cuda
     if not use_triton or rows_XH.shape[0] == 0 or item_row_TP.shape[0] == 0:
-        return canonical_reduce_torch(rows_XH, item_row_TP, bias_0, bias_1, out_dtype)
+        return canonical_reduce_torch(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, own)
     from . import _reduce_triton
 
     rows, item, bias_0, bias_1, out, num_sms, tile = _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype,
                                                                    num_sms)
-    return _reduce_triton.launch(rows, item, bias_0, bias_1, out, num_programs=num_sms, **tile)
+    return _reduce_triton.launch(rows, item, bias_0, bias_1, out, num_programs=num_sms, **tile, **_own_args(own))
 
 
 def canonical_reduce_chunks(
@@ -101,11 +109,12 @@ def canonical_reduce_chunks(
     bounds_C: Tensor,
     ready: list,
     num_sms: int = 0,
+    own: Optional[tuple] = None,
 ) -> Tensor:
     """`canonical_reduce` (the Triton kernel, CUDA) one chunk of tokens at a time, each after its rows arrive.
 
     Args:
-        rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms: as `canonical_reduce`.
+        rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms, own: as `canonical_reduce`.
         tokens_T: [T] int64 -- every token once, grouped by chunk.
         bounds_C: [C + 1] int64 (device) -- chunk c is `tokens_T[bounds_C[c]:bounds_C[c + 1]]`.
         ready: C CUDA events; chunk c's kernel waits for `ready[c]` (its tokens' rows have arrived).
@@ -121,8 +130,15 @@ def canonical_reduce_chunks(
     for c, event in enumerate(ready):
         stream.wait_event(event)
         _reduce_triton.launch(rows, item, bias_0, bias_1, out, num_programs=num_sms, tokens=tokens_T,
-                              bounds=bounds_C, chunk=c, num_chunks=len(ready), **tile)
+                              bounds=bounds_C, chunk=c, num_chunks=len(ready), **tile, **_own_args(own))
     return out
+
+
+def _own_args(own: Optional[tuple]) -> dict:
+    if own is None:
+        return {}
+    own_NH, lo = own
+    return dict(own=own_NH if own_NH.stride(-1) == 1 else own_NH.contiguous(), own_lo=lo)
 
 
 def _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms) -> tuple:

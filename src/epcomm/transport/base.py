@@ -88,18 +88,20 @@ class Transport(ABC):
             send = as_words(src).index_select(0, idx)
             as_words(out).copy_(self.dispatch_rows(send, route.send_splits, route.recv_splits, call_id=call_id))
 
-    def return_fields(self, srcs: list, route, *, call_id: int) -> tuple:
+    def return_fields(self, srcs: list, route, *, call_id: int, skip_own: bool = False) -> tuple:
         """`move_fields` in the combine direction, where the caller only reads the result before its next call.
 
         Returns:
-            `(outs, ready)`: one [route.num_recv, ...] tensor per source tensor, and None (ready in stream order)
+            `(outs, ready, own)`: one [route.num_recv, ...] tensor per source tensor; None (ready in stream order)
             or a list of C CUDA events: chunk c of every source's rows (`moves.chunk_rows(n, c, C)` of its n rows)
-            may be read once `ready[c]` has fired. A transport may return views of its own memory
-            (`borrows_rows`); the default moves into fresh tensors.
+            may be read once `ready[c]` has fired; and None, or (with `skip_own`, where a transport honours it)
+            `(row, count, src_row)`: rows `row .. row + count - 1` of every out were not filled and are rows
+            `src_row ..` of the sources (this rank's rows for itself). A transport may return views of its own
+            memory (`borrows_rows`); the default moves everything into fresh tensors.
         """
         outs = [torch.empty((route.num_recv,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) for t in srcs]
         self.move_fields(list(zip(srcs, outs)), route, call_id=call_id)
-        return outs, None
+        return outs, None, None
 
     def destroy(self) -> None:
         """Release transport resources (local; the buffer runs the collective part)."""

@@ -221,7 +221,7 @@ class NVLinkTransport(Transport):
         if capturing:
             self.barrier()
 
-    def return_fields(self, srcs: list, route, *, call_id: int) -> tuple:
+    def return_fields(self, srcs: list, route, *, call_id: int, skip_own: bool = False) -> tuple:
         """The combine direction by a push (transport/push_back.py): my rows for each rank are one block of `srcs`,
         which the copy engines write straight into that rank's area; returns views of my area (borrowed until my
         next call), and in a CUDA graph one event per chunk (`Transport.return_fields`). Rows not in send order,
@@ -231,7 +231,7 @@ class NVLinkTransport(Transport):
             ValueError: the rows a rank receives exceed a staging area (`num_bytes` of the buffer).
         """
         if route.src_X is not None or route.matrix is None or envs.nvlink_return() == "pull":
-            return super().return_fields(srcs, route, call_id=call_id)
+            return super().return_fields(srcs, route, call_id=call_id, skip_own=skip_own)
         plan = route.cache.get("nvlink-return")
         if plan is None:
             plan = route.cache["nvlink-return"] = ReturnPlan(route, self.rank, self.num_ranks)
@@ -252,7 +252,7 @@ class NVLinkTransport(Transport):
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device, priority=-1)
             side = self._side
-        return return_fields(self, plan, srcs, row_bytes, stage, side, chunks)
+        return return_fields(self, plan, srcs, row_bytes, stage, side, chunks, skip_own)
 
     def destroy(self) -> None:
         self.region = None

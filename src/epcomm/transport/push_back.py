@@ -59,7 +59,7 @@ class ReturnPlan:
 
 
 def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
-                  side: Optional["torch.cuda.Stream"], chunks: int = 1) -> tuple:
+                  side: Optional["torch.cuda.Stream"], chunks: int = 1, skip_own: bool = False) -> tuple:
     """Write my rows of every field into their origins' areas, device barriers; return views of my area.
 
     `tr` is the nvlink transport (`region`, `barrier`); `srcs` are [X, ...] contiguous tensors in send order. The
@@ -67,7 +67,8 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     `side` None the steps run in order on the current stream and the result is ready in stream order:
     `(views, None)`. With a `side` stream they run there and the result is `(views, ready)`, one event per step,
     after which chunk c of every source's rows may be read (so the reduction of early chunks overlaps the writes of
-    later ones).
+    later ones). With `skip_own` my rows for myself are not copied: the third result is `(row, count, src_row)`,
+    saying that rows `row .. row + count - 1` of the views are to be read from `srcs` at `src_row` (else None).
     """
     me, num_ranks = plan.me, plan.num_ranks
     order = [(me + k) % num_ranks for k in range(1, num_ranks)]  # not every rank writes to rank 0 first
@@ -95,12 +96,13 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
             with phase("push"):
                 for dest in order:
                     write(dest, c)
-                if side is not None:
+                if side is not None and not skip_own:
                     write(me, c)
             tr.barrier()  # chunk c of every peer's rows is in my area
-            if side is None:
-                write(me, c)  # one stream: after the barrier, so that peers are not kept waiting for it
-            else:
+            if side is not None:
                 ready.append(torch.cuda.Event())
                 ready[-1].record(side)
-    return views, ready
+            elif not skip_own:
+                write(me, c)  # one stream: after the barrier, so that peers are not kept waiting for it
+    own = (plan.recv_off[me][me], plan.send_splits[me], plan.send_off[me]) if skip_own else None
+    return views, ready, own
