@@ -152,3 +152,14 @@ def test_staging_overflow_is_a_clear_error():
     route = Route([0, rows], [0, 0], torch.arange(rows), [[0, rows], [0, 0]])
     with pytest.raises(ValueError, match="staging area holds"):
         tr.move_fields([(x, torch.empty(0, HIDDEN, dtype=torch.bfloat16))], route, call_id=0)
+
+
+@pytest.mark.parametrize("var,value", [("EPCOMM_NVLINK_RETURN", "push-pull"), ("EPCOMM_RETURN_CHUNKS", "0"),
+                                       ("EPCOMM_RETURN_CHUNKS", "three"), ("EPCOMM_PULL_CHUNKS", "65")])
+def test_return_and_chunk_variables_are_checked(var, value, monkeypatch):
+    """EPBuffer construction parses every EPCOMM_* value (envs.check_all): a bad one names itself and the value."""
+    from epcomm import envs
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=f"{var} must be .* got '{value}'"):
+        envs.check_all()
