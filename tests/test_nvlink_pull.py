@@ -37,7 +37,7 @@ def _transport(rank: int, num_ranks: int, region: FakeRegion) -> NVLinkTransport
     tr = object.__new__(NVLinkTransport)  # no process group, no symmetric memory: only what move_fields reads
     tr.num_ranks, tr.rank, tr.device = num_ranks, rank, torch.device("cpu")
     tr.rows_capacity, tr._stage_off, tr._stage_calls = CAP, [HEAD + CAP, HEAD + 2 * CAP], 0
-    tr.region, tr._side = region, None
+    tr.region, tr._side, tr._signals = region, None, None
     return tr
 
 

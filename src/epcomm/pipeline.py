@@ -494,10 +494,13 @@ def _token_chunks(item_TP: Tensor, recv_splits: list, chunks: int) -> tuple:
     chunk_T = torch.zeros(item_TP.shape[0], dtype=torch.int64, device=device)
     if item_TP.shape[1] and chunk_X.shape[0]:
         chunk_T = torch.where(item_TP >= 0, chunk_X[item_TP.clamp(min=0)], 0).amax(dim=1)
-    tokens_T = torch.sort(chunk_T, stable=True).indices
+    # A stable partition by chunk from prefix sums: a sort costs ~30 us here (2x H200), and bincount syncs.
+    in_C_T = chunk_T[None, :] == torch.arange(chunks, device=device)[:, None]
+    rank_CT = torch.cumsum(in_C_T, dim=1)  # tokens of chunk c up to and including t
     bounds_C = torch.zeros(chunks + 1, dtype=torch.int64, device=device)
-    counts_C = (chunk_T[:, None] == torch.arange(chunks, device=device)).sum(0)  # no host sync (bincount has one)
-    bounds_C[1:] = torch.cumsum(counts_C, 0)
+    bounds_C[1:] = torch.cumsum(rank_CT[:, -1], 0) if chunk_T.shape[0] else 0
+    slot_T = bounds_C[chunk_T] + rank_CT.gather(0, chunk_T[None, :])[0] - 1
+    tokens_T = torch.empty_like(chunk_T).scatter_(0, slot_T, torch.arange(chunk_T.shape[0], device=device))
     return tokens_T, bounds_C
 
 

@@ -60,7 +60,8 @@ class NVLinkTransport(Transport):
         self.rows_capacity = num_bytes
         self._stage_off = [self._rows_off + num_bytes, self._rows_off + 2 * num_bytes]
         self._stage_calls = 0
-        self._side = None  # the pull's second stream (own rows, copies from peers), made at first use
+        self._side = None  # the pull's and the return push's copy stream, made at first use
+        self._signals = None  # the return push's barriers (beside its copies), made at first use
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
                                       timeout_s=gpu_timeout_s)
 
@@ -249,12 +250,14 @@ class NVLinkTransport(Transport):
             # A graph replays this call on one area: every peer must have read its area (the replay before)
             # before anyone writes into it again.
             self.barrier()
-        side = None
+        lanes = None  # (copies, signals) streams, or all on the current one
         if (capturing or chunks > 1) and self.device.type == "cuda":
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device, priority=-1)
-            side = self._side
-        return return_fields(self, plan, srcs, row_bytes, stage, side, chunks, skip_own)
+            if self._signals is None:
+                self._signals = torch.cuda.Stream(self.device, priority=-1)
+            lanes = (self._side, self._signals)
+        return return_fields(self, plan, srcs, row_bytes, stage, lanes, chunks, skip_own)
 
     def destroy(self) -> None:
         self.region = None

@@ -11,7 +11,8 @@ rows at an offset aligned to 256 bytes; rows from rank s start at row `recv_off[
 first). Every rank derives all of it from the split matrix, so no offsets travel.
 
 In a CUDA graph (or with `EPCOMM_RETURN_CHUNKS`) the writes run on a second stream in chunks, each published by
-its own barrier and an event, so that the origin reduces the tokens of chunk c while chunk c + 1 travels.
+its own barrier (on a third stream) and an event, so that the origin reduces the tokens of chunk c while chunk c + 1
+travels.
 
 The result is borrowed: views of this rank's area, valid until its next call lets peers write the area again (two
 calls later, after a barrier that this rank reaches only when the reads enqueued before it are done).
@@ -23,7 +24,6 @@ Worked example (2 ranks, matrix [[2, 3], [1, 4]]: rank 0 returns 2 rows to itsel
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -58,20 +58,24 @@ class ReturnPlan:
         return out
 
 
-def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
-                  side: Optional["torch.cuda.Stream"], chunks: int = 1, skip_own: bool = False) -> tuple:
+def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int, streams: Optional[tuple],
+                  chunks: int = 1, skip_own: bool = False) -> tuple:
     """Write my rows of every field into their origins' areas, device barriers; return views of my area.
 
     `tr` is the nvlink transport (`region`, `barrier`); `srcs` are [X, ...] contiguous tensors in send order. The
     writes go in `chunks` steps: step c writes chunk c of every block (`moves.chunk_rows`), then a barrier. With
-    `side` None the steps run in order on the current stream and the result is ready in stream order:
-    `(views, None)`. With a `side` stream they run there and the result is `(views, ready)`, one event per step,
-    after which chunk c of every source's rows may be read (so the reduction of early chunks overlaps the writes of
-    later ones). With `skip_own` my rows for myself are not copied: the third result is `(row, count, src_row)`,
-    saying that rows `row .. row + count - 1` of the views are to be read from `srcs` at `src_row` (else None).
+    `streams` None the steps run in order on the current stream and the result is ready in stream order:
+    `(views, None, own)`. With `streams = (copies, signals)` the writes run back to back on the first and each
+    step's barrier on the second, once its writes are done (so a peer that is late for barrier c does not hold
+    back write c + 1); the result is `(views, ready, own)` with one event per step, after which chunk c of every
+    source's rows may be read (so the reduction of early chunks overlaps the writes of later ones). With
+    `skip_own` my rows for myself are not copied: `own` is `(row, count, src_row)`, saying that rows
+    `row .. row + count - 1` of the views are to be read from `srcs` at `src_row` (else None).
     """
     me, num_ranks = plan.me, plan.num_ranks
     order = [(me + k) % num_ranks for k in range(1, num_ranks)]  # not every rank writes to rank 0 first
+    if skip_own is False:
+        order.append(me)
 
     def write(dest: int, c: int) -> None:
         a, b = chunk_rows(plan.send_splits[dest], c, chunks)
@@ -85,24 +89,31 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
 
     views = [tr.region.peer(me, off, (plan.num_recv[me],) + tuple(src.shape[1:]), src.dtype)
              for src, off in zip(srcs, plan.field_offsets(me, stage, row_bytes))]
-    ready = None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(tr.device))
-        for src in srcs:
-            src.record_stream(side)
-        ready = []
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+    own = (plan.recv_off[me][me], plan.send_splits[me], plan.send_off[me]) if skip_own else None
+    if streams is None:
         for c in range(chunks):
             with phase("push"):
                 for dest in order:
-                    write(dest, c)
-                if side is not None and not skip_own:
-                    write(me, c)
+                    if dest != me:
+                        write(dest, c)
             tr.barrier()  # chunk c of every peer's rows is in my area
-            if side is not None:
-                ready.append(torch.cuda.Event())
-                ready[-1].record(side)
-            elif not skip_own:
+            if not skip_own:
                 write(me, c)  # one stream: after the barrier, so that peers are not kept waiting for it
-    own = (plan.recv_off[me][me], plan.send_splits[me], plan.send_off[me]) if skip_own else None
+        return views, None, own
+    copies, signals = streams
+    copies.wait_stream(torch.cuda.current_stream(tr.device))
+    for src in srcs:
+        src.record_stream(copies)
+    ready = []
+    for c in range(chunks):
+        with torch.cuda.stream(copies), phase("push"):
+            for dest in order:
+                write(dest, c)
+        written = torch.cuda.Event()
+        written.record(copies)
+        signals.wait_event(written)
+        with torch.cuda.stream(signals):
+            tr.barrier()  # chunk c of every peer's rows is in my area
+        ready.append(torch.cuda.Event())
+        ready[-1].record(signals)
     return views, ready, own
