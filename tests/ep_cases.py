@@ -495,6 +495,53 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
     return replays
 
 
+def captured_before_eager(rank: int, world: int, transport: str = "nvlink", num_tokens: int = 80, hidden: int = 192,
+                          num_experts: int = 16, num_topk: int = 4) -> int:
+    """A handle whose first cached dispatch and combine are captured (no eager warm-up on it), then eager calls on it
+    before the graph is ever replayed, then replays: every result bitwise against the reference. Index tensors made
+    inside a capture are only filled by a replay, so they must not be kept for eager calls (`streams.memo`)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=num_topk,
+                          explicitly_destroy=True, transport=transport)
+    gen = torch.Generator().manual_seed(300 + rank)
+
+    def handle_and_inputs():
+        topk_idx, weights = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio=0.2)
+        topk_idx, weights = topk_idx.to(device), weights.to(device)
+        x = make_x(gen, num_tokens, hidden, "bf16").to(device)
+        recv_x, _, recv_w, handle, _ = buf.dispatch(x, topk_idx, weights, num_experts=num_experts)
+        return x, topk_idx, weights, recv_x, recv_w, handle
+
+    # Kernels compiled and pools warm on another handle of the same shapes.
+    x0, _, w0, recv0, rw0, h0 = handle_and_inputs()
+    for _ in range(2):
+        buf.combine(buf.dispatch(x0, handle=h0, topk_weights=w0)[0], h0, topk_weights=rw0)
+    x_s, topk_idx, weights, recv_x, recv_w, handle = handle_and_inputs()
+    y_s = make_x(gen, recv_x.shape[0], hidden, "bf16").to(device)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c_x, _, c_w, _, _ = buf.dispatch(x_s, handle=handle, topk_weights=weights)
+        comb_x, comb_w, _ = buf.combine(y_s, handle, topk_weights=recv_w)
+    r_x, _, r_w, r_handle = ref.dispatch(x_s, topk_idx, weights, num_experts, num_max_tokens_per_rank=num_tokens)
+    e_x, _, e_w, _, _ = buf.dispatch(x_s, handle=handle, topk_weights=weights)  # before any replay
+    e_comb_x, e_comb_w, _ = buf.combine(y_s, handle, topk_weights=recv_w)
+    c_ref, cw_ref = ref.combine(y_s, r_handle, topk_weights=r_w)
+    assert_equal(e_x, r_x, "eager cached recv_x before the first replay")
+    assert_equal(e_w, r_w, "eager cached recv_topk_weights before the first replay")
+    assert_equal(e_comb_x, c_ref, "eager combined_x before the first replay")
+    assert_equal(e_comb_w, cw_ref, "eager combined_topk_weights before the first replay")
+    for i in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_equal(c_x, r_x, f"replay {i}: cached recv_x")
+        assert_equal(c_w, r_w, f"replay {i}: cached recv_topk_weights")
+        assert_equal(comb_x, c_ref, f"replay {i}: combined_x")
+        assert_equal(comb_w, cw_ref, f"replay {i}: combined_topk_weights")
+    buf.destroy()
+    return 2
+
+
 def return_in_chunks(rank: int, world: int, chunks: str) -> int:
     """The nvlink combine's return push in `chunks` chunks (EPCOMM_RETURN_CHUNKS), each reduced as it lands:
     eager calls (on the second stream) in several modes and routings, then a captured cached dispatch + combine."""

@@ -80,6 +80,12 @@ def test_cuda_graph_replay_of_cached_calls(nccl, transport):
     assert nccl.run(ep_cases.graph_replay_exact, transport) == [4, 4]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_captured_handle_then_eager_before_replay(nccl, transport):
+    """Index tensors a handle first builds inside a capture are not reused by eager calls before the first replay."""
+    assert nccl.run(ep_cases.captured_before_eager, transport) == [2, 2]
+
+
 @pytest.mark.parametrize("chunks", ["1", "2", "5"])
 def test_combine_return_push_in_chunks(nccl, chunks):
     """The nvlink combine of CPU-synced handles (transport/push_back.py) with the rows written in chunks, each

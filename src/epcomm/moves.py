@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .streams import memo
+
 
 @dataclass
 class Route:
@@ -62,10 +64,7 @@ class Route:
         """[X] int64: `src_X`, or `arange(X)` when the rows are already in send order (cached)."""
         if self.src_X is not None:
             return self.src_X
-        idx = self.cache.get("arange")
-        if idx is None:
-            idx = self.cache["arange"] = torch.arange(self.num_send, device=device)
-        return idx
+        return memo(self.cache, "arange", lambda: torch.arange(self.num_send, device=device))
 
 
 def offsets(splits: list) -> list:

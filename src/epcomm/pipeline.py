@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import agreement, epilogue, layout
+from . import agreement, epilogue, layout, streams
 from .debug import phase
 from .kernels import canonical_reduce
 from .kernels.reduce import canonical_reduce_chunks
@@ -68,11 +68,9 @@ class Plan:
 
 
 def _memo(plan: Plan, key, make):
-    """`make()` once per handle: index tensors derived from the routing alone (topk_idx is version-guarded)."""
-    value = plan.cache.get(key)
-    if value is None:
-        value = plan.cache[key] = make()
-    return value
+    """`make()` once per handle: index tensors derived from the routing alone (topk_idx is version-guarded); not
+    kept when made under CUDA-graph capture (`streams.memo`)."""
+    return streams.memo(plan.cache, key, make)
 
 
 @dataclass

@@ -22,6 +22,20 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def memo(cache: dict, key, make: Callable):
+    """`cache[key]`, made by `make()` on a miss (per-handle index tensors derived from the routing alone).
+
+    A miss under CUDA-graph capture is made but not kept: a tensor made inside a capture holds its values only once
+    the graph has been replayed, so an eager call that found it before the first replay would read garbage. Such a
+    value is made again by every capture (and replayed with it) until an eager call keeps one."""
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            cache[key] = value
+    return value
+
+
 @contextmanager
 def on_comm_stream(device: torch.device, comm: Optional["torch.cuda.Stream"], previous_event: Optional[EventHandle]):
     """Run the enclosed launch on `comm` after `previous_event` (or after the current stream)."""

@@ -205,9 +205,7 @@ class NVLinkTransport(Transport):
         Raises:
             ValueError: the rows a rank stages exceed a staging area (`num_bytes` of the buffer).
         """
-        plan = route.cache.get("nvlink")
-        if plan is None:
-            plan = route.cache["nvlink"] = PullPlan(route, self.rank, self.num_ranks, self.device)
+        plan = streams.memo(route.cache, "nvlink", lambda: PullPlan(route, self.rank, self.num_ranks, self.device))
         row_bytes = [src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size() for src, _ in moves]
         self._check_stage(plan.stage_bytes(row_bytes))
         stage = self._next_stage()
@@ -235,9 +233,7 @@ class NVLinkTransport(Transport):
         """
         if route.src_X is not None or route.matrix is None or envs.nvlink_return() == "pull":
             return super().return_fields(srcs, route, call_id=call_id, skip_own=skip_own)
-        plan = route.cache.get("nvlink-return")
-        if plan is None:
-            plan = route.cache["nvlink-return"] = ReturnPlan(route, self.rank, self.num_ranks)
+        plan = streams.memo(route.cache, "nvlink-return", lambda: ReturnPlan(route, self.rank, self.num_ranks))
         row_bytes = [src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size() for src in srcs]
         self._check_stage(plan.area_bytes(row_bytes))
         stage = self._next_stage()

@@ -1,0 +1,74 @@
+"""Where the time of a CUDA-graph replay goes: the device timeline (torch.profiler, CUDA activities) of the last of
+3 replays of one cached dispatch and of one combine (all SMs) of a CPU-synced dsv3 handle on nvlink, rank 0: every
+kernel and copy with its start (us from the first) and duration, so stages that wait for each other show as gaps.
+
+Run on a machine with 2 GPUs: `python benchmarks/graph_timeline.py`.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 4096, 7168, 256, 8
+GAP_US = 200  # replays are separated by a host barrier: a gap this long starts a new replay
+
+
+def last_replay(prof) -> list:
+    """The device events of the last replay, as `(start_us, duration_us, name)` from its first event."""
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    first, end = 0, float("-inf")
+    for i, e in enumerate(events):
+        if e.time_range.start - end > GAP_US:
+            first = i
+        end = max(end, e.time_range.end)
+    events = events[first:]
+    t0 = events[0].time_range.start if events else 0.0
+    return [(e.time_range.start - t0, e.time_range.end - e.time_range.start, e.name) for e in events]
+
+
+def body(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    import epcomm
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
+                          explicitly_destroy=True, transport="nvlink")
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16().cuda()
+    topk_idx = (torch.randn(TOKENS, NUM_EXPERTS, generator=gen).abs() + 1).topk(NUM_TOPK, dim=1).indices.cuda()
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx, num_experts=NUM_EXPERTS)
+    y = (recv_x.float() * 1.5).bfloat16()
+    all_sms = torch.cuda.get_device_properties(rank).multi_processor_count
+    lines = []
+    for label, fn in (("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
+                      (f"combine, num_sms={all_sms}", lambda: buf.combine(y, handle, num_sms=all_sms))):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiled kernels and the handle's index tensors made before the capture
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                dist.barrier()
+                graph.replay()
+                torch.cuda.synchronize()
+        events = last_replay(prof)
+        span = max((s + d for s, d, _ in events), default=0.0)
+        lines.append(f"== {label}: {len(events)} device events, {span:.1f} us")
+        lines += [f"  {s:8.1f} +{d:7.1f}  {name[:96]}" for s, d, name in events]
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(body, args=(2, 29591), nprocs=2)

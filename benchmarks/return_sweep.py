@@ -1,0 +1,69 @@
+"""The nvlink combine of a CPU-synced handle by pull and by return push (transport/push_back.py), in chunks, at the
+default and at all SMs; and the cached dispatch's pull in chunks. Per-call p50 of the slower of 2 ranks, one call
+replayed from a CUDA graph (`epcomm.bench.timing.Timer.measure_graph`) and eager (`Timer.measure`), dsv3 shape
+(4096 tokens per rank, hidden 7168, 256 experts, top-8, uniform routing), non-expand BF16. Every variant is first
+checked bitwise against the default path's result.
+
+Run on a machine with 2 GPUs: `python benchmarks/return_sweep.py`. The defaults of `EPCOMM_RETURN_CHUNKS` and
+`EPCOMM_PULL_CHUNKS` in a graph come from this sweep (transport/nvlink.py, transport/pull.py).
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 4096, 7168, 256, 8
+COMBINE = (("pull", ""), ("push", "1"), ("push", "2"), ("push", "3"), ("push", "4"), ("push", "6"))
+PULL_CHUNKS = ("1", "2", "3", "4")
+
+
+def body(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    import epcomm
+    from epcomm.bench.timing import Timer, quantile
+
+    timer = Timer(dist.group.WORLD, torch.device("cuda", rank), 30, 5)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
+                          explicitly_destroy=True, transport="nvlink")
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16().cuda()
+    topk_idx = (torch.randn(TOKENS, NUM_EXPERTS, generator=gen).abs() + 1).topk(NUM_TOPK, dim=1).indices.cuda()
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx, num_experts=NUM_EXPERTS)
+    y = (recv_x.float() * 1.5).bfloat16()
+    lines = []
+
+    def measure(label: str, env: dict, fn, want) -> None:
+        os.environ.update(env)
+        got = fn()[0]
+        torch.cuda.synchronize()
+        t = torch.tensor([quantile(timer.measure_graph(fn), 0.5) * 1e6, quantile(timer.measure(fn), 0.5) * 1e6,
+                          0.0 if torch.equal(got, want) else 1.0], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        for name in env:
+            os.environ.pop(name)
+        lines.append(f"{label}: graph {t[0]:.1f} us, eager {t[1]:.1f} us"
+                     + ("" if t[2] == 0 else " -- NOT BITWISE EQUAL to the default path"))
+
+    for num_sms in (0, torch.cuda.get_device_properties(rank).multi_processor_count):
+        want = buf.combine(y, handle, num_sms=num_sms)[0].clone()
+        for mode, chunks in COMBINE:
+            env = {"EPCOMM_NVLINK_RETURN": mode, **({"EPCOMM_RETURN_CHUNKS": chunks} if chunks else {})}
+            measure(f"combine num_sms={num_sms or 'default'} {mode} chunks={chunks or '-'}", env,
+                    lambda: buf.combine(y, handle, num_sms=num_sms), want)
+    want = buf.dispatch(x, handle=handle)[0].clone()
+    for chunks in PULL_CHUNKS:
+        measure(f"cached dispatch pull chunks={chunks}", {"EPCOMM_PULL_CHUNKS": chunks},
+                lambda: buf.dispatch(x, handle=handle), want)
+    if rank == 0:
+        print("per call, p50 of the slower rank (dsv3, non-expand BF16)")
+        print("\n".join(lines), flush=True)
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(body, args=(2, 29581), nprocs=2)
