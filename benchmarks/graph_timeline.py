@@ -12,19 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 4096, 7168, 256, 8
-GAP_US = 200  # replays are separated by a host barrier: a gap this long starts a new replay
-
-
 def last_replay(prof) -> list:
-    """The device events of the last replay, as `(start_us, duration_us, name)` from its first event."""
+    """The device events of the last replay, as `(start_us, duration_us, name)` from its first event: those after
+    the last NCCL kernel (each replay follows a `dist.barrier()`, whose all-reduce is the only NCCL kernel)."""
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
-    first, end = 0, float("-inf")
-    for i, e in enumerate(events):
-        if e.time_range.start - end > GAP_US:
-            first = i
-        end = max(end, e.time_range.end)
-    events = events[first:]
+    nccl = [i for i, e in enumerate(events) if e.name.startswith("nccl")]
+    events = events[nccl[-1] + 1:] if nccl else events
     t0 = events[0].time_range.start if events else 0.0
     return [(e.time_range.start - t0, e.time_range.end - e.time_range.start, e.name) for e in events]
 
