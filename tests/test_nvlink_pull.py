@@ -37,7 +37,7 @@ def _transport(rank: int, num_ranks: int, region: FakeRegion) -> NVLinkTransport
     tr = object.__new__(NVLinkTransport)  # no process group, no symmetric memory: only what move_fields reads
     tr.num_ranks, tr.rank, tr.device = num_ranks, rank, torch.device("cpu")
     tr.rows_capacity, tr._stage_off, tr._stage_calls = CAP, [HEAD + CAP, HEAD + 2 * CAP], 0
-    tr.region, tr._side, tr._signals = region, None, None
+    tr.region, tr._side, tr._signals, tr._captured_return = region, None, None, False
     return tr
 
 
@@ -163,3 +163,93 @@ def test_return_and_chunk_variables_are_checked(var, value, monkeypatch):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=f"{var} must be .* got '{value}'"):
         envs.check_all()
+
+
+def test_eager_return_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
+    """A graph replays its return push on one area; the eager calls' alternation does not know it, so the eager
+    return right after a replay may write into the area a peer is still reducing (its replay's last barrier only
+    says the peer arrived). Replayed here on fake regions: rank 0 reads its "replayed" result slowly while rank 1
+    starts an eager return into the same area; the result must hold until rank 0's next call."""
+    import time
+
+    from epcomm import streams as streams_mod
+
+    num_ranks = 2
+    matrix = [[3, 4], [2, 5]]  # rows rank s returns to rank d (the route of the combine direction)
+    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)],
+                        threading.Barrier(num_ranks))
+    ys = [torch.randn(sum(matrix[r]), HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
+          for r in range(num_ranks)]
+    errors, capturing = [], threading.local()
+    monkeypatch.setattr(streams_mod, "capturing", lambda device: getattr(capturing, "on", False))
+
+    def rank_body(r: int) -> None:
+        tr = _transport(r, num_ranks, region)
+        back = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], None, matrix)
+        capturing.on = True
+        got, _, _ = tr.return_fields([ys[r]], back, call_id=0)  # "captured": area 0
+        capturing.on = False
+        want = torch.cat([ys[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
+        tr._stage_calls = 0  # the eager calls after replays alternate on their own: this one lands on area 0 too
+        if r == 0:
+            time.sleep(0.3)  # a slow reduction of the replayed result
+            assert torch.equal(got[0], want), "rank 0: the replayed result was overwritten by the peer's eager call"
+        tr.return_fields([ys[r] * 2], back, call_id=1)
+
+    def guarded(r: int) -> None:
+        try:
+            rank_body(r)
+        except BaseException as e:
+            errors.append(e)
+            region.meet.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish (watchdog)"
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+
+
+def test_one_row_sources_with_a_wide_stride():
+    """A tensor of 0 or 1 rows counts as contiguous whatever its stride(0), so a column slice keeps a wide one: the
+    area's row size must come from the shape, or the rows land at the wrong offsets (and ranks disagree on them)."""
+    num_ranks = 2
+    matrix = [[2, 3], [0, 1]]  # rank 1 sends a single row (to itself) and receives 3 from rank 0
+    meet = threading.Barrier(num_ranks)
+    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
+    wide = [torch.randn(sum(matrix[r]), 2 * HIDDEN, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    xs = [w[:, :HIDDEN] for w in wide]  # rank 1's: one row, stride 2 * HIDDEN, "contiguous"
+    assert xs[1].is_contiguous() and xs[1].stride(0) == 2 * HIDDEN
+    errors = []
+
+    def rank_body(r: int) -> None:
+        tr = _transport(r, num_ranks, region)
+        route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], None, matrix)
+        want = torch.cat([xs[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
+        out = torch.empty_like(want)
+        tr.move_fields([(xs[r], out)], route, call_id=0)
+        assert torch.equal(out, want), f"rank {r}: pull"
+        got, _, _ = tr.return_fields([xs[r]], route, call_id=1)
+        assert torch.equal(got[0], want), f"rank {r}: return push"
+        meet.wait()
+
+    def guarded(r: int) -> None:
+        try:
+            rank_body(r)
+        except BaseException as e:
+            errors.append(e)
+            meet.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish (watchdog)"
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]

@@ -20,6 +20,7 @@ Worked example (2 ranks, rank 0 sends tokens [0, 2] to rank 0 and [1, 2] to rank
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -79,6 +80,12 @@ def offsets(splits: list) -> list:
 def chunk_rows(rows: int, c: int, chunks: int) -> tuple:
     """Rows `[a, b)` of chunk `c` when a block of `rows` rows moves in `chunks` pieces (c * rows // chunks)."""
     return c * rows // chunks, (c + 1) * rows // chunks
+
+
+def row_bytes(t: Tensor) -> int:
+    """Bytes of one row of `t` as a dense array, from its shape: a tensor of 0 or 1 rows counts as contiguous with
+    any stride(0) (a column slice keeps a wider one), so the stride cannot tell where rows sit in a dense area."""
+    return math.prod(t.shape[1:]) * t.element_size()
 
 
 def transfer_word(*sizes: int) -> torch.dtype:

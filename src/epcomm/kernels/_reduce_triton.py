@@ -4,7 +4,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Per-call integers: one compiled variant for all their values (Triton would specialise chunk 1 or an own range
+# starting at 0 or at a multiple of 16 into variants of their own).
+@triton.jit(do_not_specialize=["chunk", "own_lo", "own_n"])
 def _canonical_reduce_kernel(
     rows_ptr, item_ptr, bias0_ptr, bias1_ptr, out_ptr, tokens_ptr, bounds_ptr, own_ptr,
     num_tokens, hidden, stride_rows, stride_item, stride_bias0, stride_bias1, stride_out, chunk, own_lo, own_n,

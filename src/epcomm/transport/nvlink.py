@@ -27,6 +27,7 @@ from torch import Tensor
 from .. import envs, streams
 from ..debug import phase
 from ..kernels import push
+from ..moves import row_bytes as moves_row_bytes
 from ..sizing import align
 from .base import Transport
 from .pull import PullPlan, pull_fields
@@ -41,8 +42,9 @@ _RETURN_CHUNKS_CAPTURED = 3
 
 class NVLinkTransport(Transport):
     name = "nvlink"
-    # Received rows are returned as a view of the receive area: the epilogue copies them out before the next
-    # call's first barrier lets peers write again (stream order), so one deferred epilogue may be in flight.
+    # Received rows (sync-free calls) and returned rows (the combine's push) are views of a reused area: the
+    # epilogue reads them before the next call's first barrier lets peers write again (stream order), so one
+    # deferred epilogue may be in flight.
     borrows_rows = True
     writes_blocks = False  # CPU-synced calls pull fields (move_fields); sync-free ones push blocks
 
@@ -62,6 +64,7 @@ class NVLinkTransport(Transport):
         self._stage_calls = 0
         self._side = None  # the pull's and the return push's copy stream, made at first use
         self._signals = None  # the return push's barriers (beside its copies), made at first use
+        self._captured_return = False  # a return push was captured: every later one waits for its peers first
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
                                       timeout_s=gpu_timeout_s)
 
@@ -206,7 +209,7 @@ class NVLinkTransport(Transport):
             ValueError: the rows a rank stages exceed a staging area (`num_bytes` of the buffer).
         """
         plan = streams.memo(route.cache, "nvlink", lambda: PullPlan(route, self.rank, self.num_ranks, self.device))
-        row_bytes = [src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size() for src, _ in moves]
+        row_bytes = [moves_row_bytes(src) for src, _ in moves]
         self._check_stage(plan.stage_bytes(row_bytes))
         stage = self._next_stage()
         # A CUDA graph replays this call on one staging area, so the alternation that makes one barrier enough
@@ -234,7 +237,7 @@ class NVLinkTransport(Transport):
         if route.src_X is not None or route.matrix is None or envs.nvlink_return() == "pull":
             return super().return_fields(srcs, route, call_id=call_id, skip_own=skip_own)
         plan = streams.memo(route.cache, "nvlink-return", lambda: ReturnPlan(route, self.rank, self.num_ranks))
-        row_bytes = [src.stride(0) * src.element_size() if src.dim() > 1 else src.element_size() for src in srcs]
+        row_bytes = [moves_row_bytes(src) for src in srcs]
         self._check_stage(plan.area_bytes(row_bytes))
         stage = self._next_stage()
         capturing = streams.capturing(self.device)
@@ -242,10 +245,13 @@ class NVLinkTransport(Transport):
         if chunks == 0:  # like the pull: chunks pay in a graph, where launches are cheap, and only for large rows
             largest = max(plan.num_recv) * sum(row_bytes)  # the same on every rank: they agree on the barriers
             chunks = max(1, min(_RETURN_CHUNKS_CAPTURED, largest // (4 << 20))) if capturing else 1
-        if capturing:
-            # A graph replays this call on one area: every peer must have read its area (the replay before)
-            # before anyone writes into it again.
+        if capturing or self._captured_return:
+            # A graph replays this call on one area, whatever the eager calls' alternation: every peer must have
+            # read the area it reduced last (the replay before, or an eager call) before anyone writes into it
+            # again. An eager call after a captured one cannot know which area the last replay used, so it waits
+            # too (a replay's last barrier only proves that peers arrived, not that they finished reducing).
             self.barrier()
+            self._captured_return = self._captured_return or capturing
         lanes = None  # (copies, signals) streams, or all on the current one
         if (capturing or chunks > 1) and self.device.type == "cuda":
             if self._side is None:
