@@ -5,13 +5,11 @@ kernel and copy with its start (us from the first) and duration, so stages that 
 Run on a machine with 2 GPUs: `python benchmarks/graph_timeline.py`.
 """
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dsv3_handle import start
 
-TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 4096, 7168, 256, 8
 def last_replay(prof) -> list:
     """The device events of the last replay, as `(start_us, duration_us, name)` from its first event: those after
     the last NCCL kernel (each replay follows a `dist.barrier()`, whose all-reduce is the only NCCL kernel)."""
@@ -24,18 +22,7 @@ def last_replay(prof) -> list:
 
 
 def body(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    import epcomm
-
-    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
-                          explicitly_destroy=True, transport="nvlink")
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16().cuda()
-    topk_idx = (torch.randn(TOKENS, NUM_EXPERTS, generator=gen).abs() + 1).topk(NUM_TOPK, dim=1).indices.cuda()
-    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx, num_experts=NUM_EXPERTS)
-    y = (recv_x.float() * 1.5).bfloat16()
+    buf, x, handle, y = start(rank, world, port)
     all_sms = torch.cuda.get_device_properties(rank).multi_processor_count
     lines = []
     for label, fn in (("cached dispatch", lambda: buf.dispatch(x, handle=handle)),

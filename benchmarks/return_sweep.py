@@ -13,27 +13,17 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dsv3_handle import start
 
-TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 4096, 7168, 256, 8
 COMBINE = (("pull", ""), ("push", "1"), ("push", "2"), ("push", "3"), ("push", "4"), ("push", "6"))
 PULL_CHUNKS = ("1", "2", "3", "4")
 
 
 def body(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    import epcomm
     from epcomm.bench.timing import Timer, quantile
 
+    buf, x, handle, y = start(rank, world, port)
     timer = Timer(dist.group.WORLD, torch.device("cuda", rank), 30, 5)
-    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
-                          explicitly_destroy=True, transport="nvlink")
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16().cuda()
-    topk_idx = (torch.randn(TOKENS, NUM_EXPERTS, generator=gen).abs() + 1).topk(NUM_TOPK, dim=1).indices.cuda()
-    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx, num_experts=NUM_EXPERTS)
-    y = (recv_x.float() * 1.5).bfloat16()
     lines = []
 
     def measure(label: str, env: dict, fn, want) -> None:

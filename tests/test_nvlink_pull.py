@@ -41,6 +41,29 @@ def _transport(rank: int, num_ranks: int, region: FakeRegion) -> NVLinkTransport
     return tr
 
 
+def _run_ranks(num_ranks: int, rank_body, meet: threading.Barrier) -> None:
+    """`rank_body(r)` on one thread per rank under a watchdog; a failing rank releases the others (the barrier is
+    aborted) instead of leaving them waiting, and its error is raised here."""
+    errors = []
+
+    def guarded(r: int) -> None:
+        try:
+            rank_body(r)
+        except BaseException as e:
+            errors.append(e)
+            meet.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish (watchdog)"
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+
+
 def _run(num_ranks: int, num_tokens: int, seed: int, back_mode: str = "push") -> None:
     gen = torch.Generator().manual_seed(seed)
     pick = random.Random(seed)
@@ -111,24 +134,7 @@ def _run(num_ranks: int, num_tokens: int, seed: int, back_mode: str = "push") ->
             prev = got
             meet.wait()
 
-    errors = []
-
-    def guarded(r: int) -> None:
-        try:
-            rank_body(r)
-        except BaseException as e:  # a failing rank releases the others instead of leaving them waiting
-            errors.append(e)
-            meet.abort()
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(num_ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish (watchdog)"
-    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-    if real or errors:
-        raise (real or errors)[0]
+    _run_ranks(num_ranks, rank_body, meet)
 
 
 @pytest.mark.parametrize("chunks,back", [("", "push"), ("3", "push"), ("", "pull"), ("3", "pull")])
@@ -180,7 +186,7 @@ def test_eager_return_after_a_captured_one_waits_for_the_slow_reader(monkeypatch
                         threading.Barrier(num_ranks))
     ys = [torch.randn(sum(matrix[r]), HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
           for r in range(num_ranks)]
-    errors, capturing = [], threading.local()
+    capturing = threading.local()
     monkeypatch.setattr(streams_mod, "capturing", lambda device: getattr(capturing, "on", False))
 
     def rank_body(r: int) -> None:
@@ -196,22 +202,7 @@ def test_eager_return_after_a_captured_one_waits_for_the_slow_reader(monkeypatch
             assert torch.equal(got[0], want), "rank 0: the replayed result was overwritten by the peer's eager call"
         tr.return_fields([ys[r] * 2], back, call_id=1)
 
-    def guarded(r: int) -> None:
-        try:
-            rank_body(r)
-        except BaseException as e:
-            errors.append(e)
-            region.meet.abort()
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(num_ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish (watchdog)"
-    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-    if real or errors:
-        raise (real or errors)[0]
+    _run_ranks(num_ranks, rank_body, region.meet)
 
 
 def test_one_row_sources_with_a_wide_stride():
@@ -224,7 +215,6 @@ def test_one_row_sources_with_a_wide_stride():
     wide = [torch.randn(sum(matrix[r]), 2 * HIDDEN, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     xs = [w[:, :HIDDEN] for w in wide]  # rank 1's: one row, stride 2 * HIDDEN, "contiguous"
     assert xs[1].is_contiguous() and xs[1].stride(0) == 2 * HIDDEN
-    errors = []
 
     def rank_body(r: int) -> None:
         tr = _transport(r, num_ranks, region)
@@ -237,19 +227,4 @@ def test_one_row_sources_with_a_wide_stride():
         assert torch.equal(got[0], want), f"rank {r}: return push"
         meet.wait()
 
-    def guarded(r: int) -> None:
-        try:
-            rank_body(r)
-        except BaseException as e:
-            errors.append(e)
-            meet.abort()
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(num_ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish (watchdog)"
-    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-    if real or errors:
-        raise (real or errors)[0]
+    _run_ranks(num_ranks, rank_body, meet)

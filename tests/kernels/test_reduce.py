@@ -84,7 +84,8 @@ def test_token_chunks_group_each_token_by_its_last_row():
     for trial in range(40):
         recv_splits = torch.randint(0, 9, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
         num_rows, chunks = sum(recv_splits), int(torch.randint(1, 6, (1,), generator=gen))
-        num_tokens, width = int(torch.randint(0, 12, (1,), generator=gen)), int(torch.randint(0, 4, (1,), generator=gen))
+        num_tokens = int(torch.randint(0, 12, (1,), generator=gen))
+        width = int(torch.randint(0, 4, (1,), generator=gen))
         item = torch.randint(-1, max(num_rows, 1), (num_tokens, width), generator=gen)
         if num_rows == 0:
             item.fill_(-1)
@@ -129,8 +130,8 @@ def test_triton_kernel_token_list_and_own_rows_interpreted():
         "        r, i, b0, b1, out, cap, tile = reduce._kernel_args(rows, item, bias, None, torch.float32, num_sms)\n"
         "        out.fill_(float('nan'))\n"
         "        for c in range(4):\n"
-        "            _reduce_triton.launch(r, i, b0, b1, out, num_programs=cap, tokens=tokens, bounds=bounds, chunk=c,\n"
-        "                                  num_chunks=4, **tile, **own)\n"
+        "            _reduce_triton.launch(r, i, b0, b1, out, num_programs=cap, tokens=tokens, bounds=bounds,\n"
+        "                                  chunk=c, num_chunks=4, **tile, **own)\n"
         "        outs.append(out)\n"
         "    outs.append(reduce.canonical_reduce(rows, item, bias, None, torch.float32, use_triton=True,\n"
         "                                        own=(own['own'], 11) if own else None))\n"
