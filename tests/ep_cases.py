@@ -481,7 +481,10 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
         x_s.copy_(x)
         y_s.copy_(y)
         graph.replay()
-        eager = buf.dispatch(x, handle=handle, topk_weights=weights)  # an eager call between replays
+        # Eager calls between replays: a combine right after the replay writes into peers' staging areas, which
+        # the eager alternation may share with the replay's (it waits for its peers first), then a cached dispatch.
+        eager_comb_x, eager_comb_w, _ = buf.combine(y, handle, topk_weights=outs[1])
+        eager = buf.dispatch(x, handle=handle, topk_weights=weights)
         torch.cuda.synchronize()
         c_x, c_w, comb_x, comb_w = outs
         r_x, _, r_w, r_handle = ref.dispatch(x, topk_idx, weights, num_experts, num_max_tokens_per_rank=num_tokens)
@@ -491,6 +494,8 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
         c_ref, cw_ref = ref.combine(y, r_handle, topk_weights=r_w)
         assert_equal(comb_x, c_ref, f"replay {i}: combined_x")
         assert_equal(comb_w, cw_ref, f"replay {i}: combined_topk_weights")
+        assert_equal(eager_comb_x, c_ref, f"replay {i}: eager combined_x after the replay")
+        assert_equal(eager_comb_w, cw_ref, f"replay {i}: eager combined_topk_weights after the replay")
     buf.destroy()
     return replays
 
