@@ -481,8 +481,9 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
         x_s.copy_(x)
         y_s.copy_(y)
         graph.replay()
-        # Eager calls between replays: a combine right after the replay writes into peers' staging areas, which
-        # the eager alternation may share with the replay's (it waits for its peers first), then a cached dispatch.
+        # Eager calls between replays: a combine right after the replay writes into peers' staging areas; the
+        # captured calls took the area of the next eager call, so it is the one the replay's combine was reduced in
+        # (the eager push waits for its peers first), then a cached dispatch.
         eager_comb_x, eager_comb_w, _ = buf.combine(y, handle, topk_weights=outs[1])
         eager = buf.dispatch(x, handle=handle, topk_weights=weights)
         torch.cuda.synchronize()

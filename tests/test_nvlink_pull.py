@@ -196,7 +196,7 @@ def test_eager_return_after_a_captured_one_waits_for_the_slow_reader(monkeypatch
         got, _, _ = tr.return_fields([ys[r]], back, call_id=0)  # "captured": area 0
         capturing.on = False
         want = torch.cat([ys[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
-        tr._stage_calls = 0  # the eager calls after replays alternate on their own: this one lands on area 0 too
+        assert tr._stage_calls == 0  # a captured call takes the next eager call's area: this one lands on area 0 too
         if r == 0:
             time.sleep(0.3)  # a slow reduction of the replayed result
             assert torch.equal(got[0], want), "rank 0: the replayed result was overwritten by the peer's eager call"
@@ -207,24 +207,45 @@ def test_eager_return_after_a_captured_one_waits_for_the_slow_reader(monkeypatch
 
 def test_one_row_sources_with_a_wide_stride():
     """A tensor of 0 or 1 rows counts as contiguous whatever its stride(0), so a column slice keeps a wide one: the
-    area's row size must come from the shape, or the rows land at the wrong offsets (and ranks disagree on them)."""
+    areas' row sizes must come from the shape, or the fields after the first land at the wrong offsets. Rank 1 has
+    one row (a column slice); both the pull and the return push move it with a second field behind it."""
     num_ranks = 2
     matrix = [[2, 3], [0, 1]]  # rank 1 sends a single row (to itself) and receives 3 from rank 0
     meet = threading.Barrier(num_ranks)
     region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
-    wide = [torch.randn(sum(matrix[r]), 2 * HIDDEN, generator=torch.Generator().manual_seed(r)) for r in range(2)]
-    xs = [w[:, :HIDDEN] for w in wide]  # rank 1's: one row, stride 2 * HIDDEN, "contiguous"
+    gens = [torch.Generator().manual_seed(r) for r in range(num_ranks)]
+    xs = [torch.randn(5, HIDDEN, generator=gens[0]), torch.randn(1, 2 * HIDDEN, generator=gens[1])[:, :HIDDEN]]
+    ws = [torch.randn(sum(matrix[r]), 3, generator=gens[r]) for r in range(num_ranks)]
     assert xs[1].is_contiguous() and xs[1].stride(0) == 2 * HIDDEN
 
     def rank_body(r: int) -> None:
         tr = _transport(r, num_ranks, region)
         route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], None, matrix)
-        want = torch.cat([xs[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
-        out = torch.empty_like(want)
-        tr.move_fields([(xs[r], out)], route, call_id=0)
-        assert torch.equal(out, want), f"rank {r}: pull"
-        got, _, _ = tr.return_fields([xs[r]], route, call_id=1)
-        assert torch.equal(got[0], want), f"rank {r}: return push"
+
+        def want(fields):
+            return torch.cat([fields[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
+        out_x, out_w = torch.empty_like(want(xs)), torch.empty_like(want(ws))
+        tr.move_fields([(xs[r], out_x), (ws[r], out_w)], route, call_id=0)
+        assert torch.equal(out_x, want(xs)) and torch.equal(out_w, want(ws)), f"rank {r}: pull"
+        got, _, _ = tr.return_fields([xs[r], ws[r]], route, call_id=1)
+        assert torch.equal(got[0], want(xs)) and torch.equal(got[1], want(ws)), f"rank {r}: return push"
         meet.wait()
 
     _run_ranks(num_ranks, rank_body, meet)
+
+
+def test_a_capture_does_not_flip_the_eager_alternation(monkeypatch):
+    """Eager calls rely on alternating the two staging areas (one barrier per call proves peers finished the call
+    before). A captured call takes the next eager call's area and leaves the alternation as it was, so the eager
+    calls around a capture of any number of calls use different areas."""
+    from epcomm import streams as streams_mod
+
+    tr = _transport(0, 1, FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8)], threading.Barrier(1)))
+    capturing = [False]
+    monkeypatch.setattr(streams_mod, "capturing", lambda device: capturing[0])
+    before = tr._next_stage()
+    capturing[0] = True
+    captured = [tr._next_stage() for _ in range(3)]  # an odd number of staged calls in the graph
+    capturing[0] = False
+    after = tr._next_stage()
+    assert after != before and captured == [after] * 3

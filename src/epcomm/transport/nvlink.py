@@ -195,9 +195,13 @@ class NVLinkTransport(Transport):
                 "(num_max_tokens_per_rank, hidden, num_topk, dtype)")
 
     def _next_stage(self) -> int:
-        """Byte offset of this call's staging area (the two alternate by call)."""
+        """Byte offset of this call's staging area. The two alternate between eager calls; a captured call takes
+        the area of the next eager call and does not advance the alternation, so the eager calls before and after a
+        capture still use different areas (one barrier per eager call proves that peers finished the one before),
+        however many calls the capture holds. Captured calls guard their area with their own barriers."""
         stage = self._stage_off[self._stage_calls % 2]
-        self._stage_calls += 1
+        if not streams.capturing(self.device):
+            self._stage_calls += 1
         return stage
 
     def move_fields(self, moves: list, route, *, call_id: int) -> None:
