@@ -70,7 +70,13 @@ def finish(device: torch.device, comm: Optional["torch.cuda.Stream"], epilogue: 
         event = EventHandle(stream=comm)
 
         def hook():
-            return _record_outputs(epilogue(), compute)
+            outputs = _record_outputs(epilogue(), compute)
+            # The epilogue may read rows a transport lends until its next call (nvlink's areas): later calls on the
+            # comm stream come after it even when their `previous_event` was recorded before this wait. (Not under
+            # capture, where the wait would leave the comm stream joined to the graph with nothing after it.)
+            if not capturing(device):
+                comm.wait_stream(torch.cuda.current_stream(device))
+            return outputs
         return EventOverlap(event, hook_after_wait=hook)
     with torch.cuda.stream(comm):
         outputs = _record_outputs(epilogue(), compute)
