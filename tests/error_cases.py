@@ -228,19 +228,20 @@ def construct_one_bad(rank: int, world: int, kind: str):
                        "timeout_type": dict(num_cpu_timeout_secs="5"), "dtype": dict(dtype=torch.int8),
                        "transport": dict(transport="collective"),
                        "tokens": dict(num_max_tokens_per_rank=N + 1),
-                       "size": dict(num_bytes=4 << 20), "env": {}}[kind])
+                       "size": dict(num_bytes=4 << 20)}.get(kind, {}))
     if rank == 0 and kind == "transport":
         kwargs["transport"] = "auto"
-    env = "EPCOMM_FUSED_SYNC_FREE_ROWS"
-    if rank == 1 and kind == "env":
-        os.environ[env] = "4k"
+    env, value = {"env": ("EPCOMM_FUSED_SYNC_FREE_ROWS", "4k"), "env_return": ("EPCOMM_NVLINK_RETURN", "fetch"),
+                  "env_chunks": ("EPCOMM_RETURN_CHUNKS", "0")}.get(kind, (None, None))
+    if rank == 1 and env is not None:
+        os.environ[env] = value
     start = time.monotonic()
     try:
         epcomm.EPBuffer(None, **kwargs)
     except (TypeError, ValueError) as e:
         return type(e).__name__, str(e), time.monotonic() - start
     finally:
-        if kind == "env":
+        if env is not None:
             os.environ.pop(env, None)
     return None
 
