@@ -82,6 +82,23 @@ def chunk_rows(rows: int, c: int, chunks: int) -> tuple:
     return c * rows // chunks, (c + 1) * rows // chunks
 
 
+def chunk_of_rows(rows: int, chunks: int, device: torch.device) -> Tensor:
+    """[rows] int64: the chunk (`chunk_rows`) of each row of a block, `((j + 1) * chunks - 1) // rows` for row j,
+    made from host sizes with device ops only (it may run under CUDA-graph capture)."""
+    return ((torch.arange(rows, device=device) + 1) * chunks - 1) // rows
+
+
+def chunk_count(forced: int, capturing: bool, largest_bytes: int, most: int) -> int:
+    """How many chunks a staged move takes: `forced` (an `EPCOMM_*_CHUNKS` value) when set; else one for an eager
+    call (launch cost dominates it) and, in a CUDA graph, one per 4 MiB of the largest area, at most `most`. Every
+    rank computes it from the split matrix, so all agree on the number of barriers."""
+    if forced:
+        return forced
+    if not capturing:
+        return 1
+    return max(1, min(most, largest_bytes // (4 << 20)))
+
+
 def row_bytes(t: Tensor) -> int:
     """Bytes of one row of `t` as a dense array, from its shape: a tensor of 0 or 1 rows counts as contiguous with
     any stride(0) (a column slice keeps a wider one), so the stride cannot tell where rows sit in a dense area."""

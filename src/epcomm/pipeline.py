@@ -24,7 +24,7 @@ from . import agreement, epilogue, layout, streams
 from .debug import phase
 from .kernels import canonical_reduce
 from .kernels.reduce import canonical_reduce_chunks
-from .moves import Route
+from .moves import Route, chunk_of_rows
 from .records import Field, RecordSpec, scatter_index
 from .validate import XSpec
 
@@ -479,15 +479,14 @@ def _token_chunks(item_TP: Tensor, recv_splits: list, chunks: int) -> tuple:
     """Tokens grouped by the chunk in which the last of their returned rows arrives.
 
     Returned rows come grouped by source rank (`recv_splits`), and chunk c of a source's n rows is
-    `moves.chunk_rows(n, c, chunks)`: row j of the source is in chunk `((j + 1) * chunks - 1) // n`. A token is
-    ready when its latest item is (chunk 0 without items).
+    `moves.chunk_rows(n, c, chunks)` (`moves.chunk_of_rows` gives each row's). A token is ready when its latest
+    item is (chunk 0 without items).
 
     Returns:
         `(tokens_T [T] int64, bounds_C [chunks + 1] int64)`: chunk c's tokens are `tokens_T[bounds_C[c]:bounds_C[c+1]]`.
     """
     device = item_TP.device
-    # From host sizes with device ops only (no host-to-device copy: this may run under CUDA-graph capture).
-    pieces = [((torch.arange(n, device=device) + 1) * chunks - 1) // n for n in recv_splits if n]
+    pieces = [chunk_of_rows(n, chunks, device) for n in recv_splits if n]
     chunk_X = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
     chunk_T = torch.zeros(item_TP.shape[0], dtype=torch.int64, device=device)
     if item_TP.shape[1] and chunk_X.shape[0]:

@@ -113,7 +113,7 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, s
 
     import triton
 
-    x, topk = call.x, call.topk_idx
+    topk = call.topk_idx
     num_tokens, num_topk = topk.shape
     n, device = call.n, areas.local.device
     data, sf, sf_arg, w, w_arg = _send_inputs(call)

@@ -111,7 +111,9 @@ def canonical_reduce_chunks(
     num_sms: int = 0,
     own: Optional[tuple] = None,
 ) -> Tensor:
-    """`canonical_reduce` (the Triton kernel, CUDA) one chunk of tokens at a time, each after its rows arrive.
+    """`canonical_reduce` (the Triton kernel, CUDA) one chunk of tokens at a time, each after its rows arrive:
+    the combine's reduction while its rows still travel (transport/push_back.py; order as docs/decisions.md
+    decision 4, DeepEP V2.5 EPBuffer behaviour §11.2).
 
     Args:
         rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms, own: as `canonical_reduce`.

@@ -27,6 +27,7 @@ from torch import Tensor
 from .. import envs, streams
 from ..debug import phase
 from ..kernels import push
+from ..moves import chunk_count
 from ..moves import row_bytes as moves_row_bytes
 from ..sizing import align
 from .base import Transport
@@ -84,7 +85,6 @@ class NVLinkTransport(Transport):
         """Device barrier of the group on the current stream (`SymmetricRegion.barrier`)."""
         with phase("device_barrier"):
             self.region.barrier()
-
 
     def check_rows_fit(self, num_rows: int, rec: int) -> None:
         """Raises: ValueError -- `num_rows` records of `rec` bytes do not fit the receive area."""
@@ -223,9 +223,7 @@ class NVLinkTransport(Transport):
             self.barrier()
         # The second stream overlaps the own-rows gather and the pulls with the staging: a gain in a graph, but
         # eager calls on this kind of host are bound by launch cost, and the stream costs three more event waits.
-        if capturing and self._side is None:
-            self._side = torch.cuda.Stream(self.device, priority=-1)
-        pull_fields(self, plan, moves, row_bytes, stage, capturing, self._side if capturing else None)
+        pull_fields(self, plan, moves, row_bytes, stage, capturing, self._stream("_side") if capturing else None)
         if capturing:
             self.barrier()
 
@@ -245,25 +243,25 @@ class NVLinkTransport(Transport):
         self._check_stage(plan.area_bytes(row_bytes))
         stage = self._next_stage()
         capturing = streams.capturing(self.device)
-        chunks = envs.return_chunks()
-        if chunks == 0:  # like the pull: chunks pay in a graph, where launches are cheap, and only for large rows
-            largest = max(plan.num_recv) * sum(row_bytes)  # the same on every rank: they agree on the barriers
-            chunks = max(1, min(_RETURN_CHUNKS_CAPTURED, largest // (4 << 20))) if capturing else 1
+        chunks = chunk_count(envs.return_chunks(), capturing, max(plan.num_recv) * sum(row_bytes),
+                             _RETURN_CHUNKS_CAPTURED)
         if capturing or self._captured_return:
-            # A graph replays this call on one area, whatever the eager calls' alternation: every peer must have
-            # read the area it reduced last (the replay before, or an eager call) before anyone writes into it
-            # again. An eager call after a captured one cannot know which area the last replay used, so it waits
-            # too (a replay's last barrier only proves that peers arrived, not that they finished reducing).
+            # A graph replays this call on one area, which is also the area of the eager call after the capture:
+            # every peer must have reduced what it read there (the replay before, or an eager call) before anyone
+            # writes into it again, and a replay's last barrier proves only that peers arrived, not that they
+            # finished reducing. So captured calls, and every eager one after a capture, wait for their peers.
             self.barrier()
             self._captured_return = self._captured_return or capturing
         lanes = None  # (copies, signals) streams, or all on the current one
         if (capturing or chunks > 1) and self.device.type == "cuda":
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device, priority=-1)
-            if self._signals is None:
-                self._signals = torch.cuda.Stream(self.device, priority=-1)
-            lanes = (self._side, self._signals)
+            lanes = (self._stream("_side"), self._stream("_signals"))
         return return_fields(self, plan, srcs, row_bytes, stage, lanes, chunks, skip_own)
+
+    def _stream(self, name: str) -> "torch.cuda.Stream":
+        """The high-priority stream kept in attribute `name` (`_side`, `_signals`), made at first use."""
+        if getattr(self, name) is None:
+            setattr(self, name, torch.cuda.Stream(self.device, priority=-1))
+        return getattr(self, name)
 
     def destroy(self) -> None:
         self.region = None

@@ -25,13 +25,12 @@ import torch
 
 from .. import envs
 from ..debug import phase
-from ..moves import chunk_rows, offsets
+from ..moves import chunk_count, chunk_rows, offsets
 from ..sizing import align
 
 # Chunking pays when launches are cheap (graph replay) and the staged bytes are large; eager calls on slow hosts
 # pay more in launches than they gain (eager 1 / 2 / 4 / 8 chunks = 393 / 420 / 454 / 947 us).
 _CHUNKS_CAPTURED = 2  # 2x H200 dsv3 graph replay: 1 / 2 / 4 / 8 chunks = 259 / 247 / 251 / 280 us
-_MIN_CHUNK_BYTES = 4 << 20
 
 
 def aligned(nbytes: int) -> int:
@@ -61,13 +60,7 @@ class PullPlan:
         return max(sum(aligned(rows * b) for b in row_bytes) for rows in self.staged_rows)
 
     def num_chunks(self, row_bytes: list, capturing: bool) -> int:
-        forced = envs.pull_chunks()
-        if forced:
-            return forced
-        if not capturing:
-            return 1
-        largest = max(self.staged_rows) * sum(row_bytes)
-        return max(1, min(_CHUNKS_CAPTURED, largest // _MIN_CHUNK_BYTES))
+        return chunk_count(envs.pull_chunks(), capturing, max(self.staged_rows) * sum(row_bytes), _CHUNKS_CAPTURED)
 
     def views(self, region, stage: int, moves: list, row_bytes: list, chunks: int) -> tuple:
         """`(staged, pulled)` per chunk: `staged[c]` = (index of my rows in chunk c, one staging view per field);

@@ -73,9 +73,7 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     `row .. row + count - 1` of the views are to be read from `srcs` at `src_row` (else None).
     """
     me, num_ranks = plan.me, plan.num_ranks
-    order = [(me + k) % num_ranks for k in range(1, num_ranks)]  # not every rank writes to rank 0 first
-    if skip_own is False:
-        order.append(me)
+    peers = [(me + k) % num_ranks for k in range(1, num_ranks)]  # not every rank writes to rank 0 first
 
     def write(dest: int, c: int) -> None:
         a, b = chunk_rows(plan.send_splits[dest], c, chunks)
@@ -93,9 +91,8 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     if streams is None:
         for c in range(chunks):
             with phase("push"):
-                for dest in order:
-                    if dest != me:
-                        write(dest, c)
+                for dest in peers:
+                    write(dest, c)
             tr.barrier()  # chunk c of every peer's rows is in my area
             if not skip_own:
                 write(me, c)  # one stream: after the barrier, so that peers are not kept waiting for it
@@ -107,7 +104,7 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     ready = []
     for c in range(chunks):
         with torch.cuda.stream(copies), phase("push"):
-            for dest in order:
+            for dest in peers + ([] if skip_own else [me]):
                 write(dest, c)
         written = torch.cuda.Event()
         written.record(copies)
