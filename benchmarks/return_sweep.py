@@ -1,11 +1,13 @@
 """The nvlink combine of a CPU-synced handle by pull and by return push (transport/push_back.py), in chunks, at the
-default and at all SMs; and the cached dispatch's pull in chunks. Per-call p50 of the slower of 2 ranks, one call
+default and at all SMs; and the cached dispatch's pull in chunks; chunks of equal size and chunks that shrink (the
+return push) or grow (the pull) by a ratio between neighbours (`moves.RETURN_GROWTH`, `moves.PULL_GROWTH`). Per-call p50 of the slower of 2 ranks, one call
 replayed from a CUDA graph (`epcomm.bench.timing.Timer.measure_graph`) and eager (`Timer.measure`), dsv3 shape
 (4096 tokens per rank, hidden 7168, 256 experts, top-8, uniform routing), non-expand BF16. Every variant is first
 checked bitwise against the default path's result.
 
 Run on a machine with 2 GPUs: `python benchmarks/return_sweep.py`. The defaults of `EPCOMM_RETURN_CHUNKS` and
-`EPCOMM_PULL_CHUNKS` in a graph come from this sweep (transport/nvlink.py, transport/pull.py).
+`EPCOMM_PULL_CHUNKS` in a graph, and the two ratios, come from this sweep (transport/nvlink.py, transport/pull.py,
+moves.py).
 """
 
 import os
@@ -15,16 +17,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from dsv3_handle import start
 
-COMBINE = (("pull", ""), ("push", "1"), ("push", "2"), ("push", "3"), ("push", "4"), ("push", "6"))
-PULL_CHUNKS = ("1", "2", "3", "4")
+COMBINE = (("pull", "", 1), ("push", "1", 1)) + tuple(("push", c, g) for c in ("2", "3", "4") for g in (1, 2, 3))
+PULL = (("1", 1),) + tuple((c, g) for c in ("2", "3", "4") for g in (1, 2, 3))
 
 
 def body(rank: int, world: int, port: int) -> None:
+    from epcomm import moves
     from epcomm.bench.timing import Timer, quantile
 
     buf, x, handle, y = start(rank, world, port)
     timer = Timer(dist.group.WORLD, torch.device("cuda", rank), 30, 5)
     lines = []
+    default_return = moves.RETURN_GROWTH
 
     def measure(label: str, env: dict, fn, want) -> None:
         os.environ.update(env)
@@ -40,13 +44,16 @@ def body(rank: int, world: int, port: int) -> None:
 
     for num_sms in (0, torch.cuda.get_device_properties(rank).multi_processor_count):
         want = buf.combine(y, handle, num_sms=num_sms)[0].clone()
-        for mode, chunks in COMBINE:
+        for mode, chunks, growth in COMBINE:
+            moves.RETURN_GROWTH = growth
             env = {"EPCOMM_NVLINK_RETURN": mode, **({"EPCOMM_RETURN_CHUNKS": chunks} if chunks else {})}
-            measure(f"combine num_sms={num_sms or 'default'} {mode} chunks={chunks or '-'}", env,
+            measure(f"combine num_sms={num_sms or 'default'} {mode} chunks={chunks or '-'} shrink={growth}", env,
                     lambda: buf.combine(y, handle, num_sms=num_sms), want)
+    moves.RETURN_GROWTH = default_return
     want = buf.dispatch(x, handle=handle)[0].clone()
-    for chunks in PULL_CHUNKS:
-        measure(f"cached dispatch pull chunks={chunks}", {"EPCOMM_PULL_CHUNKS": chunks},
+    for chunks, growth in PULL:
+        moves.PULL_GROWTH = growth
+        measure(f"cached dispatch pull chunks={chunks} grow={growth}", {"EPCOMM_PULL_CHUNKS": chunks},
                 lambda: buf.dispatch(x, handle=handle), want)
     if rank == 0:
         print("per call, p50 of the slower rank (dsv3, non-expand BF16)")

@@ -77,15 +77,46 @@ def offsets(splits: list) -> list:
     return out
 
 
-def chunk_rows(rows: int, c: int, chunks: int) -> tuple:
-    """Rows `[a, b)` of chunk `c` when a block of `rows` rows moves in `chunks` pieces (c * rows // chunks)."""
-    return c * rows // chunks, (c + 1) * rows // chunks
+# Chunk sizes of a staged move, as a ratio between neighbours. A pull stages its first chunk before any row moves,
+# so its chunks grow; a return push's reduction of its last chunk starts after every row has moved, so its chunks
+# shrink (2x H200, dsv3, graph replay: benchmarks/return_sweep.py).
+PULL_GROWTH = 2
+RETURN_GROWTH = 2
 
 
-def chunk_of_rows(rows: int, chunks: int, device: torch.device) -> Tensor:
-    """[rows] int64: the chunk (`chunk_rows`) of each row of a block, `((j + 1) * chunks - 1) // rows` for row j,
-    made from host sizes with device ops only (it may run under CUDA-graph capture)."""
-    return ((torch.arange(rows, device=device) + 1) * chunks - 1) // rows
+def chunk_weights(chunks: int, growth: int, shrink: bool = False) -> tuple:
+    """Relative chunk sizes: chunk c weighs `growth ** c` (`shrink`: the reverse, the last chunk smallest)."""
+    w = tuple(growth ** c for c in range(chunks))
+    return w[::-1] if shrink else w
+
+
+def pull_weights(chunks: int) -> tuple:
+    return chunk_weights(chunks, PULL_GROWTH)
+
+
+def return_weights(chunks: int) -> tuple:
+    return chunk_weights(chunks, RETURN_GROWTH, shrink=True)
+
+
+def chunk_bounds(rows: int, weights: tuple) -> list:
+    """Row boundaries `[0, .., rows]` (len(weights) + 1) of a block of `rows` rows moved in chunks of relative size
+    `weights` (integers: every rank computes the same boundaries). Equal weights: chunk c is
+    `[c * rows // C, (c + 1) * rows // C)`."""
+    total, acc, out = sum(weights), 0, [0]
+    for w in weights:
+        acc += w
+        out.append(rows * acc // total)
+    return out
+
+
+def chunk_of_rows(rows: int, weights: tuple, device: torch.device) -> Tensor:
+    """[rows] int64: the chunk of each row of a block, counted as the inner boundaries at or
+    below the row; made from host sizes with device ops only (it may run under CUDA-graph capture)."""
+    j = torch.arange(rows, device=device)
+    out = torch.zeros(rows, dtype=torch.int64, device=device)
+    for b in chunk_bounds(rows, weights)[1:-1]:
+        out += j >= b
+    return out
 
 
 def chunk_count(forced: int, capturing: bool, largest_bytes: int, most: int) -> int:

@@ -24,7 +24,7 @@ from . import agreement, epilogue, layout, streams
 from .debug import phase
 from .kernels import canonical_reduce
 from .kernels.reduce import canonical_reduce_chunks
-from .moves import Route, chunk_of_rows
+from .moves import Route, chunk_of_rows, return_weights
 from .records import Field, RecordSpec, scatter_index
 from .validate import XSpec
 
@@ -475,18 +475,19 @@ def _left_packed(item_TK: Tensor, width: int) -> Tensor:
     return item_TK.gather(1, order)[:, :width].contiguous()
 
 
-def _token_chunks(item_TP: Tensor, recv_splits: list, chunks: int) -> tuple:
+def _token_chunks(item_TP: Tensor, recv_splits: list, weights: tuple) -> tuple:
     """Tokens grouped by the chunk in which the last of their returned rows arrives.
 
     Returned rows come grouped by source rank (`recv_splits`), and chunk c of a source's n rows is
-    `moves.chunk_rows(n, c, chunks)` (`moves.chunk_of_rows` gives each row's). A token is ready when its latest
+    `moves.chunk_bounds(n, weights)[c: c + 2]` (`moves.chunk_of_rows` gives each row's). A token is ready when its latest
     item is (chunk 0 without items).
 
     Returns:
         `(tokens_T [T] int64, bounds_C [chunks + 1] int64)`: chunk c's tokens are `tokens_T[bounds_C[c]:bounds_C[c+1]]`.
     """
     device = item_TP.device
-    pieces = [chunk_of_rows(n, chunks, device) for n in recv_splits if n]
+    chunks = len(weights)
+    pieces = [chunk_of_rows(n, weights, device) for n in recv_splits if n]
     chunk_X = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
     chunk_T = torch.zeros(item_TP.shape[0], dtype=torch.int64, device=device)
     if item_TP.shape[1] and chunk_X.shape[0]:
@@ -513,8 +514,9 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     ready, own = launched.get("ready"), launched.get("own")
     own_x = None if own is None else (own[1]["x"], own[0])  # my rows for myself, read where they are
     if ready is not None and y_XH.shape[0] and num_tokens:  # rows arrive in chunks: reduce each as it lands
-        tokens_T, bounds_C = _memo(plan, ("token_chunks", len(ready)), lambda: _token_chunks(
-            item_TK, plan.route.send_splits, len(ready)))
+        weights = return_weights(len(ready))  # the return push's chunks (transport/push_back.py)
+        tokens_T, bounds_C = _memo(plan, ("token_chunks", weights), lambda: _token_chunks(
+            item_TK, plan.route.send_splits, weights))
         combined_x = canonical_reduce_chunks(y_XH, item_TK, call.bias_0, call.bias_1, call.x.dtype,
                                              tokens_T=tokens_T, bounds_C=bounds_C, ready=ready, num_sms=call.num_sms,
                                              own=own_x)

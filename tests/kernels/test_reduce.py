@@ -76,14 +76,16 @@ def test_triton_kernel_matches_twin_interpreted():
 
 def test_token_chunks_group_each_token_by_its_last_row():
     """pipeline._token_chunks: the chunk of a token is the last chunk holding one of its returned rows, where chunk c
-    of a source's n rows is moves.chunk_rows(n, c, C) (the rows the return push writes in step c)."""
-    from epcomm.moves import chunk_rows
+    of a source's n rows is moves.chunk_bounds(n, weights)[c: c + 2] (the rows the return push writes in step c),
+    with equal, shrinking and growing chunk weights."""
+    from epcomm.moves import chunk_bounds, chunk_weights
     from epcomm.pipeline import _token_chunks
 
     gen = torch.Generator().manual_seed(3)
     for trial in range(40):
         recv_splits = torch.randint(0, 9, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
         num_rows, chunks = sum(recv_splits), int(torch.randint(1, 6, (1,), generator=gen))
+        weights = chunk_weights(chunks, trial % 3 + 1, shrink=trial % 2 == 0)
         num_tokens = int(torch.randint(0, 12, (1,), generator=gen))
         width = int(torch.randint(0, 4, (1,), generator=gen))
         item = torch.randint(-1, max(num_rows, 1), (num_tokens, width), generator=gen)
@@ -92,10 +94,10 @@ def test_token_chunks_group_each_token_by_its_last_row():
         row_chunk = []
         for n in recv_splits:
             for j in range(n):
-                row_chunk.append(next(c for c in range(chunks) if chunk_rows(n, c, chunks)[0] <= j
-                                      < chunk_rows(n, c, chunks)[1]))
+                bounds = chunk_bounds(n, weights)
+                row_chunk.append(next(c for c in range(chunks) if bounds[c] <= j < bounds[c + 1]))
         want = [max([row_chunk[i] for i in item[t].tolist() if i >= 0], default=0) for t in range(num_tokens)]
-        tokens, bounds = _token_chunks(item, recv_splits, chunks)
+        tokens, bounds = _token_chunks(item, recv_splits, weights)
         assert sorted(tokens.tolist()) == list(range(num_tokens)), trial
         assert bounds[0] == 0 and bounds[-1] == num_tokens and bool((bounds[1:] >= bounds[:-1]).all()), trial
         for c in range(chunks):

@@ -8,7 +8,8 @@ engines pull chunk c while the SMs gather chunk c + 1; the pulls run on a second
 follows the staging on the first, beside the pulls (eager calls keep one stream: they are bound by launch cost).
 
 Rank s's staging area holds, per field, `staged_rows[s]` rows; my rows in it start at `first_row_at[s]` (rows s
-sends to ranks before me, other than itself); its chunk c is rows `[c * n // C, (c + 1) * n // C)`. Every rank
+sends to ranks before me, other than itself); its chunk c is rows `moves.chunk_bounds(n, moves.pull_weights(C))[c: c + 2]` (chunks that grow: the first chunk's
+staging holds back the first pull). Every rank
 derives all of it from the split matrix, so every rank agrees on C and on the number of barriers.
 
 Worked example (2 ranks, matrix [[2, 3], [1, 4]]: rank 0 sends 2 rows to itself, 3 to rank 1):
@@ -25,7 +26,7 @@ import torch
 
 from .. import envs
 from ..debug import phase
-from ..moves import chunk_count, chunk_rows, offsets
+from ..moves import chunk_bounds, chunk_count, offsets, pull_weights
 from ..sizing import align
 
 # Chunking pays when launches are cheap (graph replay) and the staged bytes are large; eager calls on slow hosts
@@ -66,7 +67,8 @@ class PullPlan:
         """`(staged, pulled)` per chunk: `staged[c]` = (index of my rows in chunk c, one staging view per field);
         `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c. Made once
         per staging area, chunking and field kinds (slicing peer memory costs host time)."""
-        key = (stage, chunks, tuple((src.dtype, tuple(src.shape[1:])) for src, _ in moves))
+        weights = pull_weights(chunks)  # growing: the first chunk's staging holds back the first pull
+        key = (stage, weights, tuple((src.dtype, tuple(src.shape[1:])) for src, _ in moves))
         got = self._views.get(key)
         if got is not None:
             return got
@@ -80,14 +82,15 @@ class PullPlan:
             return out
 
         staged, pulled = [], []
+        bounds = [chunk_bounds(n, weights) for n in self.staged_rows]
         for c in range(chunks):
-            a, b = chunk_rows(self.staged_rows[self.me], c, chunks)
+            a, b = bounds[self.me][c], bounds[self.me][c + 1]
             staged.append((self.staged_idx[a:b], field_views(self.me, a, b - a)) if b > a else None)
             pieces = []
             for s in range(self.num_ranks):
                 if s == self.me or self.recv_splits[s] == 0:
                     continue
-                a, b = chunk_rows(self.staged_rows[s], c, chunks)
+                a, b = bounds[s][c], bounds[s][c + 1]
                 lo = max(a, self.first_row_at[s])
                 hi = min(b, self.first_row_at[s] + self.recv_splits[s])
                 if hi > lo:

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from ..debug import phase
-from ..moves import chunk_rows, offsets
+from ..moves import chunk_bounds, offsets, return_weights
 from .pull import aligned
 
 
@@ -63,7 +63,7 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     """Write my rows of every field into their origins' areas, device barriers; return views of my area.
 
     `tr` is the nvlink transport (`region`, `barrier`); `srcs` are [X, ...] contiguous tensors in send order. The
-    writes go in `chunks` steps: step c writes chunk c of every block (`moves.chunk_rows`), then a barrier. With
+    writes go in `chunks` steps: step c writes chunk c of every block (`moves.chunk_bounds` by `moves.return_weights`), then a barrier. With
     `streams` None the steps run in order on the current stream and the result is ready in stream order:
     `(views, None, own)`. With `streams = (copies, signals)` the writes run back to back on the first and each
     step's barrier on the second, once its writes are done (so a peer that is late for barrier c does not hold
@@ -75,8 +75,10 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     me, num_ranks = plan.me, plan.num_ranks
     peers = [(me + k) % num_ranks for k in range(1, num_ranks)]  # not every rank writes to rank 0 first
 
+    weights = return_weights(chunks)  # shrinking: the last chunk's reduction starts after every write
+
     def write(dest: int, c: int) -> None:
-        a, b = chunk_rows(plan.send_splits[dest], c, chunks)
+        a, b = chunk_bounds(plan.send_splits[dest], weights)[c: c + 2]
         if b == a:
             return
         lo = plan.send_off[dest] + a
