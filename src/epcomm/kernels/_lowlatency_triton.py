@@ -29,7 +29,7 @@ timeouts").
 import triton
 import triton.language as tl
 
-from ._signal_triton import _region, _wait
+from ._signal_triton import _region, _wait, _wait_all
 
 # Integer arguments that change between calls or ranks: one compiled variant for all their values (the fused
 # kernels' grids come from the variant's occupancy, so a variant must not change under a new token count).
@@ -126,7 +126,7 @@ def _dispatch_send_item(
     num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, USE_TIMER: tl.constexpr,
-    K_POW2: tl.constexpr, NBC: tl.constexpr, CHUNK: tl.constexpr,
+    K_POW2: tl.constexpr, NBC: tl.constexpr, CHUNK: tl.constexpr, R_POW2: tl.constexpr,
 ):
     """Token slot t, channel blocks c*NBC ..: cast and write to every rank that holds one of its experts."""
     t = _as_tensor(t)
@@ -136,6 +136,9 @@ def _dispatch_send_item(
     live = t < num_tokens
     expert_k = tl.load(topk_ptr + t * stride_topk + kk, mask=kk < tl.where(live, K, 0), other=-1).to(tl.int32)
     dest_k = tl.where(expert_k >= 0, expert_k // L, -1)
+    # Every rank's region, read once up front (one load per rank inside the loop below cost a round trip each).
+    rr = tl.arange(0, R_POW2)
+    delta_r = tl.load(delta16_ptr + rr, mask=rr < R, other=0)
 
     # Position of each item among this rank's items for the same expert, in (token, k) order, and whether a later
     # item has the same expert (the last one writes the count).
@@ -168,10 +171,11 @@ def _dispatch_send_item(
     else:
         payload = row
 
+    # Every rank must have finished reading the call two before (same area): one wait for all of them.
+    _wait_all(_flag(local_ptr, DISPATCH, FREED, parity, 0, R), epoch // 2, timeout_ns, status_ptr, R, R_POW2,
+              USE_TIMER)
     for r in tl.static_range(R):
-        dest = _region(local_ptr, delta16_ptr, r)
-        # Rank r must have finished reading the call two before (same area).
-        _wait(_flag(local_ptr, DISPATCH, FREED, parity, r, R), epoch // 2, r, timeout_ns, status_ptr, USE_TIMER)
+        dest = local_ptr + tl.sum(tl.where(rr == r, delta_r, 0), axis=0) * 16  # `_region(.., r)`
         slot = dest + rows_off + ((parity * R + me) * N + t).to(tl.int64) * row_bytes
         local_k = tl.where(dest_k == r, expert_k - r * L, -1)
         if c == 0:
@@ -206,10 +210,17 @@ def _dispatch_recv_item(
     rows = R * N  # rows per expert in the output
     kk = tl.arange(0, K_POW2)
     items = item_ptr + (src * N + t) * K
-    if tl.max(tl.load(meta + kk, mask=kk < K, other=-1), axis=0) < 0:  # no expert of this token lives here
+    expert_k = tl.load(meta + kk, mask=kk < K, other=-1)
+    if tl.max(expert_k, axis=0) < 0:  # no expert of this token lives here
         if c == 0:
             tl.store(items + kk, tl.full([K_POW2], -1, tl.int32), mask=kk < K)
     else:
+        # Output row of every top-k position at once (a scalar loop over k paid a round trip per position).
+        live_k = expert_k >= 0
+        offset_k = tl.load(meta + K + kk, mask=live_k, other=0)
+        for s in range(src):  # rows of lower source ranks come first (ascending token key)
+            offset_k += tl.load(hdr + s * L + expert_k, mask=live_k, other=0)
+        item_k = tl.where(live_k, expert_k * rows + offset_k, -1)
         blk = c * NBC + tl.arange(0, NBC)
         ch = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
         inside = ch < H
@@ -221,24 +232,22 @@ def _dispatch_recv_item(
                 packs = tl.sum(tl.reshape(exps, [NBC // 4, 4]) << (tl.arange(0, 4) * 8)[None, :], axis=1)
         else:
             payload = tl.load(slot.to(tl.pointer_type(tl.bfloat16)) + ch, mask=inside, other=0.0)
-        for k in tl.static_range(K):
-            expert = tl.load(meta + k)
-            item = tl.full([], -1, tl.int32)
-            if expert >= 0:
-                offset = tl.load(meta + K + k)
-                for s in range(src):  # rows of lower source ranks come first (ascending token key)
-                    offset += tl.load(hdr + s * L + expert)
-                item = expert * rows + offset
-                tl.store(out_ptr + item.to(tl.int64) * H + ch, payload, mask=inside)
-                if USE_FP8:  # scales token-contiguous per expert: [L, SCALE_COLS, rows]
-                    col = expert.to(tl.int64) * SCALE_COLS * rows + offset
-                    if UE8M0:
-                        p = c * (NBC // 4) + tl.arange(0, NBC // 4)
-                        tl.store(scales_ptr + col + p * rows, packs, mask=p < SCALE_COLS)
-                    else:
-                        tl.store(scales_ptr + col + blk * rows, scale, mask=blk < NB)
-            if c == 0:
-                tl.store(items + k, item)
+        # [K_POW2, NBC, 128]: the row block to each position's output row.
+        dst = out_ptr + item_k.to(tl.int64)[:, None, None] * H + ch[None, :, :]
+        tl.store(dst, tl.broadcast_to(payload[None, :, :], [K_POW2, NBC, 128]),
+                 mask=live_k[:, None, None] & inside[None, :, :])
+        if USE_FP8:  # scales token-contiguous per expert: [L, SCALE_COLS, rows]
+            col_k = expert_k.to(tl.int64) * SCALE_COLS * rows + offset_k
+            if UE8M0:
+                p = c * (NBC // 4) + tl.arange(0, NBC // 4)
+                tl.store(scales_ptr + col_k[:, None] + p[None, :] * rows,
+                         tl.broadcast_to(packs[None, :], [K_POW2, NBC // 4]),
+                         mask=live_k[:, None] & (p < SCALE_COLS)[None, :])
+            else:
+                tl.store(scales_ptr + col_k[:, None] + blk[None, :] * rows,
+                         tl.broadcast_to(scale[None, :], [K_POW2, NBC]), mask=live_k[:, None] & (blk < NB)[None, :])
+        if c == 0:
+            tl.store(items + kk, item_k, mask=kk < K)
 
 
 @triton.jit
@@ -272,12 +281,12 @@ def _advance(kind, epoch, state_ptr):
 
 
 @triton.jit
-def _wait_ready(kind, epoch, items, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, USE_TIMER: tl.constexpr):
+def _wait_ready(kind, epoch, items, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, R_POW2: tl.constexpr,
+                USE_TIMER: tl.constexpr):
     """Wait until every rank has done its `items` send items of this call for us (the count of ready items of this
     parity grows by `items` per call)."""
-    for r in tl.static_range(R):
-        _wait(_flag(local_ptr, kind, READY, epoch % 2, r, R), (epoch // 2 + 1) * items, r, timeout_ns, status_ptr,
-              USE_TIMER)
+    _wait_all(_flag(local_ptr, kind, READY, epoch % 2, 0, R), (epoch // 2 + 1) * items, timeout_ns, status_ptr, R,
+              R_POW2, USE_TIMER)
 
 
 @triton.jit
@@ -316,7 +325,7 @@ def dispatch_send(
     epoch = _issue_ticket(DISPATCH, state_ptr, ticket_ptr)
     _dispatch_send_item(t, c, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr, num_tokens, stride_x,
                         stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
-                        N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
+                        N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK, R_POW2)
     _sent(DISPATCH, epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me,
           tl.full([R_POW2], 1, tl.int64), R, R_POW2, True)
 
@@ -333,7 +342,7 @@ def dispatch_recv(
     """Grid (R * N, channel chunks): the send kernel's chunks, so a sender does N * chunks send items."""
     pid = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
-    _wait_ready(DISPATCH, epoch, N * tl.num_programs(1), local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _wait_ready(DISPATCH, epoch, N * tl.num_programs(1), local_ptr, status_ptr, timeout_ns, R, R_POW2, USE_TIMER)
     _dispatch_recv_item(pid // N, pid % N, tl.program_id(1), epoch, local_ptr, out_ptr, scales_ptr, item_ptr, hdr_off,
                         rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8, UE8M0, NB, NBC,
                         SCALE_COLS, K_POW2)
@@ -358,11 +367,12 @@ def dispatch_fused(
     for item in range(pid, N * C, grid):
         _dispatch_send_item(item // C, item % C, epoch, x_ptr, topk_ptr, local_ptr, delta16_ptr, status_ptr,
                             num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes,
-                            scale_off, meta_off, N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK)
+                            scale_off, meta_off, N, H, K, R, L, USE_FP8, POW2_SCALES, USE_TIMER, K_POW2, NBC, CHUNK,
+                            R_POW2)
     done = tl.cdiv(tl.maximum(N * C - pid, 0), grid)  # send items this program did, each for every rank
     _sent(DISPATCH, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, tl.full([R_POW2], 1, tl.int64) * done, R,
           R_POW2, False)
-    _wait_ready(DISPATCH, epoch, N * C, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _wait_ready(DISPATCH, epoch, N * C, local_ptr, status_ptr, timeout_ns, R, R_POW2, USE_TIMER)
     for item in range(pid, R * N * C, grid):
         _dispatch_recv_item(item // (N * C), (item // C) % N, item % C, epoch, local_ptr, out_ptr, scales_ptr,
                             item_ptr, hdr_off, rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8,
@@ -453,7 +463,7 @@ def combine_recv(
     """Grid (max(T, 1), channel blocks). A sender does N * KB send items for each rank."""
     t = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
-    _wait_ready(COMBINE, epoch, N * KB, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _wait_ready(COMBINE, epoch, N * KB, local_ptr, status_ptr, timeout_ns, R, R_POW2, USE_TIMER)
     if t < num_tokens:
         _combine_recv_item(t, tl.program_id(1), epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
                            stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
@@ -481,7 +491,7 @@ def combine_fused(
     first = tl.arange(0, R_POW2).to(tl.int64) * (N * KB)
     done = tl.cdiv(tl.maximum(first + N * KB - pid, 0), grid) - tl.cdiv(tl.maximum(first - pid, 0), grid)
     _sent(COMBINE, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, done, R, R_POW2, False)
-    _wait_ready(COMBINE, epoch, N * KB, local_ptr, status_ptr, timeout_ns, R, USE_TIMER)
+    _wait_ready(COMBINE, epoch, N * KB, local_ptr, status_ptr, timeout_ns, R, R_POW2, USE_TIMER)
     for item in range(pid, num_tokens * HC, grid):
         _combine_recv_item(item // HC, item % HC, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
                            stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)

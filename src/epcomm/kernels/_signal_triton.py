@@ -54,6 +54,20 @@ def _wait(flag_ptr, target, peer, timeout_ns, status_ptr, USE_TIMER: tl.constexp
     tl.debug_barrier()  # the rows the flag covers are read by every thread of the program
 
 
+@triton.jit
+def _wait_all(flags_ptr, target, timeout_ns, status_ptr, R: tl.constexpr, R_POW2: tl.constexpr,
+              USE_TIMER: tl.constexpr):
+    """`_wait` for `flags_ptr[r] >= target`, every rank r < R (the flag of rank r is element r): one acquire read
+    per rank, all in flight at once, rather than one round trip after another; a flag not up yet is then waited
+    for rank by rank (bounded, naming the rank)."""
+    r = tl.arange(0, R_POW2)
+    value = tl.atomic_add(flags_ptr + r, tl.zeros([R_POW2], dtype=tl.int64), mask=r < R, sem="acquire", scope="sys")
+    if tl.min(tl.where(r < R, value - target, 0), axis=0) < 0:
+        for rank in tl.static_range(R):
+            _wait(flags_ptr + rank, target, rank, timeout_ns, status_ptr, USE_TIMER)
+    tl.debug_barrier()  # the rows the flags cover are read by every thread of the program
+
+
 @triton.jit(do_not_specialize=["me", "timeout_ns", "flags_off"])
 def barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R: tl.constexpr, R_POW2: tl.constexpr,
             SIGNAL: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
@@ -75,5 +89,4 @@ def barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R: tl
     else:
         b -= 1  # the signal half of this barrier already counted it
     if WAIT:
-        for r in tl.static_range(R):
-            _wait(flags + r, b, r, timeout_ns, status_ptr, USE_TIMER)
+        _wait_all(flags, b, timeout_ns, status_ptr, R, R_POW2, USE_TIMER)
