@@ -13,7 +13,7 @@ def _canonical_reduce_kernel(
     stride_own,
     NUM_POS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, ACC_FP64: tl.constexpr,
     DOWNCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, TOKEN_LIST: tl.constexpr,
-    HAS_OWN: tl.constexpr, STAGES: tl.constexpr,
+    HAS_OWN: tl.constexpr,
 ):
     """out[t] = round(0 + bias0[t] + bias1[t] + sum_p rows[item[t, p]] (p ascending, item >= 0)).
 
@@ -25,8 +25,7 @@ def _canonical_reduce_kernel(
     -> out = [[5.], [0.]].
     """
     # Persistent: program i handles tiles i, i + P, ... (a tile = BLOCK_T tokens x BLOCK_H channels), so the grid
-    # size bounds the SMs the reduction occupies (`num_sms`). With STAGES > 1 the loads of the next tiles are in
-    # flight while this one is summed (software pipelining through shared memory).
+    # size bounds the SMs the reduction occupies (`num_sms`).
     first = 0
     if TOKEN_LIST:  # the chunk's token count is known on the device only
         first = tl.load(bounds_ptr + chunk)
@@ -34,7 +33,7 @@ def _canonical_reduce_kernel(
     num_h_tiles = tl.cdiv(hidden, BLOCK_H)
     num_tiles = tl.cdiv(num_tokens, BLOCK_T) * num_h_tiles
     acc_dtype = tl.float64 if ACC_FP64 else tl.float32
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=STAGES):
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         i = tile // num_h_tiles * BLOCK_T + tl.arange(0, BLOCK_T)
         offs = (tile % num_h_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
         t_ok = i < num_tokens
@@ -67,8 +66,8 @@ def _canonical_reduce_kernel(
 
 
 def launch(rows, item, bias0, bias1, out, num_programs: int = 0, block_t: int = 4, block_h: int = 1024,
-           num_warps: int = 8, num_stages: int = 1, tokens=None, bounds=None, chunk: int = 0, num_chunks: int = 1,
-           own=None, own_lo: int = 0):
+           num_warps: int = 8, tokens=None, bounds=None, chunk: int = 0, num_chunks: int = 1, own=None,
+           own_lo: int = 0):
     """`num_programs` > 0 caps the grid (at most that many SMs busy); 0 = one program per tile. `own` ([n, H],
     rows' dtype, unit channel stride): rows `own_lo .. own_lo + n - 1` are read from it.
 
@@ -90,6 +89,6 @@ def launch(rows, item, bias0, bias1, out, num_programs: int = 0, block_t: int = 
         NUM_POS=num_pos, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
         ACC_FP64=rows.dtype.itemsize == 8, DOWNCAST=out.dtype.itemsize < max(4, rows.dtype.itemsize),
         BLOCK_T=block_t, BLOCK_H=block_h, TOKEN_LIST=tokens is not None, HAS_OWN=own is not None,
-        STAGES=num_stages, num_warps=num_warps,
+        num_warps=num_warps,
     )
     return out

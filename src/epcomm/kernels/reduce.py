@@ -85,7 +85,7 @@ def canonical_reduce(
 
     Same arguments and result as `canonical_reduce_torch`; `use_triton` forces the choice (tests run the kernel
     on CPU under `TRITON_INTERPRET=1`); `num_sms` > 0 caps the kernel's grid at that many programs, so at most
-    that many SMs run it (0: no cap; the launcher picks the grid).
+    that many SMs run it (0: one program per token and block of channels).
     """
     if use_triton is None:
         use_triton = rows_XH.is_cuda
@@ -149,24 +149,12 @@ def _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms) -> tu
     bias_0 = None if bias_0 is None else bias_0.contiguous()
     bias_1 = None if bias_1 is None else bias_1.contiguous()
     out = torch.empty(item_row_TP.shape[0], rows.shape[1], dtype=out_dtype or rows.dtype, device=rows.device)
-    num_sms_gpu = torch.cuda.get_device_properties(rows.device).multi_processor_count if rows.is_cuda else 0
-    if rows.is_cuda and num_sms >= num_sms_gpu:
-        num_sms = 0  # a cap at every SM binds nothing
-    # Tiles measured on H200 (benchmarks/reduce_sweep.py, dsv3 combine shape, items left-packed), at 28 / 24 / 132
-    # programs: a persistent grid whose next tiles' loads are in flight while a tile is summed, 16 tokens x 2 KiB of
-    # channels x 8 warps, 3 stages: 162 / 187 / 64 us. It needs (stages - 1) x loads per tile x 32 KiB of shared
-    # memory; where that does not fit, one pass: capped, 16 x 2048 x 16 warps (186 / 225 / 84 us; 8 x 2048: 260 at
-    # 28); uncapped, one program per tile of 4 x 1024 x 8 warps (90 us).
-    block_h = 2048 // rows.element_size()
-    loads = item_row_TP.shape[1] + (bias_0 is not None) + (bias_1 is not None)
-    stages = min(3, 1 + (160 << 10) // max(1, loads * 16 * block_h * rows.element_size()))
-    if stages > 1:
-        tile = dict(block_t=16, block_h=block_h, num_warps=8, num_stages=stages)
-        num_sms = num_sms or num_sms_gpu  # persistent: one program per SM at most
-    elif num_sms > 0:
-        tile = dict(block_t=16, block_h=2048, num_warps=16)
-    else:
-        tile = dict(block_t=4, block_h=1024, num_warps=8)
+    if num_sms and rows.is_cuda and num_sms >= torch.cuda.get_device_properties(rows.device).multi_processor_count:
+        num_sms = 0  # a cap at every SM binds nothing: one program per tile is faster (90 vs 106 us below)
+    # Tiles measured on H200 (benchmarks/reduce_sweep.py, dsv3 combine shape, items left-packed): 4 tokens x 1024
+    # channels x 8 warps with one program per tile (90 us); a capped grid needs more bytes in flight per program:
+    # 16 x 2048 x 16 warps (206 us at 28 programs, against 260 us for 8 x 2048).
+    tile = dict(block_t=16, block_h=2048, num_warps=16) if num_sms > 0 else dict(block_t=4, block_h=1024, num_warps=8)
     return rows, item_row_TP.contiguous(), bias_0, bias_1, out, num_sms, tile
 
 
