@@ -136,22 +136,9 @@ def _dispatch_send_item(
     live = t < num_tokens
     expert_k = tl.load(topk_ptr + t * stride_topk + kk, mask=kk < tl.where(live, K, 0), other=-1).to(tl.int32)
     dest_k = tl.where(expert_k >= 0, expert_k // L, -1)
-    # Every rank's region, read once up front (one load per rank inside the loop below cost a round trip each).
+    # Every rank's region, read once up front (one load per rank inside the loops below cost a round trip each).
     rr = tl.arange(0, R_POW2)
     delta_r = tl.load(delta16_ptr + rr, mask=rr < R, other=0)
-
-    # Position of each item among this rank's items for the same expert, in (token, k) order, and whether a later
-    # item has the same expert (the last one writes the count).
-    mine = t * K + kk
-    before_k = tl.zeros([K_POW2], dtype=tl.int32)
-    after_k = tl.zeros([K_POW2], dtype=tl.int32)
-    num_items = tl.where(live, num_tokens * K, 0)
-    for start in range(0, num_items, CHUNK):
-        f = start + tl.arange(0, CHUNK)
-        ids = tl.load(topk_ptr + (f // K) * stride_topk + f % K, mask=f < num_items, other=-1).to(tl.int32)
-        same = (ids[None, :] == expert_k[:, None]) & (expert_k[:, None] >= 0)
-        before_k += tl.sum((same & (f[None, :] < mine[:, None])).to(tl.int32), axis=1)
-        after_k += tl.sum((same & (f[None, :] > mine[:, None])).to(tl.int32), axis=1)
 
     # This item's part of the token row, cast once: [NBC blocks, 128 channels].
     blk = c * NBC + tl.arange(0, NBC)
@@ -171,25 +158,53 @@ def _dispatch_send_item(
     else:
         payload = row
 
-    # Every rank must have finished reading the call two before (same area): one wait for all of them.
+    # Every rank must have finished reading the call two before (same area): one wait for all of them. Then the
+    # row goes out first, and the metadata (which needs the count below) follows while the row travels.
     _wait_all(_flag(local_ptr, DISPATCH, FREED, parity, 0, R), epoch // 2, timeout_ns, status_ptr, R, R_POW2,
               USE_TIMER)
     for r in tl.static_range(R):
-        dest = local_ptr + tl.sum(tl.where(rr == r, delta_r, 0), axis=0) * 16  # `_region(.., r)`
-        slot = dest + rows_off + ((parity * R + me) * N + t).to(tl.int64) * row_bytes
-        local_k = tl.where(dest_k == r, expert_k - r * L, -1)
-        if c == 0:
-            meta = (slot + meta_off).to(tl.pointer_type(tl.int32))
-            tl.store(meta + kk, local_k, mask=kk < K)
-            tl.store(meta + K + kk, before_k, mask=kk < K)
-            hdr = (dest + hdr_off).to(tl.pointer_type(tl.int32)) + (parity * R + me) * L
-            tl.store(hdr + tl.maximum(local_k, 0), before_k + 1, mask=(local_k >= 0) & (after_k == 0) & (kk < K))
         if tl.sum((dest_k == r).to(tl.int32), axis=0) > 0:
+            slot = _send_slot(local_ptr, delta_r, rr, r, rows_off, row_bytes, parity, me, t, N, R)
             if USE_FP8:
                 tl.store(slot + ch, payload, mask=inside)
                 tl.store((slot + scale_off).to(tl.pointer_type(tl.float32)) + blk, scale, mask=blk * 128 < H)
             else:
                 tl.store(slot.to(tl.pointer_type(tl.bfloat16)) + ch, payload, mask=inside)
+
+    if c == 0:  # the token's metadata, once (by its first block of channels), to every rank
+        # Position of each item among this rank's items for the same expert, in (token, k) order, and whether a
+        # later item has the same expert (the last one writes the count).
+        mine = t * K + kk
+        before_k = tl.zeros([K_POW2], dtype=tl.int32)
+        after_k = tl.zeros([K_POW2], dtype=tl.int32)
+        num_items = tl.where(live, num_tokens * K, 0)
+        for start in range(0, num_items, CHUNK):
+            f = start + tl.arange(0, CHUNK)
+            ids = tl.load(topk_ptr + (f // K) * stride_topk + f % K, mask=f < num_items, other=-1).to(tl.int32)
+            same = (ids[None, :] == expert_k[:, None]) & (expert_k[:, None] >= 0)
+            before_k += tl.sum((same & (f[None, :] < mine[:, None])).to(tl.int32), axis=1)
+            after_k += tl.sum((same & (f[None, :] > mine[:, None])).to(tl.int32), axis=1)
+        for r in tl.static_range(R):
+            slot = _send_slot(local_ptr, delta_r, rr, r, rows_off, row_bytes, parity, me, t, N, R)
+            local_k = tl.where(dest_k == r, expert_k - r * L, -1)
+            meta = (slot + meta_off).to(tl.pointer_type(tl.int32))
+            tl.store(meta + kk, local_k, mask=kk < K)
+            tl.store(meta + K + kk, before_k, mask=kk < K)
+            hdr = (_send_region(local_ptr, delta_r, rr, r) + hdr_off).to(tl.pointer_type(tl.int32)) + \
+                (parity * R + me) * L
+            tl.store(hdr + tl.maximum(local_k, 0), before_k + 1, mask=(local_k >= 0) & (after_k == 0) & (kk < K))
+
+
+@triton.jit
+def _send_region(local_ptr, delta_r, rr, r):
+    """`_region(.., r)` from every rank's distance, loaded once (`delta_r`, [R_POW2] in 16-byte units)."""
+    return local_ptr + tl.sum(tl.where(rr == r, delta_r, 0), axis=0) * 16
+
+
+@triton.jit
+def _send_slot(local_ptr, delta_r, rr, r, rows_off, row_bytes, parity, me, t, N: tl.constexpr, R: tl.constexpr):
+    """This rank's row slot t in rank r's dispatch area of this parity."""
+    return _send_region(local_ptr, delta_r, rr, r) + rows_off + ((parity * R + me) * N + t).to(tl.int64) * row_bytes
 
 
 @triton.jit
