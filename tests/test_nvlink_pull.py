@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from epcomm import moves
 from epcomm.moves import Route, chunk_bounds, chunk_of_rows, chunk_weights, pull_weights, return_weights
 from epcomm.transport.nvlink import NVLinkTransport
 
@@ -150,7 +151,7 @@ def test_chunk_bounds_split_every_block_in_weighted_order():
             assert chunk_of_rows(n, weights, torch.device("cpu")).tolist() == want, (n, weights)
         assert chunk_bounds(n, (1, 1, 1)) == [c * n // 3 for c in range(4)]
     assert list(pull_weights(3)) == sorted(pull_weights(3)) and pull_weights(3)[0] < pull_weights(3)[-1]
-    assert list(return_weights(3)) == sorted(pull_weights(3), reverse=True)
+    assert list(return_weights(3)) == sorted(return_weights(3), reverse=True)
 
 
 @pytest.mark.parametrize("chunks,back", [("", "push"), ("3", "push"), ("", "pull"), ("3", "pull")])
@@ -158,10 +159,11 @@ def test_chunk_bounds_split_every_block_in_weighted_order():
 def test_pull_lands_every_row_in_place(num_ranks, chunks, back, monkeypatch):
     """Random routings (empty ranks included), three calls on one route (both staging areas), then the return
     direction (combine) by `move_fields` and by `return_fields` (push or pull) mixed with pulls; in one piece and
-    in 3 chunks (each published by its own barrier, for the pull and the return push)."""
+    in 3 chunks (each published by its own barrier, for the pull and the return push) of unequal sizes."""
     monkeypatch.setenv("EPCOMM_PULL_CHUNKS", chunks)
     monkeypatch.setenv("EPCOMM_RETURN_CHUNKS", chunks)
     monkeypatch.setenv("EPCOMM_NVLINK_RETURN", back)
+    monkeypatch.setattr(moves, "RETURN_GROWTH", 2)  # unequal chunks both ways (the pull's grow by default)
     for seed in range(4):
         _run(num_ranks, 17, seed, back)
 

@@ -78,10 +78,12 @@ def offsets(splits: list) -> list:
 
 
 # Chunk sizes of a staged move, as a ratio between neighbours. A pull stages its first chunk before any row moves,
-# so its chunks grow; a return push's reduction of its last chunk starts after every row has moved, so its chunks
-# shrink (2x H200, dsv3, graph replay: benchmarks/return_sweep.py).
-PULL_GROWTH = 2
-RETURN_GROWTH = 2
+# so its chunks grow: 2x H200, dsv3 cached dispatch in a graph, 2 chunks of ratio 1 / 2 / 3 = 215-218 / 210-216 /
+# 208-209 us. A return push's last chunk is reduced after every write, but shrinking its chunks lost there
+# (combine, 3 chunks, ratio 1 / 2: 200-210 / 205-245 us at 132 SMs, 305-351 / 370-386 us at 28), so they stay
+# equal (benchmarks/return_sweep.py).
+PULL_GROWTH = 3
+RETURN_GROWTH = 1
 
 
 def chunk_weights(chunks: int, growth: int, shrink: bool = False) -> tuple:
