@@ -40,6 +40,21 @@ def test_low_latency_graph_replay_on_gpu(pools, use_fp8):
     assert pools.get(2, "nccl").run(ll_cases.low_latency_graph_replay, use_fp8=use_fp8) == [3, 3]
 
 
+def test_hardware_fp8_cast_only_where_triton_has_fp8(monkeypatch):
+    """The send kernels use the hardware FP8 conversion on NVIDIA GPUs of compute capability 8.9 and up only (Triton
+    has no float8e4nv below: an A100 keeps the integer spelling)."""
+    from epcomm.lowlatency_nvlink import hardware_fp8
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, want in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert hardware_fp8(cuda) is want, capability
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert hardware_fp8(cuda) is False
+    assert hardware_fp8(torch.device("cpu")) is False
+
+
 def test_low_latency_size_hint_holds_every_returned_pair():
     """The combine returns every (token, expert) row; a transport with a receive area holds them all at once."""
     from epcomm import EPBuffer

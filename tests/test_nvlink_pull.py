@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from epcomm import moves
-from epcomm.moves import Route, chunk_bounds, chunk_of_rows, chunk_weights, pull_weights, return_weights
+from epcomm.moves import Route, chunk_bounds, chunk_of_rows, pull_weights, return_weights
 from epcomm.transport.nvlink import NVLinkTransport
 
 HIDDEN, CAP, HEAD = 24, 1 << 16, 4096
@@ -140,9 +140,9 @@ def _run(num_ranks: int, num_tokens: int, seed: int, back_mode: str = "push") ->
 
 def test_chunk_bounds_split_every_block_in_weighted_order():
     """moves.chunk_bounds covers the block once, in order, in pieces proportional to the weights (equal weights:
-    `c * n // C`); chunk_of_rows is its inverse; a pull's chunks grow and a return push's shrink."""
+    `c * n // C`), empty chunks included; chunk_of_rows is its inverse; one chunk is the whole block."""
     for n in range(0, 60):
-        for weights in [(1,), (1, 1, 1), (1, 2, 4), (4, 2, 1), (9, 3, 1), chunk_weights(4, 3)]:
+        for weights in [(1,), (1, 1, 1), (1, 2, 4), (4, 2, 1), (9, 3, 1), (1, 3, 3, 3), (0, 2, 0, 1)]:
             b = chunk_bounds(n, weights)
             assert b[0] == 0 and b[-1] == n and all(x <= y for x, y in zip(b, b[1:])), (n, weights)
             for c, w in enumerate(weights):  # within one row of the exact share
@@ -150,8 +150,7 @@ def test_chunk_bounds_split_every_block_in_weighted_order():
             want = [c for c in range(len(weights)) for _ in range(b[c], b[c + 1])]
             assert chunk_of_rows(n, weights, torch.device("cpu")).tolist() == want, (n, weights)
         assert chunk_bounds(n, (1, 1, 1)) == [c * n // 3 for c in range(4)]
-    assert list(pull_weights(3)) == sorted(pull_weights(3)) and pull_weights(3)[0] < pull_weights(3)[-1]
-    assert list(return_weights(3)) == sorted(return_weights(3), reverse=True)
+    assert len(pull_weights(4)) == len(return_weights(4)) == 4 and pull_weights(1) == return_weights(1) == (1,)
 
 
 @pytest.mark.parametrize("chunks,back", [("", "push"), ("3", "push"), ("", "pull"), ("3", "pull")])
@@ -163,7 +162,7 @@ def test_pull_lands_every_row_in_place(num_ranks, chunks, back, monkeypatch):
     monkeypatch.setenv("EPCOMM_PULL_CHUNKS", chunks)
     monkeypatch.setenv("EPCOMM_RETURN_CHUNKS", chunks)
     monkeypatch.setenv("EPCOMM_NVLINK_RETURN", back)
-    monkeypatch.setattr(moves, "RETURN_GROWTH", 2)  # unequal chunks both ways (the pull's grow by default)
+    monkeypatch.setattr(moves, "RETURN_EARLIER", 2)  # unequal chunks both ways (the pull's by default)
     for seed in range(4):
         _run(num_ranks, 17, seed, back)
 

@@ -42,6 +42,12 @@ _ROWS_PER_PROGRAM = 2
 _FUSED_PROGRAMS_PER_SM = 8
 
 
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether the send kernels cast to FP8 with the hardware conversion: NVIDIA GPUs of compute capability 8.9
+    and up (Triton has no `float8e4nv` below); elsewhere an integer spelling of the same rounding."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Byte offsets of the low-latency region for one call shape (every rank computes the same)."""
@@ -253,7 +259,7 @@ class LowLatencyNVLink:
                        scale_off=lay.scale_off, meta_off=lay.meta_off)
         shape = dict(L=num_local, USE_FP8=use_fp8, NBC=nbc, K_POW2=triton.next_power_of_2(lay.num_topk), num_warps=4,
                      **self._common(lay))
-        hw_fp8 = self.device.type == "cuda"  # the send kernels cast with the hardware conversion
+        hw_fp8 = hardware_fp8(self.device)
         recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
                          L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols)
         if not hook:

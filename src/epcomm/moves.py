@@ -77,27 +77,23 @@ def offsets(splits: list) -> list:
     return out
 
 
-# Chunk sizes of a staged move, as a ratio between neighbours. A pull stages its first chunk before any row moves,
-# so its chunks grow: 2x H200, dsv3 cached dispatch in a graph, 2 chunks of ratio 1 / 2 / 3 = 215-218 / 210-216 /
-# 208-209 us. A return push's last chunk is reduced after every write, but shrinking its chunks lost there
-# (combine, 3 chunks, ratio 1 / 2: 200-210 / 205-245 us at 132 SMs, 305-351 / 370-386 us at 28), so they stay
-# equal (benchmarks/return_sweep.py).
-PULL_GROWTH = 3
-RETURN_GROWTH = 1
-
-
-def chunk_weights(chunks: int, growth: int, shrink: bool = False) -> tuple:
-    """Relative chunk sizes: chunk c weighs `growth ** c` (`shrink`: the reverse, the last chunk smallest)."""
-    w = tuple(growth ** c for c in range(chunks))
-    return w[::-1] if shrink else w
+# Chunk sizes of a staged move. A pull stages its first chunk before any row moves, so its first chunk is small and
+# every later one weighs PULL_LATER times as much: 2x H200, dsv3 cached dispatch in a graph, 2 chunks of 1:1 / 1:2 /
+# 1:3 = 215-218 / 210-216 / 208-209 us. A return push's last chunk is reduced after every write, but making it small
+# lost there (combine, 3 chunks 1:1:1 / 4:2:1: 200-210 / 205-245 us at 132 SMs, 305-351 / 371-386 us at 28), so
+# every chunk before the last weighs RETURN_EARLIER = 1 times the last: equal chunks (benchmarks/return_sweep.py).
+PULL_LATER = 3
+RETURN_EARLIER = 1
 
 
 def pull_weights(chunks: int) -> tuple:
-    return chunk_weights(chunks, PULL_GROWTH)
+    """Relative chunk sizes of a pull: `(1, PULL_LATER, PULL_LATER, ...)`."""
+    return (1,) + (PULL_LATER,) * (chunks - 1)
 
 
 def return_weights(chunks: int) -> tuple:
-    return chunk_weights(chunks, RETURN_GROWTH, shrink=True)
+    """Relative chunk sizes of a return push: `(.., RETURN_EARLIER, RETURN_EARLIER, 1)`."""
+    return (RETURN_EARLIER,) * (chunks - 1) + (1,)
 
 
 def chunk_bounds(rows: int, weights: tuple) -> list:

@@ -11,8 +11,11 @@ programs one after another, and a fused program waits for every program's sends)
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from epcomm.fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
+from epcomm.kernels._lowlatency_triton import _e4m3_bits
 from epcomm.lowlatency_nvlink import Layout, LowLatencyNVLink
 
 
@@ -61,8 +64,33 @@ def check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0):
                     assert torch.equal(recv_x[e, j], sent[s][t]), (r, e, j)
 
 
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _e4m3_bits(tl.load(x_ptr + offs, mask=offs < n, other=0.0), False), mask=offs < n)
+
+
+def check_cast() -> None:
+    """The integer FP8 spelling (`_e4m3_bits`, HW off: the interpreter's and pre-8.9 GPUs' path) gives torch's
+    float8_e4m3fn bits for every |v| <= 448 it is given: random magnitudes over the whole range, subnormals, ties,
+    the ends, signed zeros, and NaN."""
+    gen = torch.Generator().manual_seed(11)
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite code
+    mid = (grid[1:] + grid[:-1]) / 2  # ties, rounded to even
+    rand = torch.randn(20000, generator=gen) * torch.pow(2.0, torch.randint(-12, 9, (20000,), generator=gen).float())
+    special = torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11, float("nan")])
+    v = torch.cat([grid, -grid, mid, -mid, rand.clamp(-448, 448), special])
+    out = torch.empty(v.shape[0], dtype=torch.uint8)
+    _cast_kernel[(triton.cdiv(v.shape[0], 1024),)](v, out, v.shape[0], BLOCK=1024)
+    want = v.to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (out != want).nonzero()
+    assert bad.numel() == 0, [(float(v[i]), int(out[i]), int(want[i])) for i in bad[:5, 0]]
+
+
 def run(case: str) -> None:
     gen = torch.Generator().manual_seed(len(case))
+    if case == "cast":
+        return check_cast()
     if case == "two-ranks":
         num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 6, 2200, 8, 3, [5, 3]  # 18 blocks: 2 per row
     elif case == "three-ranks":  # a partial last FP8 block, an empty rank, top-2

@@ -13,7 +13,7 @@ import pytest
 from interpreter import run_sim
 
 
-@pytest.mark.parametrize("case", ["two-ranks", "three-ranks", "one-rank-fused", "mixed", "timeout"])
+@pytest.mark.parametrize("case", ["two-ranks", "three-ranks", "one-rank-fused", "mixed", "timeout", "cast"])
 def test_lowlatency_kernels(case):
     out = run_sim("lowlatency_sim.py", case)
     if case == "timeout":

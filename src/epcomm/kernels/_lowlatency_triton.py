@@ -60,8 +60,9 @@ def _to_bf16(v):
 def _e4m3_bits(v, HW: tl.constexpr):
     """float8_e4m3fn bits of fp32 `v` (|v| <= 448), rounded to nearest even: torch's bits.
 
-    `HW` (a GPU): the hardware conversion (`cvt.rn.satfinite`). Else by integer arithmetic, spelled out because the
-    interpreter's conversion mis-rounds values that carry into the exponent. The GPU tests compare the hardware
+    `HW` (an NVIDIA GPU of compute capability 8.9 or more): the hardware conversion (`cvt.rn.satfinite`). Else by
+    integer arithmetic, spelled out because the interpreter's conversion mis-rounds values that carry into the
+    exponent (and older GPUs have no FP8 type); NaN gives 0x7F, as torch. The GPU tests compare the hardware
     path with torch's cast bitwise; the integer path costs ~30 dependent ops per element, about 2 us per send item
     on a GPU (2x H200, phase stamps).
     """
@@ -85,6 +86,7 @@ def _e4m3_bits(v, HW: tl.constexpr):
     up_s = (rest_s > half) | ((rest_s == half) & ((q & 1) == 1))
     sub = q + up_s.to(tl.int32)
     code = tl.where(exp >= 121, tl.minimum(normal, 0x7E), tl.where(exp == 0, 0, sub))
+    code = tl.where((exp == 0xFF) & (mant != 0), 0x7F, code)  # NaN
     return (code | sign).to(tl.uint8)
 
 

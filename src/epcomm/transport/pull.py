@@ -8,7 +8,7 @@ engines pull chunk c while the SMs gather chunk c + 1; the pulls run on a second
 follows the staging on the first, beside the pulls (eager calls keep one stream: they are bound by launch cost).
 
 Rank s's staging area holds, per field, `staged_rows[s]` rows; my rows in it start at `first_row_at[s]` (rows s
-sends to ranks before me, other than itself); its chunk c is rows `moves.chunk_bounds(n, moves.pull_weights(C))[c: c + 2]` (chunks that grow: the first chunk's
+sends to ranks before me, other than itself); its chunk c is rows `moves.chunk_bounds(n, moves.pull_weights(C))[c: c + 2]` (a small first chunk, since its
 staging holds back the first pull). Every rank
 derives all of it from the split matrix, so every rank agrees on C and on the number of barriers.
 
@@ -67,7 +67,7 @@ class PullPlan:
         """`(staged, pulled)` per chunk: `staged[c]` = (index of my rows in chunk c, one staging view per field);
         `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c. Made once
         per staging area, chunking and field kinds (slicing peer memory costs host time)."""
-        weights = pull_weights(chunks)  # growing: the first chunk's staging holds back the first pull
+        weights = pull_weights(chunks)  # a small first chunk: its staging holds back the first pull
         key = (stage, weights, tuple((src.dtype, tuple(src.shape[1:])) for src, _ in moves))
         got = self._views.get(key)
         if got is not None:

@@ -75,7 +75,7 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     me, num_ranks = plan.me, plan.num_ranks
     peers = [(me + k) % num_ranks for k in range(1, num_ranks)]  # not every rank writes to rank 0 first
 
-    weights = return_weights(chunks)  # shrinking: the last chunk's reduction starts after every write
+    weights = return_weights(chunks)
 
     def write(dest: int, c: int) -> None:
         a, b = chunk_bounds(plan.send_splits[dest], weights)[c: c + 2]
