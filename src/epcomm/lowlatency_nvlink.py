@@ -133,6 +133,7 @@ class LowLatencyNVLink:
         pinned = device.type == "cuda"
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self.use_timer = device.type == "cuda"
+        self.hw_fp8 = hardware_fp8(device)  # the send kernels' FP8 cast
         self._props = None  # CUDA device properties, read at the first fused launch
         self._per_sm: dict = {}  # fused kernel variant -> programs one SM holds (`_note_occupancy`)
         self.closed = False  # set by EPBuffer.destroy: pending hooks must not launch any more
@@ -259,7 +260,6 @@ class LowLatencyNVLink:
                        scale_off=lay.scale_off, meta_off=lay.meta_off)
         shape = dict(L=num_local, USE_FP8=use_fp8, NBC=nbc, K_POW2=triton.next_power_of_2(lay.num_topk), num_warps=4,
                      **self._common(lay))
-        hw_fp8 = hardware_fp8(self.device)
         recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
                          L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols)
         if not hook:
@@ -267,7 +267,7 @@ class LowLatencyNVLink:
             launched = k.dispatch_fused[(self._fused_grid(variant, rows * num_c),)](
                 x, topk, area.local, area.delta16, area.state, status, out, scales_arg, count, stats_arg, item_map,
                 x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
-                POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, HW_FP8=hw_fp8, **recv_opts, **shape)
+                POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, HW_FP8=self.hw_fp8, **recv_opts, **shape)
             self._note_occupancy(variant, launched, 4)
             self._book(area, 0, e, hook)
             return recv_x, count, item_map, e, None
@@ -275,7 +275,7 @@ class LowLatencyNVLink:
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         k.dispatch_send[(n, num_c)](
             x, topk, area.local, area.delta16, area.state, ticket, status, x.shape[0], x.stride(0), topk.stride(0),
-            self.rank, self.timeout_ns, **offsets, POW2_SCALES=pow2_scales, CHUNK=_CHUNK, HW_FP8=hw_fp8, **shape)
+            self.rank, self.timeout_ns, **offsets, POW2_SCALES=pow2_scales, CHUNK=_CHUNK, HW_FP8=self.hw_fp8, **shape)
         received = self._book(area, 0, e, hook)
 
         def launch() -> None:
