@@ -6,7 +6,7 @@
 | `EPCOMM_NVLINK_PUSH` | `copy-engine` | how the nvlink transport moves the records of sync-free calls: `copy-engine` (pack, then copy-engine writes) or `kernel` (the Triton push kernel) |
 | `EPCOMM_NVLINK_RETURN` | `push` | how the nvlink transport returns combine rows of CPU-synced handles: `push` (copy-engine writes straight into the origins' areas, read in place) or `pull` (staged, then copied out by the origins) |
 | `EPCOMM_RETURN_CHUNKS` | unset | nvlink combine of CPU-synced handles (`push`): write in this many chunks, each reduced as soon as it arrives (default 1 eager, up to 3 in a CUDA graph) |
-| `EPCOMM_PULL_CHUNKS` | unset | nvlink pulls (CPU-synced and cached dispatch; the combine with `EPCOMM_NVLINK_RETURN=pull`): stage and pull in this many chunks (default 1 eager, up to 2 in a CUDA graph) |
+| `EPCOMM_PULL_CHUNKS` | unset | nvlink pulls (CPU-synced and cached dispatch; the combine with `EPCOMM_NVLINK_RETURN=pull`): stage and pull in this many chunks, the first a third of each later one (default 1 eager, up to 2 in a CUDA graph) |
 | `EPCOMM_FUSED_SYNC_FREE_ROWS` | `4096` | nvlink: `dispatch(do_cpu_sync=False)`, and combine (not per pair) and cached dispatch on its handle, take the fused kernels (`syncfree_nvlink.py`) when `num_ranks * num_max_tokens_per_rank` is at most this and rows are whole 4-byte words; `0`: never. Must be the same on every rank |
 | `EPCOMM_PHASE_TIMES` | unset | `1`: synchronise the device around each phase and sum its wall time (`epcomm.debug.phase_times()`); diagnostics only |
 """

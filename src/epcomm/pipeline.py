@@ -479,8 +479,8 @@ def _token_chunks(item_TP: Tensor, recv_splits: list, weights: tuple) -> tuple:
     """Tokens grouped by the chunk in which the last of their returned rows arrives.
 
     Returned rows come grouped by source rank (`recv_splits`), and chunk c of a source's n rows is
-    `moves.chunk_bounds(n, weights)[c: c + 2]` (`moves.chunk_of_rows` gives each row's). A token is ready when its latest
-    item is (chunk 0 without items).
+    `moves.chunk_bounds(n, weights)[c: c + 2]` (`moves.chunk_of_rows` gives each row's). A token is ready when its
+    latest item is (chunk 0 without items).
 
     Returns:
         `(tokens_T [T] int64, bounds_C [chunks + 1] int64)`: chunk c's tokens are `tokens_T[bounds_C[c]:bounds_C[c+1]]`.

@@ -7,7 +7,8 @@ twin of the push (`push_rows_torch`) with the generic send plan, so the two path
 The plan kernels run with a few rows per program, so that the per-expert prefix sums cross programs. Compared: recv_x (data, scales and their strides), recv_topk_idx, recv_topk_weights, every field of the handle and
 of its plan, and the stats; then a combine on every rank's handle (`combine_send` against the generic launch, both
 reduced by `pipeline.combine_finish`) and a cached dispatch of new data on it (`cached_send` + `dispatch_place`
-against `pipeline.cached_launch` / `cached_finish`). Run as a script: `python syncfree_sim.py CASE` (the test sets TRITON_INTERPRET=1).
+against `pipeline.cached_launch` / `cached_finish`). Run as a script: `python syncfree_sim.py CASE` (the test sets
+TRITON_INTERPRET=1).
 """
 
 import sys

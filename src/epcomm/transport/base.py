@@ -94,7 +94,8 @@ class Transport(ABC):
         Returns:
             `(outs, ready, own)`: one [route.num_recv, ...] tensor per source tensor; None (ready in stream order)
             or a list of C CUDA events: chunk c of every source's rows (rows
-            `moves.chunk_bounds(n, moves.return_weights(C))[c: c + 2]` of its n rows) may be read once `ready[c]` has fired; and None, or (with `skip_own`, where a transport honours it)
+            `moves.chunk_bounds(n, moves.return_weights(C))[c: c + 2]` of its n rows) may be read once `ready[c]`
+            has fired; and None, or (with `skip_own`, where a transport honours it)
             `(row, count, src_row)`: rows `row .. row + count - 1` of every out were not filled and are rows
             `src_row ..` of the sources (this rank's rows for itself). A transport may return views of its own
             memory (`borrows_rows`); the default moves everything into fresh tensors.

@@ -8,9 +8,10 @@ engines pull chunk c while the SMs gather chunk c + 1; the pulls run on a second
 follows the staging on the first, beside the pulls (eager calls keep one stream: they are bound by launch cost).
 
 Rank s's staging area holds, per field, `staged_rows[s]` rows; my rows in it start at `first_row_at[s]` (rows s
-sends to ranks before me, other than itself); its chunk c is rows `moves.chunk_bounds(n, moves.pull_weights(C))[c: c + 2]` (a small first chunk, since its
-staging holds back the first pull). Every rank
-derives all of it from the split matrix, so every rank agrees on C and on the number of barriers.
+sends to ranks before me, other than itself); its chunk c is rows
+`moves.chunk_bounds(n, moves.pull_weights(C))[c: c + 2]` (a small first chunk, since its staging holds back the
+first pull). Every rank derives all of it from the split matrix, so every rank agrees on C and on the number of
+barriers.
 
 Worked example (2 ranks, matrix [[2, 3], [1, 4]]: rank 0 sends 2 rows to itself, 3 to rank 1):
     rank 0 stages its 3 rows for rank 1; rank 1 stages its 1 row for rank 0

@@ -63,9 +63,9 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     """Write my rows of every field into their origins' areas, device barriers; return views of my area.
 
     `tr` is the nvlink transport (`region`, `barrier`); `srcs` are [X, ...] contiguous tensors in send order. The
-    writes go in `chunks` steps: step c writes chunk c of every block (`moves.chunk_bounds` by `moves.return_weights`), then a barrier. With
-    `streams` None the steps run in order on the current stream and the result is ready in stream order:
-    `(views, None, own)`. With `streams = (copies, signals)` the writes run back to back on the first and each
+    writes go in `chunks` steps: step c writes chunk c of every block (`moves.chunk_bounds` by
+    `moves.return_weights`), then a barrier. With `streams` None the steps run in order on the current stream and
+    the result is ready in stream order: `(views, None, own)`. With `streams = (copies, signals)` the writes run back to back on the first and each
     step's barrier on the second, once its writes are done (so a peer that is late for barrier c does not hold
     back write c + 1); the result is `(views, ready, own)` with one event per step, after which chunk c of every
     source's rows may be read (so the reduction of early chunks overlaps the writes of later ones). With
@@ -75,10 +75,10 @@ def return_fields(tr, plan: ReturnPlan, srcs: list, row_bytes: list, stage: int,
     me, num_ranks = plan.me, plan.num_ranks
     peers = [(me + k) % num_ranks for k in range(1, num_ranks)]  # not every rank writes to rank 0 first
 
-    weights = return_weights(chunks)
+    bounds = {d: chunk_bounds(plan.send_splits[d], return_weights(chunks)) for d in range(num_ranks)}
 
     def write(dest: int, c: int) -> None:
-        a, b = chunk_bounds(plan.send_splits[dest], weights)[c: c + 2]
+        a, b = bounds[dest][c], bounds[dest][c + 1]
         if b == a:
             return
         lo = plan.send_off[dest] + a
