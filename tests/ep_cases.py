@@ -588,11 +588,14 @@ def fused_matches_generic(rank: int, world: int, *, seed: int = 0, num_tokens=(9
                           hidden: int = 256, num_experts: int = 16, num_topk: int = 4, dtype: str = "bf16",
                           do_expand: bool = False, expert_alignment: int = 1, emit_expert_ids: bool = False,
                           col_major_sf: bool = False, with_weights: bool = True, with_stats: bool = True,
-                          iters: int = 3):
-    """The fused sync-free dispatch (syncfree_nvlink.py) against the generic sync-free path on the same buffer and
-    inputs: outputs, stats and every field of the handle and its plan, bitwise; then combine and cached dispatch on
-    both handles. Fresh routings per iteration, including a rank that sends nothing."""
+                          iters: int = 3, sync: bool = False):
+    """The fused sync-free dispatch (syncfree_nvlink.py; with `sync`, the fused CPU-synced one, exact_nvlink.py)
+    against the generic path on the same buffer and inputs: outputs, stats and every field of the handle and its
+    plan, bitwise; then combine and cached dispatch on both handles. Fresh routings per iteration, including a rank
+    that sends nothing."""
     import os
+
+    env, values = ("EPCOMM_FUSED_EXACT", ("0", "1")) if sync else ("EPCOMM_FUSED_SYNC_FREE_ROWS", ("0", ""))
 
     device = torch.device("cuda", torch.cuda.current_device())
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
@@ -612,10 +615,10 @@ def fused_matches_generic(rank: int, world: int, *, seed: int = 0, num_tokens=(9
         topk_idx, weights = topk_idx.to(device), weights.to(device) if with_weights else None
         stats0 = torch.randint(0, 50, (local,), generator=gen, dtype=torch.int32).to(device)
         results = {}
-        for path, rows in (("generic", "0"), ("fused", "")):
-            os.environ["EPCOMM_FUSED_SYNC_FREE_ROWS"] = rows
+        for path, value in zip(("generic", "fused"), values):
+            os.environ[env] = value
             stats = stats0.clone() if with_stats else None
-            out = buf.dispatch(x, topk_idx, weights, stats, num_experts=num_experts, do_cpu_sync=False,
+            out = buf.dispatch(x, topk_idx, weights, stats, num_experts=num_experts, do_cpu_sync=sync,
                                do_expand=do_expand, expert_alignment=expert_alignment,
                                emit_expert_ids=emit_expert_ids, use_tma_aligned_col_major_sf=col_major_sf)
             handle = out[3]
@@ -625,7 +628,7 @@ def fused_matches_generic(rank: int, world: int, *, seed: int = 0, num_tokens=(9
             cached = buf.dispatch(x, handle=handle, topk_weights=weights,
                                   use_tma_aligned_col_major_sf=col_major_sf)
             results[path] = (out[:3], stats, handle, comb[:2], cached[:3])
-        os.environ.pop("EPCOMM_FUSED_SYNC_FREE_ROWS")
+        os.environ.pop(env)
         g, f = results["generic"], results["fused"]
         for i, name in enumerate(("outputs", "stats", "handle", "combine", "cached dispatch")):
             _fields_equal(g[i], f[i], f"rank {rank} iteration {it}: {name}")
@@ -635,3 +638,46 @@ def fused_matches_generic(rank: int, world: int, *, seed: int = 0, num_tokens=(9
         checked += 1
     buf.destroy()
     return checked
+
+
+def bad_values_raise_everywhere(rank: int, world: int, fused: str):
+    """CPU-synced dispatch on nvlink with a bad `topk_idx` value on rank 1 (an id >= num_experts, an id below -1,
+    an expert twice in a token), on the fused path (`fused="1"`: the device flags) or the generic one ("0": the host
+    check): rank 1 raises the check's message, rank 0 names group rank 1; then a good call works on both paths.
+    Returns the messages."""
+    import os
+
+    os.environ["EPCOMM_FUSED_EXACT"] = fused
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts, num_topk = 16, 4
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=64, hidden=128, num_topk=num_topk, explicitly_destroy=True,
+                          transport="nvlink")
+    gen = torch.Generator().manual_seed(5 + rank)
+    messages = []
+    try:
+        for kind, value, pattern in (("large", num_experts, "topk_idx holds 16 (token 9)"),
+                                     ("negative", -2, "topk_idx holds -2 (token 9)"),
+                                     ("twice", None, "topk_idx row 9 names expert")):
+            topk_idx, weights = random_routing(gen, 40, num_experts, num_topk)
+            if rank == 1:
+                if kind == "twice":
+                    topk_idx[9, :2] = torch.tensor([3, 3])
+                else:
+                    topk_idx[9, 1] = value
+            x = make_x(gen, 40, 128, "bf16").to(device)
+            try:
+                buf.dispatch(x, topk_idx.to(device), weights.to(device), num_experts=num_experts)
+            except ValueError as e:
+                messages.append(str(e))
+                assert pattern in str(e), (kind, str(e))
+                assert rank == 1 or "group rank 1 rejected the call" in str(e), str(e)
+            else:
+                raise AssertionError(f"rank {rank}: {kind} was accepted")
+        topk_idx, weights = random_routing(gen, 40, num_experts, num_topk)
+        x = make_x(gen, 40, 128, "bf16").to(device)
+        out = buf.dispatch(x, topk_idx.to(device), weights.to(device), num_experts=num_experts)
+        buf.combine(out[0], out[3])
+    finally:
+        os.environ.pop("EPCOMM_FUSED_EXACT", None)
+        buf.destroy()
+    return messages

@@ -67,6 +67,29 @@ def test_fused_sync_free_dispatch_matches_generic(nccl, case):
     assert nccl.run(ep_cases.fused_matches_generic, **case) == [3, 3]
 
 
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(dtype="fp8", do_expand=True, expert_alignment=4, emit_expert_ids=True, col_major_sf=True),
+    dict(dtype="fp32", do_expand=True, num_topk=6, with_stats=False),
+    dict(dtype="fp16", hidden=70, with_weights=False, num_experts=10, num_topk=10, n=100),
+    dict(num_tokens=(4096, 4001), n=4096, hidden=7168, num_experts=256, num_topk=8, do_expand=True,
+         expert_alignment=128),
+    dict(num_tokens=(4096, 4096), n=4096, hidden=7168, num_experts=256, num_topk=8, dtype="fp8"),
+], ids=["bf16", "fp8-expand-ids", "fp32-expand", "fp16-odd", "dsv3-bf16-expand", "dsv3-fp8"])
+def test_fused_exact_dispatch_matches_generic(nccl, case):
+    """exact_nvlink.py against the generic CPU-synced path: outputs, stats, handle, plan, combine, cached."""
+    assert nccl.run(ep_cases.fused_matches_generic, sync=True, **case) == [3, 3]
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_bad_topk_values_raise_on_every_rank(nccl, fused):
+    """A CPU-synced nvlink dispatch with a bad topk_idx value on one rank raises on both ranks, before any row
+    moves, with the same messages on the fused path (device flags published with the counts) as on the generic one
+    (host check); the buffer works afterwards."""
+    out = nccl.run(ep_cases.bad_values_raise_everywhere, fused)
+    assert [len(m) for m in out] == [3, 3]
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS + ["nvlink-generic"])
 def test_cuda_graph_replay_with_new_routings(nccl, transport):
     """Sync-free dispatch + cached dispatch + combine in one CUDA graph, replayed with new inputs and routings."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, debug, envs, pipeline, resolve, sizing, streams, syncfree_nvlink
+from . import agreement, debug, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink
 from .allocator import BufferAllocator
 from .events import EventHandle
 from .handle import EPHandle
@@ -29,7 +29,7 @@ from .lowlatency import LowLatencyMixin
 from .transport import TransportTimeout, resolve_transport
 from .transport import symm
 from .transport.collective import CollectiveTransport
-from .validate import Checker, check_event_options
+from .validate import Checker, check_event_options, check_topk_values
 
 DEFAULT_DTYPE = torch.bfloat16
 _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
@@ -548,7 +548,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 call = resolve.resolve_dispatch(
                     self, c, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
                     num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, handle, do_handle_copy,
-                    do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf)
+                    do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf,
+                    defer_value_checks=exact_nvlink.enabled(self))
         except (TypeError, ValueError) as e:
             err = e
         cached = handle is not None
@@ -563,10 +564,18 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     else:
                         launched = pipeline.cached_launch(self, call, call_id)
                         finish = pipeline.cached_finish
+                elif err is None and exact_nvlink.applies(self, call):  # layouts in kernels, one host read
+                    launched = exact_nvlink.dispatch_launch(self, call, call_id)
+                    finish = exact_nvlink.dispatch_finish
                 elif err is None and syncfree_nvlink.applies(self, call):  # decode sizes: 4 kernels, same results
                     launched = syncfree_nvlink.dispatch_launch(self, call, call_id)
                     finish = syncfree_nvlink.dispatch_finish
                 else:
+                    if err is None and call.do_cpu_sync and exact_nvlink.enabled(self):
+                        try:  # the value checks resolve left to the fused path's kernels
+                            check_topk_values(c, call.topk_idx, call.num_experts)
+                        except ValueError as e:
+                            err = e
                     launched = pipeline.dispatch_launch(self, call, call_id, err)
                     finish = pipeline.dispatch_finish
         except TimeoutError as e:

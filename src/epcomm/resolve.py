@@ -16,8 +16,10 @@ from .validate import Checker, check_capacity, check_topk_idx, check_topk_values
 
 def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_experts, n, expert_alignment, num_sms,
                       num_qps, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids,
-                      col_major_sf) -> pipeline.DispatchCall:
-    """Reference §9.1-9.2 in order, as amended by docs/decisions.md."""
+                      col_major_sf, defer_value_checks: bool = False) -> pipeline.DispatchCall:
+    """Reference §9.1-9.2 in order, as amended by docs/decisions.md. `defer_value_checks`: a CPU-synced call on GPU
+    leaves the value checks of `topk_idx` (one host read) to its caller (the fused nvlink path runs them on the
+    device and reports them with the counts, exact_nvlink.py)."""
     c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
     if do_expand is None:
         do_expand = handle.do_expand if isinstance(handle, EPHandle) else False
@@ -67,7 +69,7 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         c.positive_int("expert_alignment", expert_alignment)
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         topk_idx = check_topk_idx(c, topk_idx, xs.num_tokens)
-        if do_cpu_sync or buf.device.type == "cpu":
+        if buf.device.type == "cpu" or (do_cpu_sync and not defer_value_checks):
             check_topk_values(c, topk_idx, num_experts)
     c.require(not do_zero_padding or do_expand, "do_zero_padding=True requires do_expand=True")
     c.require(not emit_expert_ids or do_expand, "emit_expert_ids=True requires do_expand=True")

@@ -146,72 +146,100 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, s
 def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tuple:
     """After the barrier: launch `dispatch_plan_rows`, `dispatch_plan_experts` and `dispatch_place`; returns dispatch's
     `(recv_x, recv_topk_idx, recv_topk_weights, handle)` (`pipeline.dispatch_finish`'s values)."""
+    num_ranks, n = buf.num_ranks, call.n
+    num_topk, num_local = call.topk_idx.shape[1], call.num_experts // num_ranks
+    spec = launched["spec"]
+    s = layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment) \
+        if call.do_expand else 0
+    base, rec = areas.rows_off, spec.nbytes
+    p = plan_rows(call, buf.rank, num_ranks, num_rows=num_ranks * n, num_expanded=s, blocked=True,
+                  counts=(areas.local, areas.hdr_off, areas.hdr_cols),
+                  routing=(areas.local, base, rec, spec.offsets["topk"], spec.offsets["g"]),
+                  weights=(areas.local, base + spec.offsets.get("w", 0), rec))
+    plan = pipeline.Plan(exact=False, blocked=True, send_splits=None, recv_splits=None,
+                         send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"],
+                         out_src_M=p["out_src_M"], buf_out_X=p["buf_out_X"], src_rank_M=p["src_rank_M"],
+                         valid_M=p["valid_M"], recv=p["recv"], send=launched["send"], pair_S=p["pair_S"])
+    with phase("place"):
+        recv_x, _ = _place(areas, call, spec, plan)
+    return outputs(buf, call, plan, p, recv_x, [], launched["dst_slot_TK"])
+
+
+def outputs(buf, call: pipeline.DispatchCall, plan: pipeline.Plan, p: dict, recv_x, aligned_list: list,
+            dst_slot_TK: Tensor) -> tuple:
+    """Dispatch's `(recv_x, recv_topk_idx, recv_topk_weights, handle)` from the plan kernels' tensors `p`."""
+    handle = pipeline.new_handle(
+        buf, call, plan, num_recv_tokens_per_expert_list=aligned_list, psum_rank=p["psum_rank"],
+        psum_expert=p["psum_expert"], unaligned=p["unaligned32"], recv_src_metadata=p["meta"],
+        dst_buffer_slot_idx=dst_slot_TK, recv_expert_ids=p["expert_ids"])
+    # A fresh tensor: the plan keeps its own local ids.
+    recv_topk_idx = None if call.do_expand else p["recv"].local_idx_MK.to(call.topk_idx.dtype, copy=True)
+    return recv_x, recv_topk_idx, p["w_out"], handle
+
+
+def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_rows: int, num_expanded: int,
+              blocked: bool, counts: tuple, routing: tuple, weights: tuple) -> dict:
+    """Launch `dispatch_plan_rows` and `dispatch_plan_experts` over `num_rows` received rows (`num_expanded`
+    expanded rows); returns every tensor they write, and the `RecvLayout` (`recv`).
+
+    Where the kernels read (tensor, byte offset, ...): `counts` = (t, off, row stride in int64): row s holds what
+    rank s sent here; `routing` = (t, off, stride, top-k offset, key offset) of received row b; `weights` = (t, off,
+    stride). `blocked`: R blocks of N rows (sync-free) rather than rows packed by source.
+    """
     from .kernels import _syncfree_triton as k
 
     import triton
 
-    num_ranks, rank, n = buf.num_ranks, buf.rank, call.n
     num_topk, num_local = call.topk_idx.shape[1], call.num_experts // num_ranks
-    spec, device = launched["spec"], areas.local.device
-    m = num_ranks * n
-    s = layout.worst_case_expanded_rows(num_ranks, n, num_topk, num_local, call.expert_alignment) \
-        if call.do_expand else 0
+    m, s, device = num_rows, num_expanded, call.topk_idx.device
     i64 = dict(dtype=torch.int64, device=device)
     i32 = dict(dtype=torch.int32, device=device)
-    counts_R, out_src_M, buf_out_X, src_rank_M = (torch.empty(num_ranks, **i64), torch.empty(m, **i64),
-                                                  torch.empty(m, **i64), torch.empty(m, **i64))
-    valid_M = torch.empty(m, dtype=torch.bool, device=device)
-    local_idx_MK = torch.empty(m, num_topk, **i64)
-    meta = torch.empty(m, num_topk + 2, **i32)
-    unaligned_L, start_L = torch.empty(num_local, **i64), torch.empty(num_local, **i64)
-    psum_rank, psum_expert, unaligned32 = (torch.empty(num_ranks, **i32), torch.empty(num_local, **i32),
-                                           torch.empty(num_local, **i32))
+    out = dict(counts_R=torch.empty(num_ranks, **i64), out_src_M=torch.empty(m, **i64),
+               buf_out_X=torch.empty(m, **i64), src_rank_M=torch.empty(m, **i64),
+               valid_M=torch.empty(m, dtype=torch.bool, device=device), local_idx_MK=torch.empty(m, num_topk, **i64),
+               meta=torch.empty(m, num_topk + 2, **i32), unaligned_L=torch.empty(num_local, **i64),
+               start_L=torch.empty(num_local, **i64), psum_rank=torch.empty(num_ranks, **i32),
+               psum_expert=torch.empty(num_local, **i32), unaligned32=torch.empty(num_local, **i32))
     w = call.topk_weights
-    w_out = None if w is None else torch.empty((s,) if call.do_expand else (m, num_topk), dtype=w.dtype,
-                                               device=device)
-    row_ptr_MK = torch.empty(m, num_topk, **i64) if call.do_expand else None
-    pair_S = torch.empty(s, **i64) if call.do_expand else None
-    expert_ids = torch.empty(s, **i32) if call.emit_expert_ids else None
+    out["w_out"] = None if w is None else torch.empty((s,) if call.do_expand else (m, num_topk), dtype=w.dtype,
+                                                      device=device)
+    out["row_ptr_MK"] = torch.empty(m, num_topk, **i64) if call.do_expand else None
+    out["pair_S"] = torch.empty(s, **i64) if call.do_expand else None
+    out["expert_ids"] = torch.empty(s, **i32) if call.emit_expert_ids else None
+    meta = out["meta"]
     l_pow2 = triton.next_power_of_2(num_local)
     stats = call.stats if call.stats is None or call.stats.is_contiguous() else call.stats.contiguous()
     rows_per_program = max(1, min(64, _PLAN_ELEMS // l_pow2))
-    num_chunks = triton.cdiv(m, rows_per_program)
+    num_chunks = max(1, triton.cdiv(m, rows_per_program))  # program 0 also writes the per-rank counts
     chunk_counts = torch.empty(num_chunks, l_pow2, **i32)
-    w_bits = dict(w_in_ptr=_bits(w) if w is not None else meta, w_out_ptr=_bits(w_out) if w is not None else meta)
-    shape = dict(N=n, K=num_topk, R=num_ranks, L=num_local, EXPAND=call.do_expand, HAS_W=w is not None,
-                 EMIT_IDS=expert_ids is not None, K_POW2=triton.next_power_of_2(num_topk), L_POW2=l_pow2,
+    w_bits = dict(w_in_ptr=_bits(w) if w is not None else meta,
+                  w_out_ptr=_bits(out["w_out"]) if w is not None else meta)
+    w_rec = dict(wr_ptr=weights[0], wr_off=weights[1], wr_stride=weights[2])
+    shape = dict(K=num_topk, L=num_local, EXPAND=call.do_expand, HAS_W=w is not None,
+                 EMIT_IDS=out["expert_ids"] is not None, K_POW2=triton.next_power_of_2(num_topk), L_POW2=l_pow2,
                  MC=rows_per_program, num_warps=_PLAN_WARPS)
+    common = dict(local_idx_ptr=out["local_idx_MK"], meta_ptr=meta, chunk_counts_ptr=chunk_counts,
+                  pair_ptr=_or(out["pair_S"], meta), expert_ids_ptr=_or(out["expert_ids"], meta), num_rows=m)
     with phase("plan_kernels"):
         k.dispatch_plan_rows[(num_chunks,)](
-            areas.local, counts_R, out_src_M, buf_out_X, src_rank_M, valid_M, local_idx_MK, meta, psum_rank,
-            chunk_counts, pair_ptr=_or(pair_S, meta), expert_ids_ptr=_or(expert_ids, meta), me=rank,
-            num_expanded=s, rows_off=areas.rows_off, hdr_off=areas.hdr_off, rec_bytes=spec.nbytes,
-            topk_off=spec.offsets["topk"], g_off=spec.offsets["g"], w_off=spec.offsets.get("w", 0),
-            HDR_COLS=areas.hdr_cols, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **w_bits, **shape)
+            counts[0], routing[0], counts_ptr=out["counts_R"], out_src_ptr=out["out_src_M"],
+            buf_out_ptr=out["buf_out_X"], src_rank_ptr=out["src_rank_M"], valid_ptr=out["valid_M"],
+            psum_rank_ptr=out["psum_rank"], me=rank, num_expanded=s, cnt_off=counts[1], rt_off=routing[1],
+            rt_stride=routing[2], topk_off=routing[3], g_off=routing[4], N=call.n, R=num_ranks, HDR_COLS=counts[2],
+            BLOCKED=blocked, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **common, **w_rec, **w_bits,
+            **shape)
         k.dispatch_plan_experts[(num_chunks if call.do_expand else 1,)](
-            areas.local, out_src_M, local_idx_MK, meta, chunk_counts, unaligned_L, start_L, psum_expert, unaligned32,
-            _or(stats, unaligned32), row_ptr_ptr=_or(row_ptr_MK, meta),
-            pair_ptr=_or(pair_S, meta), expert_ids_ptr=_or(expert_ids, meta), num_chunks=num_chunks,
-            alignment=call.expert_alignment, rows_off=areas.rows_off, rec_bytes=spec.nbytes,
-            w_off=spec.offsets.get("w", 0), HAS_STATS=stats is not None,
-            GC=max(1, min(64, 4096 // l_pow2)), **w_bits, **shape)
+            out_src_ptr=out["out_src_M"], unaligned_ptr=out["unaligned_L"], start_ptr=out["start_L"],
+            psum_expert_ptr=out["psum_expert"], unaligned32_ptr=out["unaligned32"],
+            stats_ptr=_or(stats, out["unaligned32"]), row_ptr_ptr=_or(out["row_ptr_MK"], meta),
+            num_chunks=num_chunks, alignment=call.expert_alignment, HAS_STATS=stats is not None,
+            GC=max(1, min(64, 4096 // l_pow2)), **common, **w_rec, **w_bits, **shape)
     if stats is not call.stats:  # the kernel added into a contiguous copy of strided stats
         call.stats.copy_(stats)
-    recv = layout.RecvLayout(local_idx_MK=local_idx_MK, num_unaligned_L=unaligned_L, aligned_start_L=start_L,
-                             row_ptr_MK=row_ptr_MK, num_expanded_rows=s)
-    plan = pipeline.Plan(exact=False, blocked=True, send_splits=None, recv_splits=None,
-                         send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"], out_src_M=out_src_M,
-                         buf_out_X=buf_out_X, src_rank_M=src_rank_M, valid_M=valid_M, recv=recv,
-                         send=launched["send"], pair_S=pair_S)
-    with phase("place"):
-        recv_x, _ = _place(areas, call, spec, plan)
-    handle = pipeline.new_handle(
-        buf, call, plan, num_recv_tokens_per_expert_list=[], psum_rank=psum_rank, psum_expert=psum_expert,
-        unaligned=unaligned32, recv_src_metadata=meta, dst_buffer_slot_idx=launched["dst_slot_TK"],
-        recv_expert_ids=expert_ids)
-    # A fresh tensor: the plan keeps its own local ids.
-    recv_topk_idx = None if call.do_expand else local_idx_MK.to(call.topk_idx.dtype, copy=True)
-    return recv_x, recv_topk_idx, w_out, handle
+    out["recv"] = layout.RecvLayout(local_idx_MK=out["local_idx_MK"], num_unaligned_L=out["unaligned_L"],
+                                    aligned_start_L=out["start_L"], row_ptr_MK=out["row_ptr_MK"],
+                                    num_expanded_rows=s)
+    return out
 
 
 def _or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:
@@ -220,27 +248,41 @@ def _or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:
 
 
 def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan, with_weights: bool = False):
+    """(recv_x, recv_topk_weights or None) from the receive area's records (`place`)."""
+    base, rec = areas.rows_off, spec.nbytes
+    sources = dict(x=(areas.local, base, rec), sf=(areas.local, base + spec.offsets.get("sf", 0), rec),
+                   w=(areas.local, base + spec.offsets.get("w", 0), rec))
+    return place(call, plan, sources, with_weights)
+
+
+def place(call: pipeline.DispatchCall, plan: pipeline.Plan, sources: dict, with_weights: bool = False):
     """(recv_x, recv_topk_weights or None): the data rows (and scales) in the output layout, zeros where no token
-    lands; with `with_weights`, the weights too (cached dispatch; a full one gets them from the plan kernels)."""
+    lands; with `with_weights`, the weights too (cached dispatch; a full one gets them from the plan kernels).
+    `sources[name] = (tensor, byte offset, byte stride)`: field `name` of received row b (`plan.out_src_M`) is at
+    `offset + b * stride` bytes of the tensor ("x", "sf", "w")."""
     from .kernels import _syncfree_triton as k
 
     import triton
 
     x, num_topk = call.x, call.topk_idx.shape[1]
     rows = plan.pair_S.shape[0] if call.do_expand else plan.out_src_M.shape[0]
-    out = torch.empty(rows, x.hidden, dtype=x.data.dtype, device=areas.local.device)
+    device = plan.out_src_M.device
+    out = torch.empty(rows, x.hidden, dtype=x.data.dtype, device=device)
     words = out.shape[1] * out.element_size() // 4
     num_packs = x.sf.shape[1] if x.is_fp8 else 1
-    sf_out = torch.empty(rows, num_packs, dtype=x.sf.dtype, device=out.device) if x.is_fp8 else None
+    sf_out = torch.empty(rows, num_packs, dtype=x.sf.dtype, device=device) if x.is_fp8 else None
     w_out = None
     if with_weights and call.topk_weights is not None:
         w_out = torch.empty((rows,) if call.do_expand else (rows, num_topk), dtype=call.topk_weights.dtype,
-                            device=out.device)
+                            device=device)
     if rows:
+        (x_src, x_off, x_stride), (sf_src, sf_off, sf_stride), (w_src, w_off, w_stride) = (
+            sources.get(name, sources["x"]) for name in ("x", "sf", "w"))
         k.dispatch_place[(rows, triton.cdiv(words, _WORDS_PER_PROGRAM))](
-            areas.local, plan.out_src_M, _or(plan.pair_S, plan.out_src_M), out.view(torch.uint8).view(torch.int32),
-            sf_out.view(torch.int32) if sf_out is not None else out, _bits(w_out) if w_out is not None else out,
-            plan.recv.local_idx_MK, areas.rows_off, spec.nbytes, spec.offsets.get("sf", 0), spec.offsets.get("w", 0),
+            x_src, sf_src, w_src, plan.out_src_M, _or(plan.pair_S, plan.out_src_M),
+            out.view(torch.uint8).view(torch.int32), sf_out.view(torch.int32) if sf_out is not None else out,
+            _bits(w_out) if w_out is not None else out, plan.recv.local_idx_MK,
+            x_off, x_stride, sf_off, sf_stride, w_off, w_stride,
             X_WORDS=words, P=num_packs, K=num_topk, EXPAND=call.do_expand, HAS_SF=x.is_fp8, HAS_W=w_out is not None,
             K_POW2=triton.next_power_of_2(num_topk), P_POW2=triton.next_power_of_2(num_packs),
             BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)

@@ -30,7 +30,7 @@ import triton.language as tl
 from ._signal_triton import _region
 
 _RUNTIME_INTS = ["num_tokens", "stride_x", "stride_sf_t", "stride_sf_p", "stride_topk", "stride_w", "me",
-                 "num_expanded", "alignment", "num_chunks"]
+                 "num_rows", "num_expanded", "alignment", "num_chunks"]
 
 
 @triton.jit
@@ -162,32 +162,37 @@ def _onehot(local, kk, ll, K: tl.constexpr, MC: tl.constexpr, L_POW2: tl.constex
 
 
 @triton.jit
-def _source_counts(local_ptr, hdr_off, R: tl.constexpr, HDR_COLS: tl.constexpr, R_POW2: tl.constexpr):
-    """([R_POW2] rows from each source rank, their inclusive prefix sum), from the headers the senders wrote."""
+def _source_counts(cnt_ptr, cnt_off, R: tl.constexpr, HDR_COLS: tl.constexpr, R_POW2: tl.constexpr):
+    """([R_POW2] rows from each source rank, their inclusive prefix sum), from the headers the senders wrote: row s
+    of `HDR_COLS` int64 at byte `cnt_off` of `cnt_ptr` holds what rank s sent this rank."""
     rr = tl.arange(0, R_POW2)
-    hdr = (local_ptr + hdr_off).to(tl.pointer_type(tl.int64))
+    hdr = (cnt_ptr + cnt_off).to(tl.pointer_type(tl.int64))
     count_r = tl.load(hdr + rr * HDR_COLS, mask=rr < R, other=0)
     return count_r, tl.cumsum(count_r, axis=0)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dispatch_plan_rows(
-    local_ptr, counts_ptr, out_src_ptr, buf_out_ptr, src_rank_ptr, valid_ptr, local_idx_ptr, meta_ptr, psum_rank_ptr,
-    chunk_counts_ptr, w_in_ptr, w_out_ptr, pair_ptr, expert_ids_ptr,
-    me, num_expanded, rows_off, hdr_off, rec_bytes, topk_off, g_off, w_off,
+    cnt_ptr, rt_ptr, wr_ptr, counts_ptr, out_src_ptr, buf_out_ptr, src_rank_ptr, valid_ptr, local_idx_ptr, meta_ptr,
+    psum_rank_ptr, chunk_counts_ptr, w_in_ptr, w_out_ptr, pair_ptr, expert_ids_ptr,
+    me, num_rows, num_expanded, cnt_off, rt_off, rt_stride, topk_off, g_off, wr_off, wr_stride,
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, HDR_COLS: tl.constexpr,
-    EXPAND: tl.constexpr, HAS_W: tl.constexpr, EMIT_IDS: tl.constexpr,
+    BLOCKED: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr, EMIT_IDS: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, FILL: tl.constexpr,
 ):
-    """Program g: rows g*MC .. of the M = R * N received rows: compaction, local expert ids, metadata, (non-expand)
-    weights, and the chunk's count of rows per local expert (`chunk_counts[g]`); with `EXPAND`, also its share of the
-    expanded rows set to empty (before `dispatch_plan_experts` places the pairs: stream order)."""
-    M: tl.constexpr = R * N
+    """Program g: rows g*MC .. of the `num_rows` received rows: compaction, local expert ids, metadata,
+    (non-expand) weights, and the chunk's count of rows per local expert (`chunk_counts[g]`); with `EXPAND`, also
+    its share of the expanded rows set to empty (before `dispatch_plan_experts` places the pairs: stream order).
+
+    Received row b's routing is at byte `rt_off + b * rt_stride` of `rt_ptr` (top-k ids at `topk_off`, key at
+    `g_off`), its weights at `wr_off + b * wr_stride` of `wr_ptr`. `BLOCKED`: the sync-free receive area, R blocks of
+    N records (`num_rows` = R * N), output row m holds block row `src * N + k`; else (the CPU-synced fused dispatch)
+    rows are packed by source and output row m is received row m."""
     g_id = tl.program_id(0)
     rr = tl.arange(0, R_POW2)
     kk = tl.arange(0, K_POW2)
     ll = tl.arange(0, L_POW2)
-    count_r, end_r = _source_counts(local_ptr, hdr_off, R, HDR_COLS, R_POW2)
+    count_r, end_r = _source_counts(cnt_ptr, cnt_off, R, HDR_COLS, R_POW2)
     off_r = end_r - count_r
     total = tl.sum(count_r, axis=0)
     if g_id == 0:
@@ -205,23 +210,28 @@ def dispatch_plan_rows(
                 tl.store(expert_ids_ptr + ss, tl.full([FILL], -1, tl.int32), mask=inside)
 
     mm = g_id * MC + tl.arange(0, MC)
-    in_m = mm < M
-    # Output row m holds row k of source s's block (rows in ascending token key), if m < total.
+    in_m = mm < num_rows
+    # Output row m holds row k of source s's rows (in ascending token key), if m < total.
     src = tl.sum(((mm[:, None] >= end_r[None, :]) & (rr[None, :] < R)).to(tl.int32), axis=1)
     valid = mm < total
-    k_in = mm - tl.sum(tl.where(rr[None, :] == src[:, None], off_r[None, :], 0), axis=1)
-    b = tl.where(valid, src * N + k_in, -1)
+    if BLOCKED:
+        k_in = mm - tl.sum(tl.where(rr[None, :] == src[:, None], off_r[None, :], 0), axis=1)
+        b = tl.where(valid, src * N + k_in, -1)
+        # Buffer row mm (block s = mm // N, row k = mm % N) goes to output row off[s] + k, if k < count[s].
+        bs = mm // N
+        bk = mm % N
+        b_off = tl.sum(tl.where(rr[None, :] == bs[:, None], off_r[None, :], 0), axis=1)
+        b_cnt = tl.sum(tl.where(rr[None, :] == bs[:, None], count_r[None, :], 0), axis=1)
+        buf_out = tl.where(bk < b_cnt, b_off + bk, -1)
+    else:
+        b = mm
+        buf_out = mm
     tl.store(out_src_ptr + mm, b.to(tl.int64), mask=in_m)
     tl.store(src_rank_ptr + mm, tl.where(valid, src, -1).to(tl.int64), mask=in_m)
     tl.store(valid_ptr + mm, valid, mask=in_m)
-    # Buffer row mm (block s = mm // N, row k = mm % N) goes to output row off[s] + k, if k < count[s].
-    bs = mm // N
-    bk = mm % N
-    b_off = tl.sum(tl.where(rr[None, :] == bs[:, None], off_r[None, :], 0), axis=1)
-    b_cnt = tl.sum(tl.where(rr[None, :] == bs[:, None], count_r[None, :], 0), axis=1)
-    tl.store(buf_out_ptr + mm, tl.where(bk < b_cnt, b_off + bk, -1).to(tl.int64), mask=in_m)
+    tl.store(buf_out_ptr + mm, buf_out.to(tl.int64), mask=in_m)
 
-    rec = local_ptr + rows_off + tl.maximum(b, 0).to(tl.int64) * rec_bytes
+    rec = rt_ptr + rt_off + tl.maximum(b, 0).to(tl.int64) * rt_stride
     g = tl.load((rec + g_off).to(tl.pointer_type(tl.int64)), mask=valid, other=-1)
     local = _local_ids(rec, topk_off, valid, me, K, L, K_POW2)  # [MC, K_POW2]
     in_mk = in_m[:, None] & (kk[None, :] < K)
@@ -233,7 +243,8 @@ def dispatch_plan_rows(
     if not EXPAND:
         tl.store(meta[:, None] + 2 + kk[None, :], tl.full([MC, K_POW2], -1, tl.int32), mask=in_mk)
         if HAS_W:
-            w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
+            w_rec = wr_ptr + wr_off + tl.maximum(b, 0).to(tl.int64) * wr_stride
+            w = tl.load(w_rec.to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
             tl.store(w_out_ptr + mm[:, None] * K + kk[None, :], w, mask=in_mk)
     n_l = tl.sum(_onehot(local, kk, ll, K, MC, L_POW2), axis=0)
     tl.store(chunk_counts_ptr + g_id * L_POW2 + ll, n_l)
@@ -241,17 +252,17 @@ def dispatch_plan_rows(
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dispatch_plan_experts(
-    local_ptr, out_src_ptr, local_idx_ptr, meta_ptr, chunk_counts_ptr, unaligned_ptr, start_ptr, psum_expert_ptr,
+    wr_ptr, out_src_ptr, local_idx_ptr, meta_ptr, chunk_counts_ptr, unaligned_ptr, start_ptr, psum_expert_ptr,
     unaligned32_ptr, stats_ptr, w_in_ptr, w_out_ptr, row_ptr_ptr, pair_ptr, expert_ids_ptr,
-    num_chunks, alignment, rows_off, rec_bytes, w_off,
-    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    num_rows, num_chunks, alignment, wr_off, wr_stride,
+    K: tl.constexpr, L: tl.constexpr,
     EXPAND: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, EMIT_IDS: tl.constexpr,
     K_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, GC: tl.constexpr,
 ):
     """Program g (one program without `EXPAND`): per-expert counts and aligned starts from every chunk's counts;
     program 0 stores them (and adds the stats). With `EXPAND`, program g places the pairs of rows g*MC ..: (row m,
-    position j) of expert e goes to start[e] + (rows before m that chose e), prefix sums in token-key order."""
-    M: tl.constexpr = R * N
+    position j) of expert e goes to start[e] + (rows before m that chose e), prefix sums in token-key order. Row m's
+    weights are at byte `wr_off + out_src[m] * wr_stride` of `wr_ptr` (`dispatch_plan_rows`)."""
     g_id = tl.program_id(0)
     kk = tl.arange(0, K_POW2)
     ll = tl.arange(0, L_POW2)
@@ -279,13 +290,13 @@ def dispatch_plan_experts(
             tl.store(stats_ptr + ll, stats + n_l, mask=ll < L)
     if EXPAND:
         mm = g_id * MC + tl.arange(0, MC)
-        in_m = mm < M
+        in_m = mm < num_rows
         in_mk = in_m[:, None] & (kk[None, :] < K)
         local = tl.load(local_idx_ptr + mm[:, None] * K + kk[None, :], mask=in_mk, other=-1).to(tl.int32)
         if HAS_W:
             b = tl.load(out_src_ptr + mm, mask=in_m, other=-1)
-            rec = local_ptr + rows_off + tl.maximum(b, 0).to(tl.int64) * rec_bytes
-            w = tl.load((rec + w_off).to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
+            w_rec = wr_ptr + wr_off + tl.maximum(b, 0).to(tl.int64) * wr_stride
+            w = tl.load(w_rec.to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
         onehot = _onehot(local, kk, ll, K, MC, L_POW2)
         base = (start_l + before_l)[None, :] + tl.cumsum(onehot, axis=0) - onehot
         row = tl.gather(base, tl.maximum(local, 0), axis=1)  # base[m, local[m, j]]
@@ -302,13 +313,15 @@ def dispatch_plan_experts(
 
 @triton.jit
 def dispatch_place(
-    local_ptr, out_src_ptr, pair_ptr, out_ptr, sf_out_ptr, w_out_ptr, local_idx_ptr, rows_off, rec_bytes, sf_off,
-    w_off, X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, EXPAND: tl.constexpr, HAS_SF: tl.constexpr,
+    x_src_ptr, sf_src_ptr, w_src_ptr, out_src_ptr, pair_ptr, out_ptr, sf_out_ptr, w_out_ptr, local_idx_ptr,
+    x_off, x_stride, sf_off, sf_stride, w_off, w_stride,
+    X_WORDS: tl.constexpr, P: tl.constexpr, K: tl.constexpr, EXPAND: tl.constexpr, HAS_SF: tl.constexpr,
     HAS_W: tl.constexpr, K_POW2: tl.constexpr, P_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """Program (y, c): block c of output row y (expanded row y with `EXPAND`) from its receive-area record, zeros
-    without one; c = 0 also the scales and, with `HAS_W` (cached dispatch: the plan kernels do not run), the weights:
-    [M, K] with 0 where the expert is not local, or [S] (the weight of the pair placed at the row, 0 for none)."""
+    """Program (y, c): block c of output row y (expanded row y with `EXPAND`) from received row b = `out_src[y]`
+    (its data at byte `x_off + b * x_stride` of `x_src_ptr`, its scales and weights likewise), zeros without one;
+    c = 0 also the scales and, with `HAS_W` (cached dispatch: the plan kernels do not run), the weights: [M, K]
+    with 0 where the expert is not local, or [S] (the weight of the pair placed at the row, 0 for none)."""
     y = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if EXPAND:
@@ -316,18 +329,19 @@ def dispatch_place(
         b = tl.where(pair >= 0, tl.load(out_src_ptr + tl.maximum(pair, 0) // K), -1)
     else:
         b = tl.load(out_src_ptr + y)
-    rec = local_ptr + rows_off + tl.maximum(b, 0) * rec_bytes
-    src = rec.to(tl.pointer_type(tl.int32))
+    bb = tl.maximum(b, 0)
+    src = (x_src_ptr + x_off + bb * x_stride).to(tl.pointer_type(tl.int32))
     ww = c * BLOCK_W + tl.arange(0, BLOCK_W)
     v = tl.load(src + ww, mask=ww < tl.where(b >= 0, X_WORDS, 0), other=0)
     tl.store(out_ptr + y * X_WORDS + ww, v, mask=ww < X_WORDS)
     if HAS_SF:
         pp = tl.arange(0, P_POW2)
-        sf = tl.load((rec + sf_off).to(tl.pointer_type(tl.int32)) + pp, mask=pp < tl.where(b >= 0, P, 0), other=0)
+        sf_src = (sf_src_ptr + sf_off + bb * sf_stride).to(tl.pointer_type(tl.int32))
+        sf = tl.load(sf_src + pp, mask=pp < tl.where(b >= 0, P, 0), other=0)
         tl.store(sf_out_ptr + y * P + pp, sf, mask=pp < tl.where(c == 0, P, 0))
     if HAS_W:
         if c == 0:
-            w_in = (rec + w_off).to(w_out_ptr.dtype)
+            w_in = (w_src_ptr + w_off + bb * w_stride).to(w_out_ptr.dtype)
             if EXPAND:
                 w = tl.load(w_in + tl.maximum(pair, 0) % K, mask=b >= 0, other=0)
                 tl.store(w_out_ptr + y, w)

@@ -2,7 +2,7 @@
 
 Region of every rank (one symmetric allocation, `SymmetricRegion`):
 
-    [ headers: R x 64 int64 | split matrix: R x R int64 | rows: receive area | staging 0 | staging 1 ]
+    [ headers: R x 1088 int64 | split matrix: R x R int64 | rows: receive area | staging 0 | staging 1 ]
 
 Two ways rows move:
 * push (sync-free calls, records in the blocked layout): a sender writes its records for rank r into r's receive
@@ -35,7 +35,9 @@ from .pull import PullPlan, pull_fields
 from .push_back import ReturnPlan, return_fields
 from .symm import SymmetricRegion
 
-_HEADER_COLS = 64
+# A row holds the call header, the counts to every rank and, for the fused CPU-synced dispatch, the counts for
+# each of the receiver's local experts and two flags (exact_nvlink.py): up to 1024 local experts.
+_HEADER_COLS = 1024 + 64
 # Combine of a CPU-synced dsv3 handle in a CUDA graph, 2x H200, p50 us at 28 / 132 SMs (push chunks 1-4):
 # 413 / 246, 350 / 231, 343 / 222, 331 / 242 (pull: 442 / 320). Eager calls lose with chunks (670 -> 897 at 2).
 _RETURN_CHUNKS_CAPTURED = 3
@@ -117,6 +119,27 @@ class NVLinkTransport(Transport):
         if wait:
             self._host_wait("count exchange", call_id)
         return recv
+
+    def publish_rows(self, send_RC: Tensor, *, call_id: int) -> tuple:
+        """`exchange_counts` for a table made on the device, in one kernel instead of a copy per peer: row p of
+        `send_RC` ([R, C] int64) lands in row `me` of rank p's headers. Waits (bounded) for the rows of every rank.
+
+        Returns:
+            `(recv [R, C] int64 tensor, the same as host lists)`: row s from rank s.
+        """
+        from ..kernels import _exact_triton as k
+
+        import triton
+
+        r, c = send_RC.shape
+        assert c <= _HEADER_COLS
+        self.barrier()  # every peer has read the previous call's headers
+        k.publish_rows[(r,)](send_RC, self.region.local, self.region.delta16, self._headers_off, self.rank,
+                             EX_COLS=c, HDR_COLS=_HEADER_COLS, C_POW2=triton.next_power_of_2(c))
+        self.barrier()
+        recv = self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
+        self._host_wait("count exchange", call_id)
+        return recv, recv.tolist()
 
     def _host_wait(self, what: str, call_id: int) -> None:
         event = torch.cuda.Event()

@@ -1,0 +1,168 @@
+"""The fused CPU-synced dispatch on the nvlink transport: `dispatch(do_cpu_sync=True)` with its layouts made by a
+few kernels and one host read.
+
+The generic CPU-synced path (pipeline.py) builds the layouts with ~130 small torch kernels and reads the device
+three times (the value checks of `topk_idx`, the count exchange, the per-expert counts): 2.7-4.5 ms per call at
+dsv3 4096 tokens on 2x H200, where a cached dispatch on its handle takes ~0.4 ms eager. This module does the same
+call as:
+
+    send_plan (layout, routing field, counts, value flags) -> barrier -> publish_rows -> barrier -> host read
+        -> pull of the fields (transport/pull.py, as the generic path) -> dispatch_plan_rows -> dispatch_plan_experts
+        (-> dispatch_place with expand)
+
+with the kernels of `kernels/_exact_triton.py` and the receive-side plan kernels the fused sync-free path uses
+(`kernels/_syncfree_triton.py`, here on rows packed by source). The row each rank publishes to a peer carries the
+call header, its counts to every rank, its (token, expert) pairs for each of the peer's local experts and two
+value flags. So the one host read gives every size (rows from each rank, per-expert counts, expanded rows) and
+every error: a bad `topk_idx` value raises the generic path's ValueError on the rank that holds it, and the
+peers' calls raise naming it, before any row moves. Outputs, handle and plan are the generic path's, value for
+value; tests/kernels/exact_sim.py checks every field under the interpreter and the GPU tests compare both paths.
+
+`EPBuffer.dispatch` takes it on nvlink for a CPU-synced dispatch with rows of whole 4-byte words and at most 1024
+local experts, unless `EPCOMM_FUSED_EXACT=0`.
+
+Shape legend (docs/shapes.md): T tokens, K top-k, R ranks, L local experts, N num_max_tokens_per_rank, M received
+rows, S expanded rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import agreement, envs, epilogue, pipeline, syncfree_nvlink
+from .debug import phase
+from .layout import SendLayout
+from .moves import Route
+from .sizing import align
+from .validate import Checker, check_topk_values
+
+_TOKEN_ELEMS = 8192  # [tokens, top-k, max(top-k, ranks)] elements per step of a send_plan program
+_NUM_FLAGS = 2  # an id outside [-1, num_experts); an expert twice in a token
+
+
+def enabled(buf) -> bool:
+    """nvlink with `EPCOMM_FUSED_EXACT` on: `resolve` leaves the value checks of `topk_idx` to the device (the
+    caller runs them on the host for a call that then takes the generic path)."""
+    return getattr(buf.transport, "name", None) == "nvlink" and envs.fused_exact()
+
+
+def _cols(num_ranks: int, num_local: int) -> int:
+    """Columns of a published row: header, counts to every rank, per-expert pairs, flags."""
+    return agreement.HEADER_LEN + num_ranks + num_local + _NUM_FLAGS
+
+
+def applies(buf, call: pipeline.DispatchCall) -> bool:
+    """Whether `dispatch` takes this path for a (resolved, valid, non-cached) call."""
+    x = call.x.data
+    return (call.do_cpu_sync and call.handle is None and enabled(buf)
+            and (x.shape[1] * x.element_size()) % 4 == 0
+            and _cols(buf.num_ranks, call.num_experts // buf.num_ranks) <= buf.transport.header_cols)
+
+
+def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list) -> dict:
+    """Launch `send_plan`: the sender-side layout and the rows to publish (`ex`, [R, C] int64, header `head`)."""
+    from .kernels import _exact_triton as k
+
+    import triton
+
+    topk = call.topk_idx if call.topk_idx.stride(1) == 1 else call.topk_idx.contiguous()
+    num_tokens, num_topk = topk.shape
+    num_local, device = call.num_experts // num_ranks, topk.device
+    cols = _cols(num_ranks, num_local)
+    ex = torch.tensor([head + [0] * (cols - len(head))] * num_ranks, dtype=torch.int64, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    token_slot_TR, last_pos_TR, send_row_TR = (torch.empty(num_tokens, num_ranks, **i64) for _ in range(3))
+    send_src = torch.empty(num_tokens * num_ranks, **i64)  # the first `sum(counts)` rows are the send rows
+    dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
+    routing_TK1 = torch.empty(num_tokens, num_topk + 1, **i64)  # top-k ids and the token key, for the receivers
+    k_pow2, r_pow2 = triton.next_power_of_2(num_topk), triton.next_power_of_2(num_ranks)
+    tc = max(16, min(128, triton.next_power_of_2(_TOKEN_ELEMS // (k_pow2 * max(k_pow2, r_pow2))) // 2))
+    if num_tokens:  # no tokens: every count is the zero `ex` already holds
+        k.send_plan[(triton.cdiv(num_tokens, tc),)](
+            topk, token_slot_TR, last_pos_TR, send_row_TR, send_src, dst_slot_TK, routing_TK1, ex,
+            num_tokens, topk.stride(0), rank, N=call.n, K=num_topk, R=num_ranks, L=num_local, EX_COLS=cols,
+            CNT_COL=agreement.HEADER_LEN, K_POW2=k_pow2, R_POW2=r_pow2, TC=tc, num_warps=4)
+    send = SendLayout(num_tokens_per_rank_R=ex[0, agreement.HEADER_LEN: agreement.HEADER_LEN + num_ranks],
+                      token_slot_TR=token_slot_TR, last_pos_TR=last_pos_TR)
+    return dict(ex=ex, send=send, send_row_TR=send_row_TR, send_src=send_src, dst_slot_TK=dst_slot_TK,
+                routing=routing_TK1)
+
+
+def read_rows(buf, call: pipeline.DispatchCall, host_RC: list) -> dict:
+    """The published rows (host lists, row s from rank s) to sizes, raising on every rank as the generic path
+    would: bad `topk_idx` values (the flags; the rank that holds them re-runs the host check for its message), a
+    failed or disagreeing rank (`agreement.check`).
+
+    Returns:
+        `{send_splits, recv_splits, matrix, num_unaligned (host list, L)}`.
+    """
+    num_ranks, rank = buf.num_ranks, buf.rank
+    num_local = call.num_experts // num_ranks
+    cnt = agreement.HEADER_LEN
+    flag = cnt + num_ranks + num_local
+    rows = [list(row[:cnt + num_ranks]) for row in host_RC]
+    local_error = None
+    for s, row in enumerate(host_RC):
+        if any(row[flag: flag + _NUM_FLAGS]) and rows[s][0] == agreement.STATUS_OK:
+            rows[s][0] = agreement.STATUS_VALUE
+    if rows[rank][0] != agreement.STATUS_OK:
+        try:
+            check_topk_values(Checker("EPBuffer.dispatch", rank, buf.device), call.topk_idx, call.num_experts)
+            local_error = ValueError(f"EPBuffer.dispatch: rank {rank}: topk_idx failed the device value check")
+        except ValueError as e:
+            local_error = e
+    buf.agree("EPBuffer.dispatch", rows, local_error)
+    matrix = [row[cnt:] for row in rows]  # [src][dst] rows
+    return dict(matrix=matrix, send_splits=list(matrix[rank]), recv_splits=[row[rank] for row in matrix],
+                num_unaligned=[sum(row[cnt + num_ranks + e] for row in host_RC) for e in range(num_local)])
+
+
+def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
+    """send_plan, the exchange (one host read; errors raise here, on every rank), then the pull of the fields.
+
+    Raises:
+        ValueError: bad `topk_idx` values on any rank, ranks that disagree, or rows that exceed the staging area.
+        TimeoutError: a peer did not arrive.
+    """
+    tr = buf.transport
+    head = agreement.header(agreement.STATUS_OK, call_id, call.signature(1), buf.uid)
+    with phase("layout"):
+        launched = send_plan(call, buf.rank, buf.num_ranks, head)
+    with phase("exchange_counts"):
+        recv_RC, host_RC = tr.publish_rows(launched.pop("ex"), call_id=call_id)
+        sizes = read_rows(buf, call, host_RC)
+    num_send = sum(sizes["send_splits"])
+    route = Route(sizes["send_splits"], sizes["recv_splits"], launched.pop("send_src")[:num_send], sizes["matrix"])
+    tensors = dict(x=call.x.data, sf=call.x.sf, w=call.topk_weights, routing=launched["routing"])
+    fields = pipeline._move_fields(tr, tensors, route, call_id)
+    return dict(launched, recv_RC=recv_RC, route=route, fields=fields, num_unaligned=sizes["num_unaligned"],
+                send_splits=route.send_splits, recv_splits=route.recv_splits, fused=True)
+
+
+def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
+    """The plan kernels on the received fields, then the outputs; `pipeline.dispatch_finish`'s values."""
+    num_ranks, rank, num_topk = buf.num_ranks, buf.rank, call.topk_idx.shape[1]
+    route, fields = launched["route"], launched["fields"]
+    aligned = [align(n, call.expert_alignment) for n in launched["num_unaligned"]]
+    routing, recv_RC = fields["routing"].view(torch.uint8), launched["recv_RC"]
+    w = fields.get("w")
+    p = syncfree_nvlink.plan_rows(
+        call, rank, num_ranks, num_rows=route.num_recv, num_expanded=sum(aligned) if call.do_expand else 0,
+        blocked=False,
+        counts=(recv_RC.view(torch.uint8), (agreement.HEADER_LEN + rank) * 8, recv_RC.shape[1]),
+        routing=(routing, 0, (num_topk + 1) * 8, 0, num_topk * 8),
+        weights=(routing, 0, 0) if w is None else (w.view(torch.uint8), 0, num_topk * w.element_size()))
+    plan = pipeline.Plan(exact=True, blocked=False, send_splits=route.send_splits, recv_splits=route.recv_splits,
+                         send_row_TR=launched["send_row_TR"], send_src_X=route.src_X, out_src_M=p["out_src_M"],
+                         buf_out_X=p["buf_out_X"], src_rank_M=p["src_rank_M"], valid_M=p["valid_M"], recv=p["recv"],
+                         send=launched["send"], pair_S=p["pair_S"], route=route)
+    x, sf = fields["x"], fields.get("sf")
+    with phase("place"):
+        if call.do_expand:
+            sources = dict(x=(x.view(torch.uint8), 0, x.shape[1] * x.element_size()))
+            if sf is not None:
+                sources["sf"] = (sf.view(torch.uint8), 0, sf.shape[1] * sf.element_size())
+            recv_x, _ = syncfree_nvlink.place(call, plan, sources)
+        else:  # the moved rows are the output rows
+            recv_x = x if sf is None else (x, epilogue.place_sf(sf, call.col_major_sf))
+    return syncfree_nvlink.outputs(buf, call, plan, p, recv_x, aligned, launched["dst_slot_TK"])

@@ -1,0 +1,101 @@
+"""Triton bodies of the fused CPU-synced dispatch on NVLink (imported lazily by `exact_nvlink.py`).
+
+* `send_plan` (program: a chunk of TC tokens): the sender-side layout of layout.py and pipeline.send_rows in one
+  launch (rank dedup; the slot of a token among the tokens sent to a rank = the tokens before it that go there;
+  packed send rows `offset[r] + slot`), `dst_buffer_slot_idx`, the routing field every receiver needs (top-k ids
+  and token key), and the row this rank publishes to each peer: its count of rows for every rank, the count of
+  its (token, expert) pairs for each of the peer's local experts, and two flags for bad values (an id outside
+  [-1, num_experts), an expert twice in a token), which the host turns into the generic path's errors;
+* `publish_rows` (program p): row p of that table into row `me` of rank p's header area.
+
+Each program counts the tokens of the chunks before its own (a two-level scan in one launch: no host round trip),
+so the work grows as T^2 / TC, a few us at 4096 tokens.
+"""
+
+import triton
+import triton.language as tl
+
+from ._signal_triton import _region
+
+
+@triton.jit(do_not_specialize=["num_tokens", "stride_topk", "me"])
+def send_plan(
+    topk_ptr, token_slot_ptr, last_pos_ptr, send_row_ptr, send_src_ptr, dst_slot_ptr, rt_ptr, ex_ptr,
+    num_tokens, stride_topk, me,
+    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, EX_COLS: tl.constexpr, CNT_COL: tl.constexpr,
+    K_POW2: tl.constexpr, R_POW2: tl.constexpr, TC: tl.constexpr,
+):
+    """Program g: tokens g*TC .. . `ex` is [R, EX_COLS] int64, zero past column CNT_COL: the program adds its pairs
+    to `ex[d, CNT_COL + R + l]` (expert l of rank d) and raises the flags `ex[:, CNT_COL + R + L]` (bad id) and
+    `ex[:, CNT_COL + R + L + 1]` (an expert twice); program 0 writes the counts `ex[:, CNT_COL + r]`."""
+    g_id = tl.program_id(0)
+    kk = tl.arange(0, K_POW2)
+    rr = tl.arange(0, R_POW2)
+    first = g_id * TC
+
+    # Tokens sent to each rank before this chunk, and in all (rank dedup: a token counts once per rank).
+    before_r = tl.zeros([R_POW2], dtype=tl.int32)
+    count_r = tl.zeros([R_POW2], dtype=tl.int32)
+    for start in range(0, num_tokens, TC):
+        tt = start + tl.arange(0, TC)
+        ids = tl.load(topk_ptr + tt[:, None].to(tl.int64) * stride_topk + kk[None, :],
+                      mask=(tt[:, None] < num_tokens) & (kk[None, :] < K), other=-1)
+        dest = tl.where(ids >= 0, ids // L, -1).to(tl.int32)
+        sent = tl.max((dest[:, :, None] == rr[None, None, :]).to(tl.int32), axis=1)  # [TC, R_POW2]
+        count_r += tl.sum(sent, axis=0)
+        before_r += tl.sum(sent * (tt[:, None] < first).to(tl.int32), axis=0)
+    off_r = tl.cumsum(count_r, axis=0) - count_r  # packed send rows: grouped by destination, ascending
+
+    tt = first + tl.arange(0, TC)
+    in_t = tt < num_tokens
+    in_tk = in_t[:, None] & (kk[None, :] < K)
+    ids = tl.load(topk_ptr + tt[:, None].to(tl.int64) * stride_topk + kk[None, :], mask=in_tk, other=-1)
+    dest = tl.where(ids >= 0, ids // L, -1).to(tl.int32)
+    hit = dest[:, :, None] == rr[None, None, :]  # [TC, K_POW2, R_POW2]
+    sent = tl.max(hit.to(tl.int32), axis=1)  # [TC, R_POW2]
+    slot = tl.where(sent > 0, before_r[None, :] + tl.cumsum(sent, axis=0) - 1, -1)
+    last = tl.max(tl.where(hit, kk[None, :, None], -1), axis=1)
+    row = tl.where(sent > 0, off_r[None, :] + slot, -1)
+    tr_idx = tt[:, None] * R + rr[None, :]
+    in_tr = in_t[:, None] & (rr[None, :] < R)
+    tl.store(token_slot_ptr + tr_idx, slot.to(tl.int64), mask=in_tr)
+    tl.store(last_pos_ptr + tr_idx, last.to(tl.int64), mask=in_tr)
+    tl.store(send_row_ptr + tr_idx, row.to(tl.int64), mask=in_tr)
+    tl.store(send_src_ptr + row, tt[:, None].to(tl.int64) + tl.zeros([TC, R_POW2], tl.int64),
+             mask=in_tr & (sent > 0))
+    # dst_buffer_slot_idx: dest * N + slot at the largest position of each destination, else -1.
+    last_k = tl.sum(tl.where(hit, last[:, None, :], 0), axis=2)
+    slot_k = tl.sum(tl.where(hit, slot[:, None, :], 0), axis=2)
+    dst = tl.where((dest >= 0) & (dest < R) & (last_k == kk[None, :]), dest * N + slot_k, -1)
+    tl.store(dst_slot_ptr + tt[:, None] * K + kk[None, :], dst.to(tl.int32), mask=in_tk)
+    # The routing field: top-k ids (int64) and the token key g = me * N + t.
+    tl.store(rt_ptr + tt[:, None] * (K + 1) + kk[None, :], ids.to(tl.int64), mask=in_tk)
+    tl.store(rt_ptr + tt * (K + 1) + K, (me * N + tt).to(tl.int64), mask=in_t)
+
+    if g_id == 0:
+        tl.store(ex_ptr + rr[:, None] * EX_COLS + CNT_COL + rr[None, :], count_r[None, :].to(tl.int64)
+                 + tl.zeros([R_POW2, R_POW2], tl.int64), mask=(rr[:, None] < R) & (rr[None, :] < R))
+    ok = in_tk & (ids >= 0) & (ids < R * L)
+    safe = tl.where(ok, ids, 0)
+    tl.atomic_add(ex_ptr + (safe // L) * EX_COLS + CNT_COL + R + safe % L, tl.full([TC, K_POW2], 1, tl.int64),
+                  mask=ok)
+    bad = tl.sum(tl.sum((in_tk & ((ids < -1) | (ids >= R * L))).to(tl.int32), axis=1), axis=0)
+    twice = (ids[:, :, None] == ids[:, None, :]) & (kk[None, :, None] < kk[None, None, :]) & ok[:, :, None]
+    dup = tl.sum(tl.sum(tl.sum(twice.to(tl.int32), axis=2), axis=1), axis=0)
+    flag_col = CNT_COL + R + L
+    if bad > 0:
+        tl.atomic_max(ex_ptr + rr * EX_COLS + flag_col, tl.full([R_POW2], 1, tl.int64), mask=rr < R)
+    if dup > 0:
+        tl.atomic_max(ex_ptr + rr * EX_COLS + flag_col + 1, tl.full([R_POW2], 1, tl.int64), mask=rr < R)
+
+
+@triton.jit
+def publish_rows(ex_ptr, local_ptr, delta16_ptr, hdr_off, me, EX_COLS: tl.constexpr, HDR_COLS: tl.constexpr,
+                 C_POW2: tl.constexpr):
+    """Program p: row p of `ex` ([R, EX_COLS] int64) into row `me` of rank p's header area (R rows of HDR_COLS
+    int64 at byte `hdr_off` of every region). A device barrier after it publishes the rows."""
+    p = tl.program_id(0)
+    cc = tl.arange(0, C_POW2)
+    v = tl.load(ex_ptr + p * EX_COLS + cc, mask=cc < EX_COLS)
+    dst = (_region(local_ptr, delta16_ptr, p) + hdr_off).to(tl.pointer_type(tl.int64)) + me * HDR_COLS
+    tl.store(dst + cc, v, mask=cc < EX_COLS)

@@ -1,0 +1,191 @@
+"""The fused CPU-synced dispatch (exact_nvlink.py) under TRITON_INTERPRET=1, field by field against the generic path.
+
+Ranks are simulated one after another in one process. Every rank's `send_plan` runs, then every rank's
+`publish_rows` into simulated regions (slices of one CPU tensor, addressed through 16-byte deltas as on GPU), then
+each rank reads its headers as the host read would. The pull is replaced by its torch twin (each receiver
+concatenates, per source rank, the source's rows in the route's send order), the same for both paths, so the two
+paths meet at the same moved fields. The expected values come from `pipeline.dispatch_finish` on the generic
+layout (layout.send_layout, pipeline.send_rows). Compared: recv_x (data, scales, strides), recv_topk_idx,
+recv_topk_weights, every field of the handle and of its plan (route included), the stats. The bad-value cases
+check the errors each rank raises from the published flags. Run as a script: `python exact_sim.py CASE` (the test
+sets TRITON_INTERPRET=1).
+"""
+
+import sys
+import types
+
+import torch
+
+from epcomm import agreement, exact_nvlink, layout, pipeline, syncfree_nvlink
+from epcomm.moves import Route, offsets
+from syncfree_sim import CASES as SYNC_FREE_CASES
+from syncfree_sim import clone_call, make_call, same, want_stats
+
+HDR_COLS = 1088
+
+
+def fake_buf(rank, num_ranks, gathered=None):
+    def agree(call, rows, err):
+        agreement.check(call, rank, rows, err, lambda msg: gathered or [msg] * num_ranks)
+    return types.SimpleNamespace(rank=rank, num_ranks=num_ranks, uid=7, device=torch.device("cpu"), agree=agree)
+
+
+def twin_move(tensors, routes, me):
+    """Receiver `me`'s fields: for each source s, its rows for `me` in s's send order."""
+    out = {}
+    for name in tensors[0]:
+        if tensors[0][name] is None:
+            continue
+        parts = []
+        for s, route in enumerate(routes):
+            start = offsets(route.send_splits)[me]
+            parts.append(tensors[s][name][route.src_X[start: start + route.send_splits[me]]])
+        out[name] = torch.cat(parts)
+    return out
+
+
+def generic(calls, num_ranks, n):
+    sends, routes, tensors = [], [], []
+    counts = [layout.send_layout(c.topk_idx, num_ranks, c.num_experts // num_ranks).num_tokens_per_rank_R.tolist()
+              for c in calls]
+    for r, call in enumerate(calls):
+        snd = layout.send_layout(call.topk_idx, num_ranks, call.num_experts // num_ranks)
+        send_off = torch.tensor(offsets(counts[r]))
+        row_TR, src_X = pipeline.send_rows(snd, send_off, sum(counts[r]))
+        routes.append(Route(counts[r], [counts[s][r] for s in range(num_ranks)], src_X, counts))
+        tensors.append(dict(x=call.x.data, sf=call.x.sf, w=call.topk_weights, topk=call.topk_idx.long(),
+                            g=r * n + torch.arange(call.x.num_tokens)))
+        sends.append((snd, row_TR, src_X))
+    out = []
+    for me, call in enumerate(calls):
+        snd, row_TR, src_X = sends[me]
+        route = routes[me]
+        launched = dict(recv_counts_R=torch.tensor(route.recv_splits), send=snd, send_row_TR=row_TR,
+                        send_src_X=src_X, send_splits=route.send_splits, recv_splits=route.recv_splits,
+                        num_recv=route.num_recv, blocked=False, route=route, fields=twin_move(tensors, routes, me))
+        out.append(pipeline.dispatch_finish(fake_buf(me, num_ranks), call, launched))
+    return out
+
+
+def sim_regions(num_ranks):
+    size = num_ranks * HDR_COLS * 8
+    whole = torch.full((num_ranks * size,), 0xAB, dtype=torch.uint8)
+    return [types.SimpleNamespace(local=whole[r * size:(r + 1) * size], delta16=torch.tensor(
+        [(s - r) * size // 16 for s in range(num_ranks)], dtype=torch.int64)) for r in range(num_ranks)]
+
+
+def exchange(calls, num_ranks):
+    """Every rank's send_plan and publish_rows; returns (launched per rank, (recv tensor, host rows) per rank)."""
+    from epcomm.kernels import _exact_triton as k
+
+    import triton
+
+    regions = sim_regions(num_ranks)
+    launched = []
+    for r, call in enumerate(calls):
+        head = agreement.header(agreement.STATUS_OK, 0, call.signature(1), 7)
+        launched.append(exact_nvlink.send_plan(call, r, num_ranks, head))
+    cols = launched[0]["ex"].shape[1]
+    for r, lr in enumerate(launched):
+        k.publish_rows[(num_ranks,)](lr.pop("ex"), regions[r].local, regions[r].delta16, 0, r, EX_COLS=cols,
+                                     HDR_COLS=HDR_COLS, C_POW2=triton.next_power_of_2(cols))
+    recv = []
+    for r in range(num_ranks):
+        rows = regions[r].local.view(torch.int64).view(num_ranks, HDR_COLS)[:, :cols].clone()
+        recv.append((rows, rows.tolist()))
+    return launched, recv
+
+
+def fused(calls, num_ranks):
+    launched, recv = exchange(calls, num_ranks)
+    routes, tensors = [], []
+    for r, call in enumerate(calls):
+        sizes = exact_nvlink.read_rows(fake_buf(r, num_ranks), call, recv[r][1])
+        src = launched[r].pop("send_src")[:sum(sizes["send_splits"])]
+        routes.append(Route(sizes["send_splits"], sizes["recv_splits"], src, sizes["matrix"]))
+        launched[r].update(recv_RC=recv[r][0], num_unaligned=sizes["num_unaligned"])
+        tensors.append(dict(x=call.x.data, sf=call.x.sf, w=call.topk_weights, routing=launched[r]["routing"]))
+    out = []
+    for r, call in enumerate(calls):
+        launched[r].update(route=routes[r], fields=twin_move(tensors, routes, r))
+        out.append(exact_nvlink.dispatch_finish(fake_buf(r, num_ranks), call, launched[r]))
+    return out
+
+
+def exact(call):
+    call.do_cpu_sync = True
+    return call
+
+
+def check(c, tokens, seed=0):
+    syncfree_nvlink._PLAN_ELEMS = c.get("plan_elems", 8)  # a few rows per plan program: prefix sums cross them
+    exact_nvlink._TOKEN_ELEMS = c.get("token_elems", exact_nvlink._TOKEN_ELEMS)
+    gen = torch.Generator().manual_seed(seed)
+    calls = [exact(make_call(gen, t, c, r)) for r, t in enumerate(tokens)]
+    want = generic([clone_call(k) for k in calls], c["ranks"], c["n"])
+    fused_calls = [clone_call(k) for k in calls]
+    got = fused(fused_calls, c["ranks"])
+    for r in range(c["ranks"]):
+        (wx, wi, ww, wh), (gx, gi, gw, gh) = want[r], got[r]
+        same(wx, gx, f"rank {r} recv_x")
+        same(wi, gi, f"rank {r} recv_topk_idx")
+        same(ww, gw, f"rank {r} recv_topk_weights")
+        for name in wh.__dataclass_fields__:
+            if not name.startswith("_"):
+                same(getattr(wh, name), getattr(gh, name), f"rank {r} handle.{name}")
+        same(wh._plan, gh._plan, f"rank {r} plan")
+        same(wh._plan.route.matrix, gh._plan.route.matrix, f"rank {r} route matrix")
+        assert gh._topk_idx is fused_calls[r].topk_idx
+        if calls[r].stats is not None:
+            same(want_stats(calls[r], wh), fused_calls[r].stats, f"rank {r} stats")
+
+
+# The sync-free cases (every dtype, both layouts, alignment, ids, stats, skew, empty ranks, top-k 1 and 32, one
+# and five ranks, strided and misaligned inputs), plus token chunks small enough that the send plan's prefix
+# counts cross programs.
+CASES = dict(SYNC_FREE_CASES)
+CASES["many-tokens-small-chunks"] = (dict(ranks=3, n=40, hidden=16, dtype=torch.bfloat16, experts=12, topk=4,
+                                          idx_dtype=torch.int64, w_dtype=torch.float32, expand=True, alignment=4,
+                                          emit=True, stats=True, token_elems=64), (40, 33, 17))
+
+
+def check_bad_values(kind):
+    """A bad id or a duplicate on rank 1: rank 1 raises the host check's message, rank 0 names group rank 1."""
+    c = dict(ranks=2, n=6, hidden=16, dtype=torch.bfloat16, experts=8, topk=3, idx_dtype=torch.int64)
+    gen = torch.Generator().manual_seed(1)
+    calls = [exact(make_call(gen, 6, c, r)) for r in range(2)]
+    topk = calls[1].topk_idx
+    if kind == "bad-id":
+        topk[4, 2] = c["experts"]
+        want = f"topk_idx holds {c['experts']} (token 4)"
+    elif kind == "negative-id":
+        topk[2, 0] = -3
+        want = "topk_idx holds -3 (token 2)"
+    else:
+        topk[3, 0], topk[3, 2] = 5, 5
+        want = "topk_idx row 3 names expert 5 more than once"
+    _, recv = exchange(calls, 2)
+    messages = []
+    for r in (1, 0):
+        try:
+            exact_nvlink.read_rows(fake_buf(r, 2, gathered=["", messages[0] if messages else ""]), calls[r],
+                                   recv[r][1])
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"rank {r} did not raise")
+    assert want in messages[0], messages
+    assert "group rank 1 rejected the call" in messages[1] and want in messages[1], messages
+
+
+if __name__ == "__main__":
+    bad = ("bad-id", "negative-id", "duplicate")
+    names = sys.argv[1:] or list(CASES) + list(bad)
+    for name in names:
+        if name in bad:
+            check_bad_values(name)
+        else:
+            config, tokens = CASES[name]
+            check(config, tokens, seed=len(name))
+        print(name, "ok")
+    print("ok")
