@@ -36,7 +36,8 @@ from .moves import Route
 from .sizing import align
 from .validate import Checker, check_topk_values
 
-_TOKEN_ELEMS = 8192  # [tokens, top-k, max(top-k, ranks)] elements per step of a send_plan program
+_TOKEN_ELEMS = 8192  # [tokens, top-k, max(top-k, ranks)] elements of a send_plan program's own chunk
+_COUNT_ELEMS = 16384  # [tokens, top-k, ranks] elements per step of its count of the tokens before the chunk
 _NUM_FLAGS = 2  # an id outside [-1, num_experts); an expert twice in a token
 
 
@@ -69,19 +70,22 @@ def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list
     num_tokens, num_topk = topk.shape
     num_local, device = call.num_experts // num_ranks, topk.device
     cols = _cols(num_ranks, num_local)
-    ex = torch.tensor([head + [0] * (cols - len(head))] * num_ranks, dtype=torch.int64, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    token_slot_TR, last_pos_TR, send_row_TR = (torch.empty(num_tokens, num_ranks, **i64) for _ in range(3))
-    send_src = torch.empty(num_tokens * num_ranks, **i64)  # the first `sum(counts)` rows are the send rows
+    # From pinned memory: a copy from pageable memory would wait for the device.
+    ex = torch.tensor([head + [0] * (cols - len(head))] * num_ranks, dtype=torch.int64,
+                      pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    # send_src: the first `sum(counts)` rows are the send rows; routing: top-k ids and token key, for the receivers.
+    token_slot_TR, last_pos_TR, send_row_TR, send_src, routing_TK1 = syncfree_nvlink.carve(
+        torch.int64, device, (num_tokens, num_ranks), (num_tokens, num_ranks), (num_tokens, num_ranks),
+        (num_tokens * num_ranks,), (num_tokens, num_topk + 1))
     dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
-    routing_TK1 = torch.empty(num_tokens, num_topk + 1, **i64)  # top-k ids and the token key, for the receivers
     k_pow2, r_pow2 = triton.next_power_of_2(num_topk), triton.next_power_of_2(num_ranks)
     tc = max(16, min(128, triton.next_power_of_2(_TOKEN_ELEMS // (k_pow2 * max(k_pow2, r_pow2))) // 2))
+    tl_ = max(tc, min(1024, _COUNT_ELEMS // (k_pow2 * r_pow2)))  # tokens per step of the count loop
     if num_tokens:  # no tokens: every count is the zero `ex` already holds
         k.send_plan[(triton.cdiv(num_tokens, tc),)](
             topk, token_slot_TR, last_pos_TR, send_row_TR, send_src, dst_slot_TK, routing_TK1, ex,
             num_tokens, topk.stride(0), rank, N=call.n, K=num_topk, R=num_ranks, L=num_local, EX_COLS=cols,
-            CNT_COL=agreement.HEADER_LEN, K_POW2=k_pow2, R_POW2=r_pow2, TC=tc, num_warps=4)
+            CNT_COL=agreement.HEADER_LEN, K_POW2=k_pow2, R_POW2=r_pow2, TC=tc, TL=tl_, num_warps=4)
     send = SendLayout(num_tokens_per_rank_R=ex[0, agreement.HEADER_LEN: agreement.HEADER_LEN + num_ranks],
                       token_slot_TR=token_slot_TR, last_pos_TR=last_pos_TR)
     return dict(ex=ex, send=send, send_row_TR=send_row_TR, send_src=send_src, dst_slot_TK=dst_slot_TK,

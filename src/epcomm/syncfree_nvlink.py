@@ -29,6 +29,7 @@ M = R * N received rows, S expanded rows, P scale packs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +38,8 @@ from torch import Tensor
 
 from . import envs, epilogue, layout, pipeline
 from .debug import phase
+from .moves import offsets
+from .sizing import align
 
 _TOKEN_CHUNK = 64  # tokens per step when a send program counts the tokens before its own
 _WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
@@ -172,9 +175,7 @@ def outputs(buf, call: pipeline.DispatchCall, plan: pipeline.Plan, p: dict, recv
         buf, call, plan, num_recv_tokens_per_expert_list=aligned_list, psum_rank=p["psum_rank"],
         psum_expert=p["psum_expert"], unaligned=p["unaligned32"], recv_src_metadata=p["meta"],
         dst_buffer_slot_idx=dst_slot_TK, recv_expert_ids=p["expert_ids"])
-    # A fresh tensor: the plan keeps its own local ids.
-    recv_topk_idx = None if call.do_expand else p["recv"].local_idx_MK.to(call.topk_idx.dtype, copy=True)
-    return recv_x, recv_topk_idx, p["w_out"], handle
+    return recv_x, p["recv_topk_idx"], p["w_out"], handle  # recv_topk_idx: not the plan's local ids
 
 
 def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_rows: int, num_expanded: int,
@@ -192,26 +193,25 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
 
     num_topk, num_local = call.topk_idx.shape[1], call.num_experts // num_ranks
     m, s, device = num_rows, num_expanded, call.topk_idx.device
-    i64 = dict(dtype=torch.int64, device=device)
-    i32 = dict(dtype=torch.int32, device=device)
-    out = dict(counts_R=torch.empty(num_ranks, **i64), out_src_M=torch.empty(m, **i64),
-               buf_out_X=torch.empty(m, **i64), src_rank_M=torch.empty(m, **i64),
-               valid_M=torch.empty(m, dtype=torch.bool, device=device), local_idx_MK=torch.empty(m, num_topk, **i64),
-               meta=torch.empty(m, num_topk + 2, **i32), unaligned_L=torch.empty(num_local, **i64),
-               start_L=torch.empty(num_local, **i64), psum_rank=torch.empty(num_ranks, **i32),
-               psum_expert=torch.empty(num_local, **i32), unaligned32=torch.empty(num_local, **i32))
-    w = call.topk_weights
-    out["w_out"] = None if w is None else torch.empty((s,) if call.do_expand else (m, num_topk), dtype=w.dtype,
-                                                      device=device)
-    out["row_ptr_MK"] = torch.empty(m, num_topk, **i64) if call.do_expand else None
-    out["pair_S"] = torch.empty(s, **i64) if call.do_expand else None
-    out["expert_ids"] = torch.empty(s, **i32) if call.emit_expert_ids else None
-    meta = out["meta"]
     l_pow2 = triton.next_power_of_2(num_local)
-    stats = call.stats if call.stats is None or call.stats.is_contiguous() else call.stats.contiguous()
     rows_per_program = max(1, min(64, _PLAN_ELEMS // l_pow2))
     num_chunks = max(1, triton.cdiv(m, rows_per_program))  # program 0 also writes the per-rank counts
-    chunk_counts = torch.empty(num_chunks, l_pow2, **i32)
+    expand, ids = call.do_expand, call.emit_expert_ids
+    # Two allocations carved into the int64 and int32 tensors (an allocation costs host time on every call).
+    out = dict(zip(("counts_R", "out_src_M", "buf_out_X", "src_rank_M", "local_idx_MK", "unaligned_L", "start_L",
+                    "row_ptr_MK", "pair_S"), carve(torch.int64, device, (num_ranks,), (m,), (m,), (m,), (m, num_topk),
+                                                   (num_local,), (num_local,), (m, num_topk) if expand else None,
+                                                   (s,) if expand else None)))
+    out.update(zip(("meta", "psum_rank", "psum_expert", "unaligned32", "expert_ids", "chunk_counts"), carve(
+        torch.int32, device, (m, num_topk + 2), (num_ranks,), (num_local,), (num_local,), (s,) if ids else None,
+        (num_chunks, l_pow2))))
+    out["valid_M"] = torch.empty(m, dtype=torch.bool, device=device)
+    w = call.topk_weights
+    out["w_out"] = None if w is None else torch.empty((s,) if expand else (m, num_topk), dtype=w.dtype,
+                                                      device=device)
+    out["recv_topk_idx"] = None if expand else torch.empty(m, num_topk, dtype=call.topk_idx.dtype, device=device)
+    meta, chunk_counts = out["meta"], out.pop("chunk_counts")
+    stats = call.stats if call.stats is None or call.stats.is_contiguous() else call.stats.contiguous()
     w_bits = dict(w_in_ptr=_bits(w) if w is not None else meta,
                   w_out_ptr=_bits(out["w_out"]) if w is not None else meta)
     w_rec = dict(wr_ptr=weights[0], wr_off=weights[1], wr_stride=weights[2])
@@ -220,11 +220,12 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
                  MC=rows_per_program, num_warps=_PLAN_WARPS)
     common = dict(local_idx_ptr=out["local_idx_MK"], meta_ptr=meta, chunk_counts_ptr=chunk_counts,
                   pair_ptr=_or(out["pair_S"], meta), expert_ids_ptr=_or(out["expert_ids"], meta), num_rows=m)
+    recv_idx = out["recv_topk_idx"]
     with phase("plan_kernels"):
         k.dispatch_plan_rows[(num_chunks,)](
             counts[0], routing[0], counts_ptr=out["counts_R"], out_src_ptr=out["out_src_M"],
             buf_out_ptr=out["buf_out_X"], src_rank_ptr=out["src_rank_M"], valid_ptr=out["valid_M"],
-            psum_rank_ptr=out["psum_rank"], me=rank, num_expanded=s, cnt_off=counts[1], rt_off=routing[1],
+            psum_rank_ptr=out["psum_rank"], recv_idx_ptr=_or(recv_idx, meta), WRITE_IDX=recv_idx is not None, me=rank, num_expanded=s, cnt_off=counts[1], rt_off=routing[1],
             rt_stride=routing[2], topk_off=routing[3], g_off=routing[4], N=call.n, R=num_ranks, HDR_COLS=counts[2],
             BLOCKED=blocked, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **common, **w_rec, **w_bits,
             **shape)
@@ -240,6 +241,15 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
                                     aligned_start_L=out["start_L"], row_ptr_MK=out["row_ptr_MK"],
                                     num_expanded_rows=s)
     return out
+
+
+def carve(dtype: torch.dtype, device: torch.device, *shapes) -> list:
+    """Fresh tensors of `shapes` (None: no tensor) as views of one allocation, each starting on 16 bytes."""
+    sizes = [0 if shape is None else math.prod(shape) for shape in shapes]
+    per16 = 16 // torch.empty(0, dtype=dtype).element_size()
+    starts = offsets([align(n, per16) for n in sizes])
+    block = torch.empty(starts[-1] + align(sizes[-1], per16) if sizes else 0, dtype=dtype, device=device)
+    return [None if shape is None else block[a: a + n].view(shape) for shape, a, n in zip(shapes, starts, sizes)]
 
 
 def _or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:

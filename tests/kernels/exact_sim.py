@@ -120,6 +120,7 @@ def exact(call):
 def check(c, tokens, seed=0):
     syncfree_nvlink._PLAN_ELEMS = c.get("plan_elems", 8)  # a few rows per plan program: prefix sums cross them
     exact_nvlink._TOKEN_ELEMS = c.get("token_elems", exact_nvlink._TOKEN_ELEMS)
+    exact_nvlink._COUNT_ELEMS = c.get("count_elems", exact_nvlink._COUNT_ELEMS)
     gen = torch.Generator().manual_seed(seed)
     calls = [exact(make_call(gen, t, c, r)) for r, t in enumerate(tokens)]
     want = generic([clone_call(k) for k in calls], c["ranks"], c["n"])
@@ -142,11 +143,12 @@ def check(c, tokens, seed=0):
 
 # The sync-free cases (every dtype, both layouts, alignment, ids, stats, skew, empty ranks, top-k 1 and 32, one
 # and five ranks, strided and misaligned inputs), plus token chunks small enough that the send plan's prefix
-# counts cross programs.
+# counts cross programs and take several steps.
 CASES = dict(SYNC_FREE_CASES)
 CASES["many-tokens-small-chunks"] = (dict(ranks=3, n=40, hidden=16, dtype=torch.bfloat16, experts=12, topk=4,
                                           idx_dtype=torch.int64, w_dtype=torch.float32, expand=True, alignment=4,
-                                          emit=True, stats=True, token_elems=64), (40, 33, 17))
+                                          emit=True, stats=True, token_elems=64, count_elems=64),
+                                     (40, 33, 17))
 
 
 def check_bad_values(kind):

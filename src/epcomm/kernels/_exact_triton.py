@@ -23,9 +23,9 @@ def send_plan(
     topk_ptr, token_slot_ptr, last_pos_ptr, send_row_ptr, send_src_ptr, dst_slot_ptr, rt_ptr, ex_ptr,
     num_tokens, stride_topk, me,
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, EX_COLS: tl.constexpr, CNT_COL: tl.constexpr,
-    K_POW2: tl.constexpr, R_POW2: tl.constexpr, TC: tl.constexpr,
+    K_POW2: tl.constexpr, R_POW2: tl.constexpr, TC: tl.constexpr, TL: tl.constexpr,
 ):
-    """Program g: tokens g*TC .. . `ex` is [R, EX_COLS] int64, zero past column CNT_COL: the program adds its pairs
+    """Program g: tokens g*TC .. (it counts the tokens before them TL at a time). `ex` is [R, EX_COLS] int64, zero past column CNT_COL: the program adds its pairs
     to `ex[d, CNT_COL + R + l]` (expert l of rank d) and raises the flags `ex[:, CNT_COL + R + L]` (bad id) and
     `ex[:, CNT_COL + R + L + 1]` (an expert twice); program 0 writes the counts `ex[:, CNT_COL + r]`."""
     g_id = tl.program_id(0)
@@ -36,8 +36,8 @@ def send_plan(
     # Tokens sent to each rank before this chunk, and in all (rank dedup: a token counts once per rank).
     before_r = tl.zeros([R_POW2], dtype=tl.int32)
     count_r = tl.zeros([R_POW2], dtype=tl.int32)
-    for start in range(0, num_tokens, TC):
-        tt = start + tl.arange(0, TC)
+    for start in range(0, num_tokens, TL):
+        tt = start + tl.arange(0, TL)
         ids = tl.load(topk_ptr + tt[:, None].to(tl.int64) * stride_topk + kk[None, :],
                       mask=(tt[:, None] < num_tokens) & (kk[None, :] < K), other=-1)
         dest = tl.where(ids >= 0, ids // L, -1).to(tl.int32)

@@ -174,14 +174,15 @@ def _source_counts(cnt_ptr, cnt_off, R: tl.constexpr, HDR_COLS: tl.constexpr, R_
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dispatch_plan_rows(
     cnt_ptr, rt_ptr, wr_ptr, counts_ptr, out_src_ptr, buf_out_ptr, src_rank_ptr, valid_ptr, local_idx_ptr, meta_ptr,
-    psum_rank_ptr, chunk_counts_ptr, w_in_ptr, w_out_ptr, pair_ptr, expert_ids_ptr,
+    psum_rank_ptr, chunk_counts_ptr, w_in_ptr, w_out_ptr, pair_ptr, expert_ids_ptr, recv_idx_ptr,
     me, num_rows, num_expanded, cnt_off, rt_off, rt_stride, topk_off, g_off, wr_off, wr_stride,
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, HDR_COLS: tl.constexpr,
-    BLOCKED: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr, EMIT_IDS: tl.constexpr,
+    BLOCKED: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr, EMIT_IDS: tl.constexpr, WRITE_IDX: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, FILL: tl.constexpr,
 ):
     """Program g: rows g*MC .. of the `num_rows` received rows: compaction, local expert ids, metadata,
-    (non-expand) weights, and the chunk's count of rows per local expert (`chunk_counts[g]`); with `EXPAND`, also
+    (non-expand) weights and `recv_topk_idx` (`WRITE_IDX`), and the chunk's count of rows per local expert
+    (`chunk_counts[g]`); with `EXPAND`, also
     its share of the expanded rows set to empty (before `dispatch_plan_experts` places the pairs: stream order).
 
     Received row b's routing is at byte `rt_off + b * rt_stride` of `rt_ptr` (top-k ids at `topk_off`, key at
@@ -236,6 +237,8 @@ def dispatch_plan_rows(
     local = _local_ids(rec, topk_off, valid, me, K, L, K_POW2)  # [MC, K_POW2]
     in_mk = in_m[:, None] & (kk[None, :] < K)
     tl.store(local_idx_ptr + mm[:, None] * K + kk[None, :], local.to(tl.int64), mask=in_mk)
+    if WRITE_IDX:  # dispatch's recv_topk_idx (non-expand): the local ids in topk_idx's dtype, a tensor of its own
+        tl.store(recv_idx_ptr + mm[:, None] * K + kk[None, :], local.to(recv_idx_ptr.dtype.element_ty), mask=in_mk)
     last = tl.max(tl.where(local >= 0, kk[None, :], -1), axis=1)
     meta = meta_ptr + mm * (K + 2)
     tl.store(meta, tl.where(valid, g, -1).to(tl.int32), mask=in_m)
