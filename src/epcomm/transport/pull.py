@@ -51,11 +51,22 @@ class PullPlan:
         self.first_row_at = [sum(m[s][p] for p in range(me) if p != s) for s in range(num_ranks)]
         self.recv_off = offsets(route.recv_splits)
         send_off = offsets(route.send_splits)
-        idx = route.send_index(device)
-        lo, hi = send_off[me], send_off[me] + route.send_splits[me]
-        self.self_idx = idx[lo:hi]
-        self.staged_idx = torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0]
+        self.send_idx = route.send_index(device)
+        self.own_rows = (send_off[me], send_off[me] + route.send_splits[me])  # send rows of my rows for myself
         self._views: dict = {}
+
+    @property
+    def self_idx(self) -> torch.Tensor:
+        lo, hi = self.own_rows
+        return self.send_idx[lo:hi]
+
+    @property
+    def staged_idx(self) -> torch.Tensor:
+        """The send rows other ranks pull, in order (made at first use: a concatenation is a launch)."""
+        if "staged_idx" not in self._views:
+            (lo, hi), idx = self.own_rows, self.send_idx
+            self._views["staged_idx"] = torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0]
+        return self._views["staged_idx"]
 
     def stage_bytes(self, row_bytes: list) -> int:
         """The largest staging area any rank needs for fields of `row_bytes` bytes per row."""
@@ -86,7 +97,7 @@ class PullPlan:
         bounds = [chunk_bounds(n, weights) for n in self.staged_rows]
         for c in range(chunks):
             a, b = bounds[self.me][c], bounds[self.me][c + 1]
-            staged.append((self.staged_idx[a:b], field_views(self.me, a, b - a)) if b > a else None)
+            staged.append((lambda a=a, b=b: self.staged_idx[a:b], field_views(self.me, a, b - a)) if b > a else None)
             pieces = []
             for s in range(self.num_ranks):
                 if s == self.me or self.recv_splits[s] == 0:
@@ -116,10 +127,14 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
             for src, out in moves:
                 torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
 
+    one_launch = chunks == 1 and side is None and _gathers_in_one_launch(moves, row_bytes)
     for c in range(chunks):
         with phase("stage"):
-            if staged[c] is not None:
+            if one_launch:  # my staged rows and my own rows in one launch
+                gather_in_one_launch(plan, moves, row_bytes, None if staged[0] is None else staged[0][1], lo)
+            elif staged[c] is not None:
                 idx, views = staged[c]
+                idx = idx()
                 for (src, _), view in zip(moves, views):
                     torch.index_select(src, 0, idx, out=view)
         tr.barrier()  # chunk c of every peer's staging area is complete
@@ -132,9 +147,52 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     # After the staging (so that the first pull starts as early as it can), beside the pulls: the SMs gather while
     # the copy engines pull (2x H200 profile: gathering my rows first held the first pull back by ~35 us). On one
     # stream: after the barrier, so that peers are not kept waiting for it.
-    gather_own_rows()
+    if not one_launch:
+        gather_own_rows()
     if side is not None:
         main.wait_stream(side)
+
+
+_MAX_FIELDS = 4  # of `_gather_triton.gather_fields`
+_WORDS_PER_PROGRAM = 1024
+
+
+def _gathers_in_one_launch(moves: list, row_bytes: list) -> bool:
+    """CUDA tensors, at most four fields, rows of whole 4-byte words."""
+    return (moves[0][0].device.type == "cuda" and len(moves) <= _MAX_FIELDS and all(b % 4 == 0 and b for b in row_bytes))
+
+
+def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int) -> None:
+    """`_gather_triton.gather_fields`: every send row of every field into my staging area (`stage_views`, one per
+    field; None when I stage nothing) or, for my rows for myself, into the outputs from row `lo`."""
+    from ..kernels._gather_triton import gather_fields
+
+    import triton
+
+    num_send = plan.send_idx.shape[0]
+    if not num_send:
+        return
+    order = sorted(range(len(moves)), key=lambda i: -row_bytes[i])  # the widest field spans the programs' blocks
+    n_self = plan.own_rows[1] - plan.own_rows[0]
+    args, widths = [], []
+    for i in order:
+        src, out = moves[i]
+        words = row_bytes[i] // 4
+        stage = stage_views[i] if stage_views is not None else out
+        args += [_words(src, words), _words(stage, words), _words(out[lo: lo + n_self], words)]
+        widths.append(words)
+    while len(widths) < _MAX_FIELDS:
+        args += args[:3]
+        widths.append(0)
+    gather_fields[(num_send, triton.cdiv(widths[0], _WORDS_PER_PROGRAM))](
+        plan.send_idx, plan.own_rows[0], plan.own_rows[1], *args, W0=widths[0], W1=widths[1], W2=widths[2],
+        W3=widths[3], P1=triton.next_power_of_2(max(widths[1], 1)), P2=triton.next_power_of_2(max(widths[2], 1)),
+        P3=triton.next_power_of_2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, num_warps=4)
+
+
+def _words(t: torch.Tensor, words: int) -> torch.Tensor:
+    """A row-contiguous tensor as [rows, words] int32."""
+    return t.view(torch.uint8).reshape(t.shape[0], words * 4).view(torch.int32)
 
 
 def _on(stream: Optional["torch.cuda.Stream"]):

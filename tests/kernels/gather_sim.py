@@ -1,0 +1,74 @@
+"""The pull's one-launch gather (`transport/pull.gather_in_one_launch`) under TRITON_INTERPRET=1 against the
+per-field `index_select`s it replaces: staged rows and own rows of up to four fields of mixed widths (BF16 rows
+wider than a program's block, FP8 rows, fp32 scales, fp64 weights, int64 routing rows), a rank that stages nothing,
+a rank with no rows for itself, and no send rows at all. Run as a script: `python gather_sim.py CASE`."""
+
+import sys
+
+import torch
+
+from epcomm.moves import Route
+from epcomm.transport.pull import PullPlan, gather_in_one_launch, pull_weights
+
+
+def fields(gen, rows, kinds):
+    out = []
+    for kind in kinds:
+        if kind == "bf16-wide":
+            out.append(torch.randn(rows, 2056, generator=gen).bfloat16())
+        elif kind == "fp8":
+            out.append(torch.randn(rows, 128, generator=gen).to(torch.float8_e4m3fn))
+        elif kind == "sf":
+            out.append(torch.rand(rows, 3, generator=gen))
+        elif kind == "w64":
+            out.append(torch.rand(rows, 5, generator=gen).double())
+        elif kind == "routing":
+            out.append(torch.randint(-1, 100, (rows, 9), generator=gen))
+    return out
+
+
+def check(me, matrix, kinds, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_ranks = len(matrix)
+    send_splits = matrix[me]
+    recv_splits = [row[me] for row in matrix]
+    num_tokens = max(sum(send_splits), 1) + 3
+    src_X = torch.randint(0, num_tokens, (sum(send_splits),), generator=gen)
+    route = Route(send_splits, recv_splits, src_X, matrix)
+    plan = PullPlan(route, me, num_ranks, torch.device("cpu"))
+    srcs = fields(gen, num_tokens, kinds)
+    lo = sum(recv_splits[:me])
+    staged_rows = plan.staged_rows[me]
+
+    def fresh(template, rows):
+        return torch.zeros((rows,) + tuple(template.shape[1:]), dtype=template.dtype)
+
+    want_out = [fresh(s, route.num_recv) for s in srcs]
+    want_stage = [fresh(s, staged_rows) for s in srcs]
+    for src, out, stage in zip(srcs, want_out, want_stage):
+        stage.view(torch.uint8).copy_(src.view(torch.uint8)[plan.staged_idx])
+        out.view(torch.uint8)[lo: lo + len(plan.self_idx)] = src.view(torch.uint8)[plan.self_idx]
+    got_out = [fresh(s, route.num_recv) for s in srcs]
+    got_stage = [fresh(s, staged_rows) for s in srcs]
+    row_bytes = [s[0].numel() * s.element_size() for s in srcs]
+    gather_in_one_launch(plan, list(zip(srcs, got_out)), row_bytes, got_stage if staged_rows else None, lo)
+    for name, a, b in (("out", want_out, got_out), ("stage", want_stage, got_stage)):
+        for kind, u, v in zip(kinds, a, b):
+            assert torch.equal(u.view(torch.uint8), v.view(torch.uint8)), f"{name} {kind} differs"
+
+
+CASES = {
+    "four-fields": (1, [[3, 4, 2], [5, 6, 1], [0, 2, 7]], ("bf16-wide", "sf", "w64", "routing")),
+    "fp8-two-fields": (0, [[4, 3], [2, 5]], ("fp8", "sf")),
+    "stages-nothing": (1, [[2, 3], [0, 6]], ("routing", "bf16-wide")),
+    "nothing-for-itself": (0, [[0, 5, 2], [1, 1, 1], [3, 0, 0]], ("w64",)),
+    "no-send-rows": (2, [[1, 1, 0], [0, 2, 0], [0, 0, 0]], ("bf16-wide", "sf")),
+}
+
+if __name__ == "__main__":
+    assert pull_weights(1) == (1,)
+    for name in sys.argv[1:] or list(CASES):
+        me, matrix, kinds = CASES[name]
+        check(me, matrix, kinds, seed=len(name))
+        print(name, "ok")
+    print("ok")
