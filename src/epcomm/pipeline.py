@@ -291,6 +291,13 @@ def _place(call: DispatchCall, launched: dict, plan: Plan) -> tuple:
     """Data, scales and weights in the final layout: the moved fields themselves (packed non-expand), or one
     gather each from the receive buffer."""
     local_MK, num_rows = plan.recv.local_idx_MK, plan.out_src_M.shape[0]
+    if call.do_expand and not plan.blocked and _places_in_one_launch(call, launched):
+        from .syncfree_nvlink import place  # one launch writes every expanded row once, zeros included
+
+        fields = launched["fields"]
+        sources = {name: (t.view(torch.uint8), 0, t[0].numel() * t.element_size()) for name, t in fields.items()
+                   if name in ("x", "sf", "w")}
+        return place(call, plan, sources, with_weights="w" in fields)
     if call.do_expand:
         num_topk = local_MK.shape[1]
         src_S = (torch.div(plan.pair_S, num_topk, rounding_mode="floor")).masked_fill(plan.pair_S < 0, -1)
@@ -308,6 +315,14 @@ def _place(call: DispatchCall, launched: dict, plan: Plan) -> tuple:
     assert call.do_expand or x.shape[0] == num_rows
     recv_x = x if sf is None else (x, epilogue.place_sf(sf, call.col_major_sf))
     return recv_x, w
+
+
+def _places_in_one_launch(call: DispatchCall, launched: dict) -> bool:
+    """Expand layout from moved fields on a GPU, rows of whole 4-byte words: `syncfree_nvlink.place` (one kernel)
+    rather than a gather and a fill per field over the expanded rows."""
+    fields = launched.get("fields")
+    return (fields is not None and fields["x"].is_cuda and fields["x"].shape[0] > 0
+            and all((t[0].numel() * t.element_size()) % 4 == 0 for t in fields.values()))
 
 
 def _make_handle(buf, call: DispatchCall, plan: Plan, g_M: Tensor, recv_counts_R: Tensor):
