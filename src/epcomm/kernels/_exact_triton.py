@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._signal_triton import _region
+from ._syncfree_triton import tokens_sent
 
 
 @triton.jit(do_not_specialize=["num_tokens", "stride_topk", "me"])
@@ -33,17 +34,8 @@ def send_plan(
     rr = tl.arange(0, R_POW2)
     first = g_id * TC
 
-    # Tokens sent to each rank before this chunk, and in all (rank dedup: a token counts once per rank).
-    before_r = tl.zeros([R_POW2], dtype=tl.int32)
-    count_r = tl.zeros([R_POW2], dtype=tl.int32)
-    for start in range(0, num_tokens, TL):
-        tt = start + tl.arange(0, TL)
-        ids = tl.load(topk_ptr + tt[:, None].to(tl.int64) * stride_topk + kk[None, :],
-                      mask=(tt[:, None] < num_tokens) & (kk[None, :] < K), other=-1)
-        dest = tl.where(ids >= 0, ids // L, -1).to(tl.int32)
-        sent = tl.max((dest[:, :, None] == rr[None, None, :]).to(tl.int32), axis=1)  # [TC, R_POW2]
-        count_r += tl.sum(sent, axis=0)
-        before_r += tl.sum(sent * (tt[:, None] < first).to(tl.int32), axis=0)
+    # Tokens sent to each rank before this chunk, and in all.
+    before_r, count_r = tokens_sent(topk_ptr, num_tokens, stride_topk, first, K, L, K_POW2, R_POW2, TL)
     off_r = tl.cumsum(count_r, axis=0) - count_r  # packed send rows: grouped by destination, ascending
 
     tt = first + tl.arange(0, TC)

@@ -34,6 +34,26 @@ _RUNTIME_INTS = ["num_tokens", "stride_x", "stride_sf_t", "stride_sf_p", "stride
 
 
 @triton.jit
+def tokens_sent(topk_ptr, num_tokens, stride_topk, first, K: tl.constexpr, L: tl.constexpr, K_POW2: tl.constexpr,
+                R_POW2: tl.constexpr, STEP: tl.constexpr):
+    """([R_POW2] tokens before token `first` sent to each rank, [R_POW2] tokens sent to each rank in all), STEP tokens
+    at a time (rank dedup: a token counts once per rank)."""
+    kk = tl.arange(0, K_POW2)
+    rr = tl.arange(0, R_POW2)
+    before_r = tl.zeros([R_POW2], dtype=tl.int32)
+    count_r = tl.zeros([R_POW2], dtype=tl.int32)
+    for start in range(0, num_tokens, STEP):
+        tt = start + tl.arange(0, STEP)
+        ids = tl.load(topk_ptr + tt[:, None].to(tl.int64) * stride_topk + kk[None, :],
+                      mask=(tt[:, None] < num_tokens) & (kk[None, :] < K), other=-1)
+        dest = tl.where(ids >= 0, ids // L, -1).to(tl.int32)
+        sent = tl.max((dest[:, :, None] == rr[None, None, :]).to(tl.int32), axis=1)  # [STEP, R_POW2]
+        count_r += tl.sum(sent, axis=0)
+        before_r += tl.sum(sent * (tt[:, None] < first).to(tl.int32), axis=0)
+    return before_r, count_r
+
+
+@triton.jit
 def _dest_ranks(topk_ptr, t, stride_topk, K: tl.constexpr, L: tl.constexpr, K_POW2: tl.constexpr):
     """([K_POW2] int32, [K_POW2] ids): the rank owning each selected expert of token t (-1: no selection)."""
     kk = tl.arange(0, K_POW2)
@@ -59,17 +79,7 @@ def dispatch_send(
     kk = tl.arange(0, K_POW2)
     rr = tl.arange(0, R_POW2)
 
-    # Tokens sent to each rank before t, and in all (rank dedup: a token counts once per rank).
-    before_r = tl.zeros([R_POW2], dtype=tl.int32)
-    count_r = tl.zeros([R_POW2], dtype=tl.int32)
-    for start in range(0, num_tokens, TC):
-        tt = start + tl.arange(0, TC)
-        ids = tl.load(topk_ptr + tt[:, None].to(tl.int64) * stride_topk + kk[None, :],
-                      mask=(tt[:, None] < num_tokens) & (kk[None, :] < K), other=-1)
-        dest = tl.where(ids >= 0, ids // L, -1).to(tl.int32)
-        sent = tl.max((dest[:, :, None] == rr[None, None, :]).to(tl.int32), axis=1)  # [TC, R_POW2]
-        count_r += tl.sum(sent, axis=0)
-        before_r += tl.sum(sent * (tt[:, None] < t).to(tl.int32), axis=0)
+    before_r, count_r = tokens_sent(topk_ptr, num_tokens, stride_topk, t, K, L, K_POW2, R_POW2, TC)
 
     # Send rows past a rank's count are holes (-1); the rows below it are written by their tokens' programs.
     holes_r = tl.where(c == 0, R, 0)
