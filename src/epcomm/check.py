@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from . import envs, fp8, layout, pipeline, sizing
+from . import exact_nvlink, envs, fp8, layout, pipeline, sizing
 from .records import Field, RecordSpec
 from .transport import base as transport_base
 from .validate import Checker, XSpec, check_capacity
@@ -206,6 +206,13 @@ def check_constraints(r: Report, a) -> tuple:
                + ("<=" if rows <= envs.fused_sync_free_rows() else ">")
                + f" EPCOMM_FUSED_SYNC_FREE_ROWS ({envs.fused_sync_free_rows()}): "
                + ("the fused kernels" if rows <= envs.fused_sync_free_rows() else "the generic path"))
+        local = E // R if R and E % R == 0 else 0
+        fused = envs.fused_exact() and H * elem_d % 4 == 0 and 0 < local <= exact_nvlink.MAX_LOCAL_EXPERTS
+        r.line("NOTE", "nvlink CPU-synced dispatch: "
+               + ("the fused kernels (layouts and topk_idx checks on the device, one host read)" if fused else
+                  "the generic path (" + ("EPCOMM_FUSED_EXACT=0" if not envs.fused_exact() else
+                                          f"needs rows of whole 4-byte words and 1-{exact_nvlink.MAX_LOCAL_EXPERTS} "
+                                          "local experts") + ")"))
     else:
         r.line("PASS", "collective needs no hidden-size alignment and no peer access (docs/decisions.md)")
         if dev.type == "cuda":

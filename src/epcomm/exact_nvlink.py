@@ -39,6 +39,7 @@ from .validate import Checker, check_topk_values
 _TOKEN_ELEMS = 8192  # [tokens, top-k, max(top-k, ranks)] elements of a send_plan program's own chunk
 _COUNT_ELEMS = 16384  # [tokens, top-k, ranks] elements per step of its count of the tokens before the chunk
 _NUM_FLAGS = 2  # an id outside [-1, num_experts); an expert twice in a token
+MAX_LOCAL_EXPERTS = 1024  # a published row holds a count per local expert (transport/nvlink.py: 1088 columns)
 
 
 def enabled(buf) -> bool:
@@ -55,9 +56,10 @@ def _cols(num_ranks: int, num_local: int) -> int:
 def applies(buf, call: pipeline.DispatchCall) -> bool:
     """Whether `dispatch` takes this path for a (resolved, valid, non-cached) call."""
     x = call.x.data
+    num_local = call.num_experts // buf.num_ranks
     return (call.do_cpu_sync and call.handle is None and enabled(buf)
-            and (x.shape[1] * x.element_size()) % 4 == 0
-            and _cols(buf.num_ranks, call.num_experts // buf.num_ranks) <= buf.transport.header_cols)
+            and (x.shape[1] * x.element_size()) % 4 == 0 and num_local <= MAX_LOCAL_EXPERTS
+            and _cols(buf.num_ranks, num_local) <= buf.transport.header_cols)
 
 
 def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list) -> dict:
