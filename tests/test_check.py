@@ -90,6 +90,7 @@ def test_nvlink_reports_unchecked_hardware_requirements(capsys):
     assert any("ranks <= GPUs per host: 8 ranks" in u for u in unchecked)
     assert all("(needs hardware)" in u for u in unchecked)
     assert any("nvlink dispatch rows are 14336 bytes: whole 4-byte words" in n for n in status_lines(out, "NOTE"))
+    assert any("nvlink CPU-synced dispatch: the fused kernels" in n for n in status_lines(out, "NOTE"))
     assert "device cuda" in out  # nvlink plans default to --device cuda
     assert rc == (1 if status_lines(out, "FAIL") else 0)
 
@@ -101,6 +102,8 @@ def test_nvlink_odd_hidden_is_a_note_not_a_failure(capsys):
     assert not any("hidden" in f for f in status_lines(out, "FAIL"))
     assert any("combine rows are 14002 bytes: not whole 4-byte words" in n for n in status_lines(out, "NOTE"))
     assert any("R * num_max_tokens_per_rank = 131072 > EPCOMM_FUSED_SYNC_FREE_ROWS" in n
+               for n in status_lines(out, "NOTE"))
+    assert any("nvlink CPU-synced dispatch: the generic path (needs rows of whole 4-byte words" in n
                for n in status_lines(out, "NOTE"))
 
 
