@@ -23,10 +23,10 @@ OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "barrier", 5: "dest
 OP_BARRIER, OP_DESTROY = 4, 5
 SIGNATURE_FIELDS = (
     "op", "hidden", "num_topk", "dtype", "num_experts", "do_expand", "expert_alignment", "fp8",
-    "num_sf_packs", "sf_dtype", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync", "buffer",
+    "num_sf_packs", "sf_dtype", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync", "fused_exact", "buffer",
 )
 HEADER_LEN = 2 + len(SIGNATURE_FIELDS)
-_BOOL_FIELDS = ("do_expand", "fp8", "has_topk_weights", "do_cpu_sync")
+_BOOL_FIELDS = ("do_expand", "fp8", "has_topk_weights", "do_cpu_sync", "fused_exact")
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4, torch.float8_e4m3fn: 5,
                 torch.int32: 6}
 _DTYPE_NAMES = {v: str(k) for k, v in _DTYPE_CODES.items()}
@@ -106,6 +106,7 @@ def check(
                 shown = values
             desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
             fix = {"op": "make the same call at the same point",
+                   "fused_exact": "set EPCOMM_FUSED_EXACT the same (the nvlink CPU-synced dispatch's path)",
                    "buffer": "make the call on the same buffer (one EPBuffer object per group, used in the same "
                              "order on every rank)"}.get(name, f"pass the same {name}")
             raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")

@@ -62,6 +62,13 @@ def applies(buf, call: pipeline.DispatchCall) -> bool:
             and _cols(buf.num_ranks, num_local) <= buf.transport.header_cols)
 
 
+def call_header(call: pipeline.DispatchCall, call_id: int, buffer_uid: int) -> list:
+    """The agreement header of this path's call: `fused_exact` in the signature, so that a peer on the generic path
+    (another EPCOMM_FUSED_EXACT) fails the agreement rather than leaving stale columns where this path reads
+    per-expert counts."""
+    return agreement.header(agreement.STATUS_OK, call_id, call.signature(1) | {"fused_exact": 1}, buffer_uid)
+
+
 def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list) -> dict:
     """Launch `send_plan`: the sender-side layout and the rows to publish (`ex`, [R, C] int64, header `head`)."""
     from .kernels import _exact_triton as k
@@ -108,8 +115,8 @@ def read_rows(buf, call: pipeline.DispatchCall, host_RC: list) -> dict:
     flag = cnt + num_ranks + num_local
     rows = [list(row[:cnt + num_ranks]) for row in host_RC]
     local_error = None
-    for s, row in enumerate(host_RC):
-        if any(row[flag: flag + _NUM_FLAGS]) and rows[s][0] == agreement.STATUS_OK:
+    for s, row in enumerate(host_RC):  # flags count only in a row of this call and path (else: stale columns)
+        if any(row[flag: flag + _NUM_FLAGS]) and rows[s][0] == agreement.STATUS_OK and row[1:cnt] == host_RC[rank][1:cnt]:
             rows[s][0] = agreement.STATUS_VALUE
     if rows[rank][0] != agreement.STATUS_OK:
         try:
@@ -131,7 +138,7 @@ def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
         TimeoutError: a peer did not arrive.
     """
     tr = buf.transport
-    head = agreement.header(agreement.STATUS_OK, call_id, call.signature(1), buf.uid)
+    head = call_header(call, call_id, buf.uid)
     with phase("layout"):
         launched = send_plan(call, buf.rank, buf.num_ranks, head)
     with phase("exchange_counts"):

@@ -90,7 +90,7 @@ def exchange(calls, num_ranks):
     regions = sim_regions(num_ranks)
     launched = []
     for r, call in enumerate(calls):
-        head = agreement.header(agreement.STATUS_OK, 0, call.signature(1), 7)
+        head = exact_nvlink.call_header(call, 0, 7)
         launched.append(exact_nvlink.send_plan(call, r, num_ranks, head))
     cols = launched[0]["ex"].shape[1]
     for r, lr in enumerate(launched):
@@ -187,11 +187,33 @@ def check_bad_values(kind):
     assert "group rank 1 rejected the call" in messages[1] and want in messages[1], messages
 
 
+def check_generic_peer():
+    """Rank 1 took the generic path (another EPCOMM_FUSED_EXACT): its row is the generic header and counts, and
+    stale columns after them (here: raised flags). Rank 0 names the disagreement, not a bad value."""
+    c = dict(ranks=2, n=6, hidden=16, dtype=torch.bfloat16, experts=8, topk=3, idx_dtype=torch.int64)
+    gen = torch.Generator().manual_seed(2)
+    calls = [exact(make_call(gen, 6, c, r)) for r in range(2)]
+    _, recv = exchange(calls, 2)
+    rows = [list(row) for row in recv[0][1]]
+    generic = agreement.header(agreement.STATUS_OK, 0, calls[1].signature(1), 7)
+    rows[1][:len(generic)] = generic
+    rows[1][-2:] = [1, 1]
+    try:
+        exact_nvlink.read_rows(fake_buf(0, 2), calls[0], rows)
+    except ValueError as e:
+        assert "ranks disagree on fused_exact (rank 0: True, rank 1: False)" in str(e), str(e)
+        assert "EPCOMM_FUSED_EXACT" in str(e), str(e)
+    else:
+        raise AssertionError("a peer on the generic path was accepted")
+
+
 if __name__ == "__main__":
     bad = ("bad-id", "negative-id", "duplicate")
-    names = sys.argv[1:] or list(CASES) + list(bad)
+    names = sys.argv[1:] or list(CASES) + list(bad) + ["generic-peer"]
     for name in names:
-        if name in bad:
+        if name == "generic-peer":
+            check_generic_peer()
+        elif name in bad:
             check_bad_values(name)
         else:
             config, tokens = CASES[name]
