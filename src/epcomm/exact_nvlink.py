@@ -2,8 +2,9 @@
 few kernels and one host read.
 
 The generic CPU-synced path (pipeline.py) builds the layouts with ~130 small torch kernels and reads the device
-three times (the value checks of `topk_idx`, the count exchange, the per-expert counts): 2.7-4.5 ms per call at
-dsv3 4096 tokens on 2x H200, where a cached dispatch on its handle takes ~0.4 ms eager. This module does the same
+three times (the value checks of `topk_idx`, the count exchange, the per-expert counts): 2.7-2.9 ms per call at
+dsv3 4096 tokens on 2x H200 (eager), where a cached dispatch on its handle takes ~0.45 ms; this path takes ~1.2 ms
+(benchmarks/results/dsv3-s8_2xH200-NV18_2026-11-30.md). This module does the same
 call as:
 
     send_plan (layout, routing field, counts, value flags) -> barrier -> publish_rows -> barrier -> host read
@@ -116,7 +117,8 @@ def read_rows(buf, call: pipeline.DispatchCall, host_RC: list) -> dict:
     rows = [list(row[:cnt + num_ranks]) for row in host_RC]
     local_error = None
     for s, row in enumerate(host_RC):  # flags count only in a row of this call and path (else: stale columns)
-        if any(row[flag: flag + _NUM_FLAGS]) and rows[s][0] == agreement.STATUS_OK and row[1:cnt] == host_RC[rank][1:cnt]:
+        same_call = row[1:cnt] == host_RC[rank][1:cnt]
+        if same_call and rows[s][0] == agreement.STATUS_OK and any(row[flag: flag + _NUM_FLAGS]):
             rows[s][0] = agreement.STATUS_VALUE
     if rows[rank][0] != agreement.STATUS_OK:
         try:

@@ -19,7 +19,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
                       col_major_sf, defer_value_checks: bool = False) -> pipeline.DispatchCall:
     """Reference §9.1-9.2 in order, as amended by docs/decisions.md. `defer_value_checks`: a CPU-synced call on GPU
     leaves the value checks of `topk_idx` (one host read) to its caller (the fused nvlink path runs them on the
-    device and reports them with the counts, exact_nvlink.py)."""
+    device and reports them with the counts, exact_nvlink.py); a call whose `topk_idx` values and another argument
+    are both wrong then reports the other one."""
     c.require(not do_handle_copy, "do_handle_copy must be False (legacy option)")
     if do_expand is None:
         do_expand = handle.do_expand if isinstance(handle, EPHandle) else False

@@ -225,7 +225,8 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
         k.dispatch_plan_rows[(num_chunks,)](
             counts[0], routing[0], counts_ptr=out["counts_R"], out_src_ptr=out["out_src_M"],
             buf_out_ptr=out["buf_out_X"], src_rank_ptr=out["src_rank_M"], valid_ptr=out["valid_M"],
-            psum_rank_ptr=out["psum_rank"], recv_idx_ptr=_or(recv_idx, meta), WRITE_IDX=recv_idx is not None, me=rank, num_expanded=s, cnt_off=counts[1], rt_off=routing[1],
+            psum_rank_ptr=out["psum_rank"], recv_idx_ptr=_or(recv_idx, meta), WRITE_IDX=recv_idx is not None,
+            me=rank, num_expanded=s, cnt_off=counts[1], rt_off=routing[1],
             rt_stride=routing[2], topk_off=routing[3], g_off=routing[4], N=call.n, R=num_ranks, HDR_COLS=counts[2],
             BLOCKED=blocked, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **common, **w_rec, **w_bits,
             **shape)

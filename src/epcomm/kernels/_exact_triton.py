@@ -26,7 +26,8 @@ def send_plan(
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, EX_COLS: tl.constexpr, CNT_COL: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr, TC: tl.constexpr, TL: tl.constexpr,
 ):
-    """Program g: tokens g*TC .. (it counts the tokens before them TL at a time). `ex` is [R, EX_COLS] int64, zero past column CNT_COL: the program adds its pairs
+    """Program g: tokens g*TC .. ; it first counts every rank's tokens, TL at a time (those before its chunk, and the
+    totals). `ex` is [R, EX_COLS] int64, zero past column CNT_COL: the program adds its pairs
     to `ex[d, CNT_COL + R + l]` (expert l of rank d) and raises the flags `ex[:, CNT_COL + R + L]` (bad id) and
     `ex[:, CNT_COL + R + L + 1]` (an expert twice); program 0 writes the counts `ex[:, CNT_COL + r]`."""
     g_id = tl.program_id(0)

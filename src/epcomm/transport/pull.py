@@ -29,6 +29,7 @@ from .. import envs
 from ..debug import phase
 from ..moves import chunk_bounds, chunk_count, offsets, pull_weights
 from ..sizing import align
+from ..streams import memo
 
 # Chunking pays when launches are cheap (graph replay) and the staged bytes are large; eager calls on slow hosts
 # pay more in launches than they gain (eager 1 / 2 / 4 / 8 chunks = 393 / 420 / 454 / 947 us).
@@ -62,11 +63,11 @@ class PullPlan:
 
     @property
     def staged_idx(self) -> torch.Tensor:
-        """The send rows other ranks pull, in order (made at first use: a concatenation is a launch)."""
-        if "staged_idx" not in self._views:
-            (lo, hi), idx = self.own_rows, self.send_idx
-            self._views["staged_idx"] = torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0]
-        return self._views["staged_idx"]
+        """The send rows other ranks pull, in order (made at first use: a concatenation is a launch; not kept when
+        made under CUDA-graph capture, `streams.memo`)."""
+        (lo, hi), idx = self.own_rows, self.send_idx
+        return memo(self._views, "staged_idx",
+                    lambda: torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0])
 
     def stage_bytes(self, row_bytes: list) -> int:
         """The largest staging area any rank needs for fields of `row_bytes` bytes per row."""
@@ -76,7 +77,8 @@ class PullPlan:
         return chunk_count(envs.pull_chunks(), capturing, max(self.staged_rows) * sum(row_bytes), _CHUNKS_CAPTURED)
 
     def views(self, region, stage: int, moves: list, row_bytes: list, chunks: int) -> tuple:
-        """`(staged, pulled)` per chunk: `staged[c]` = (index of my rows in chunk c, one staging view per field);
+        """`(staged, pulled)` per chunk: `staged[c]` = (a function giving the index of my rows in chunk c, one staging
+        view per field);
         `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c. Made once
         per staging area, chunking and field kinds (slicing peer memory costs host time)."""
         weights = pull_weights(chunks)  # a small first chunk: its staging holds back the first pull
@@ -146,7 +148,8 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
                     out[out_row: out_row + n].copy_(peer)
     # After the staging (so that the first pull starts as early as it can), beside the pulls: the SMs gather while
     # the copy engines pull (2x H200 profile: gathering my rows first held the first pull back by ~35 us). On one
-    # stream: after the barrier, so that peers are not kept waiting for it.
+    # stream: after the barrier, so that peers are not kept waiting for it. The one-launch gather (eager calls, bound
+    # by launch cost) did them before the barrier, with the staged rows.
     if not one_launch:
         gather_own_rows()
     if side is not None:
@@ -159,7 +162,8 @@ _WORDS_PER_PROGRAM = 1024
 
 def _gathers_in_one_launch(moves: list, row_bytes: list) -> bool:
     """CUDA tensors, at most four fields, rows of whole 4-byte words."""
-    return (moves[0][0].device.type == "cuda" and len(moves) <= _MAX_FIELDS and all(b % 4 == 0 and b for b in row_bytes))
+    return (moves[0][0].device.type == "cuda" and len(moves) <= _MAX_FIELDS
+            and all(b % 4 == 0 and b for b in row_bytes))
 
 
 def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int) -> None:
