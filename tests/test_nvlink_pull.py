@@ -266,3 +266,28 @@ def test_a_capture_does_not_flip_the_eager_alternation(monkeypatch):
     capturing[0] = False
     after = tr._next_stage()
     assert after != before and captured == [after] * 3
+
+
+def test_staged_pieces_cover_every_staged_row_in_order():
+    """`PullPlan.staged_pieces(a, b)`: staged rows a .. b - 1 (every send row but this rank's own block) as slices of
+    the send index, each with its first staged row, for every range and for own blocks first, in the middle, last
+    and empty."""
+    from epcomm.transport.pull import PullPlan
+
+    for me, matrix in ((0, [[3, 2, 4], [1, 1, 1], [2, 0, 5]]), (1, [[3, 2, 4], [4, 3, 2], [2, 0, 5]]),
+                       (2, [[1, 1, 1], [1, 1, 1], [2, 3, 4]]), (1, [[2, 2], [3, 0]])):
+        send = matrix[me]
+        src_X = torch.randperm(sum(send) + 4)[:sum(send)]
+        route = Route(send, [row[me] for row in matrix], src_X, matrix)
+        plan = PullPlan(route, me, len(matrix), torch.device("cpu"))
+        lo, hi = plan.own_rows
+        want = torch.cat([src_X[:lo], src_X[hi:]])
+        for a in range(want.shape[0] + 1):
+            for b in range(a, want.shape[0] + 1):
+                pieces = plan.staged_pieces(a, b)
+                got = torch.cat([idx for idx, _ in pieces]) if pieces else want[:0]
+                assert torch.equal(got, want[a:b]), (me, a, b)
+                row = a
+                for idx, first in pieces:
+                    assert first == row and idx.shape[0] > 0, (me, a, b, pieces)
+                    row += idx.shape[0]

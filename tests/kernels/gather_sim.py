@@ -46,7 +46,8 @@ def check(me, matrix, kinds, seed=0):
     want_out = [fresh(s, route.num_recv) for s in srcs]
     want_stage = [fresh(s, staged_rows) for s in srcs]
     for src, out, stage in zip(srcs, want_out, want_stage):
-        stage.view(torch.uint8).copy_(src.view(torch.uint8)[plan.staged_idx])
+        staged = torch.cat([plan.send_idx[:plan.own_rows[0]], plan.send_idx[plan.own_rows[1]:]])
+        stage.view(torch.uint8).copy_(src.view(torch.uint8)[staged])
         out.view(torch.uint8)[lo: lo + len(plan.self_idx)] = src.view(torch.uint8)[plan.self_idx]
     got_out = [fresh(s, route.num_recv) for s in srcs]
     got_stage = [fresh(s, staged_rows) for s in srcs]

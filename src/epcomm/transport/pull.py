@@ -29,7 +29,6 @@ from .. import envs
 from ..debug import phase
 from ..moves import chunk_bounds, chunk_count, offsets, pull_weights
 from ..sizing import align
-from ..streams import memo
 
 # Chunking pays when launches are cheap (graph replay) and the staged bytes are large; eager calls on slow hosts
 # pay more in launches than they gain (eager 1 / 2 / 4 / 8 chunks = 393 / 420 / 454 / 947 us).
@@ -61,13 +60,19 @@ class PullPlan:
         lo, hi = self.own_rows
         return self.send_idx[lo:hi]
 
-    @property
-    def staged_idx(self) -> torch.Tensor:
-        """The send rows other ranks pull, in order (made at first use: a concatenation is a launch; not kept when
-        made under CUDA-graph capture, `streams.memo`)."""
+    def staged_pieces(self, a: int, b: int) -> list:
+        """Staged rows a .. b - 1 (the send rows other ranks pull, in order: every send row but my own block) as
+        `[(index of their source rows, first staged row)]`: slices of the send index, two where the range spans my
+        own block (no concatenation, which would be one more launch)."""
         (lo, hi), idx = self.own_rows, self.send_idx
-        return memo(self._views, "staged_idx",
-                    lambda: torch.cat([idx[:lo], idx[hi:]]) if lo or hi < idx.shape[0] else idx[:0])
+        n_own = hi - lo
+        pieces = []
+        if a < min(b, lo):
+            pieces.append((idx[a: min(b, lo)], a))
+        start = max(a, lo)
+        if b > start:
+            pieces.append((idx[start + n_own: b + n_own], start))
+        return pieces
 
     def stage_bytes(self, row_bytes: list) -> int:
         """The largest staging area any rank needs for fields of `row_bytes` bytes per row."""
@@ -77,8 +82,8 @@ class PullPlan:
         return chunk_count(envs.pull_chunks(), capturing, max(self.staged_rows) * sum(row_bytes), _CHUNKS_CAPTURED)
 
     def views(self, region, stage: int, moves: list, row_bytes: list, chunks: int) -> tuple:
-        """`(staged, pulled)` per chunk: `staged[c]` = (a function giving the index of my rows in chunk c, one staging
-        view per field);
+        """`(staged, pulled)` per chunk: `staged[c]` = (the pieces of my rows in chunk c (`staged_pieces`), its first
+        staged row, one staging view per field);
         `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c. Made once
         per staging area, chunking and field kinds (slicing peer memory costs host time)."""
         weights = pull_weights(chunks)  # a small first chunk: its staging holds back the first pull
@@ -99,7 +104,7 @@ class PullPlan:
         bounds = [chunk_bounds(n, weights) for n in self.staged_rows]
         for c in range(chunks):
             a, b = bounds[self.me][c], bounds[self.me][c + 1]
-            staged.append((lambda a=a, b=b: self.staged_idx[a:b], field_views(self.me, a, b - a)) if b > a else None)
+            staged.append((self.staged_pieces(a, b), a, field_views(self.me, a, b - a)) if b > a else None)
             pieces = []
             for s in range(self.num_ranks):
                 if s == self.me or self.recv_splits[s] == 0:
@@ -133,12 +138,12 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     for c in range(chunks):
         with phase("stage"):
             if one_launch:  # my staged rows and my own rows in one launch
-                gather_in_one_launch(plan, moves, row_bytes, None if staged[0] is None else staged[0][1], lo)
+                gather_in_one_launch(plan, moves, row_bytes, None if staged[0] is None else staged[0][2], lo)
             elif staged[c] is not None:
-                idx, views = staged[c]
-                idx = idx()
-                for (src, _), view in zip(moves, views):
-                    torch.index_select(src, 0, idx, out=view)
+                pieces, first, views = staged[c]
+                for idx, row in pieces:
+                    for (src, _), view in zip(moves, views):
+                        torch.index_select(src, 0, idx, out=view[row - first: row - first + idx.shape[0]])
         tr.barrier()  # chunk c of every peer's staging area is complete
         if side is not None:
             side.wait_stream(main)
