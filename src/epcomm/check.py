@@ -33,6 +33,7 @@ import torch
 from . import exact_nvlink, envs, fp8, layout, pipeline, sizing
 from .records import Field, RecordSpec
 from .transport import base as transport_base
+from .transport.nvlink import NVLinkTransport
 from .validate import Checker, XSpec, check_capacity
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -207,12 +208,13 @@ def check_constraints(r: Report, a) -> tuple:
                + f" EPCOMM_FUSED_SYNC_FREE_ROWS ({envs.fused_sync_free_rows()}): "
                + ("the fused kernels" if rows <= envs.fused_sync_free_rows() else "the generic path"))
         local = E // R if R and E % R == 0 else 0
-        fused = envs.fused_exact() and H * elem_d % 4 == 0 and 0 < local <= exact_nvlink.MAX_LOCAL_EXPERTS
+        fused = (envs.fused_exact() and H * elem_d % 4 == 0
+                 and exact_nvlink.rows_fit(R, local, NVLinkTransport.header_cols))
         r.line("NOTE", "nvlink CPU-synced dispatch: "
                + ("the fused kernels (layouts and topk_idx checks on the device, one host read)" if fused else
                   "the generic path (" + ("EPCOMM_FUSED_EXACT=0" if not envs.fused_exact() else
                                           f"needs rows of whole 4-byte words and 1-{exact_nvlink.MAX_LOCAL_EXPERTS} "
-                                          "local experts") + ")"))
+                                          "local experts in the header row") + ")"))
     else:
         r.line("PASS", "collective needs no hidden-size alignment and no peer access (docs/decisions.md)")
         if dev.type == "cuda":

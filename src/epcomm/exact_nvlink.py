@@ -57,10 +57,14 @@ def _cols(num_ranks: int, num_local: int) -> int:
 def applies(buf, call: pipeline.DispatchCall) -> bool:
     """Whether `dispatch` takes this path for a (resolved, valid, non-cached) call."""
     x = call.x.data
-    num_local = call.num_experts // buf.num_ranks
     return (call.do_cpu_sync and call.handle is None and enabled(buf)
-            and (x.shape[1] * x.element_size()) % 4 == 0 and num_local <= MAX_LOCAL_EXPERTS
-            and _cols(buf.num_ranks, num_local) <= buf.transport.header_cols)
+            and (x.shape[1] * x.element_size()) % 4 == 0
+            and rows_fit(buf.num_ranks, call.num_experts // buf.num_ranks, buf.transport.header_cols))
+
+
+def rows_fit(num_ranks: int, num_local: int, header_cols: int) -> bool:
+    """At most MAX_LOCAL_EXPERTS local experts, and a published row within the transport's `header_cols`."""
+    return 0 < num_local <= MAX_LOCAL_EXPERTS and _cols(num_ranks, num_local) <= header_cols
 
 
 def call_header(call: pipeline.DispatchCall, call_id: int, buffer_uid: int) -> list:
@@ -116,8 +120,10 @@ def read_rows(buf, call: pipeline.DispatchCall, host_RC: list) -> dict:
     flag = cnt + num_ranks + num_local
     rows = [list(row[:cnt + num_ranks]) for row in host_RC]
     local_error = None
-    for s, row in enumerate(host_RC):  # flags count only in a row of this call and path (else: stale columns)
-        same_call = row[1:cnt] == host_RC[rank][1:cnt]
+    # Flags count only when every row is of this call and path (else the columns may be stale), a rule every rank
+    # applies to the same rows: all ranks then gather the messages together, or none does.
+    same_call = all(row[1:cnt] == host_RC[0][1:cnt] for row in host_RC)
+    for s, row in enumerate(host_RC):
         if same_call and rows[s][0] == agreement.STATUS_OK and any(row[flag: flag + _NUM_FLAGS]):
             rows[s][0] = agreement.STATUS_VALUE
     if rows[rank][0] != agreement.STATUS_OK:

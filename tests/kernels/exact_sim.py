@@ -187,6 +187,30 @@ def check_bad_values(kind):
     assert "group rank 1 rejected the call" in messages[1] and want in messages[1], messages
 
 
+def check_bad_value_and_disagreement():
+    """Rank 1 holds a bad id and rank 0 passes another expert_alignment: both ranks raise the disagreement and
+    neither gathers messages (a gather that only one rank joins would hang)."""
+    c = dict(ranks=2, n=6, hidden=16, dtype=torch.bfloat16, experts=8, topk=3, idx_dtype=torch.int64)
+    gen = torch.Generator().manual_seed(3)
+    calls = [exact(make_call(gen, 6, c, r)) for r in range(2)]
+    calls[1].topk_idx[4, 2] = c["experts"]
+    calls[0].expert_alignment = 4
+    _, recv = exchange(calls, 2)
+    for r in range(2):
+        gathered = []
+
+        def agree(call, rows, err, r=r):
+            agreement.check(call, r, rows, err, lambda msg: gathered.append(msg) or [msg] * 2)
+        buf = types.SimpleNamespace(rank=r, num_ranks=2, uid=7, device=torch.device("cpu"), agree=agree)
+        try:
+            exact_nvlink.read_rows(buf, calls[r], recv[r][1])
+        except ValueError as e:
+            assert "ranks disagree on expert_alignment (rank 0: 4, rank 1: 1)" in str(e), (r, str(e))
+        else:
+            raise AssertionError(f"rank {r} accepted the call")
+        assert not gathered, f"rank {r} gathered messages alone"
+
+
 def check_generic_peer():
     """Rank 1 took the generic path (another EPCOMM_FUSED_EXACT): its row is the generic header and counts, and
     stale columns after them (here: raised flags). Rank 0 names the disagreement, not a bad value."""
@@ -209,10 +233,12 @@ def check_generic_peer():
 
 if __name__ == "__main__":
     bad = ("bad-id", "negative-id", "duplicate")
-    names = sys.argv[1:] or list(CASES) + list(bad) + ["generic-peer"]
+    names = sys.argv[1:] or list(CASES) + list(bad) + ["generic-peer", "bad-value-and-disagreement"]
     for name in names:
         if name == "generic-peer":
             check_generic_peer()
+        elif name == "bad-value-and-disagreement":
+            check_bad_value_and_disagreement()
         elif name in bad:
             check_bad_values(name)
         else:
