@@ -92,13 +92,13 @@ def exchange(calls, num_ranks):
     for r, call in enumerate(calls):
         head = exact_nvlink.call_header(call, 0, 7)
         launched.append(exact_nvlink.send_plan(call, r, num_ranks, head))
-    cols = launched[0]["ex"].shape[1]
+    cols = [lr["ex"].shape[1] for lr in launched]  # ranks that disagree on num_experts publish other widths
     for r, lr in enumerate(launched):
-        k.publish_rows[(num_ranks,)](lr.pop("ex"), regions[r].local, regions[r].delta16, 0, r, EX_COLS=cols,
-                                     HDR_COLS=HDR_COLS, C_POW2=triton.next_power_of_2(cols))
+        k.publish_rows[(num_ranks,)](lr.pop("ex"), regions[r].local, regions[r].delta16, 0, r, EX_COLS=cols[r],
+                                     HDR_COLS=HDR_COLS, C_POW2=triton.next_power_of_2(cols[r]))
     recv = []
     for r in range(num_ranks):
-        rows = regions[r].local.view(torch.int64).view(num_ranks, HDR_COLS)[:, :cols].clone()
+        rows = regions[r].local.view(torch.int64).view(num_ranks, HDR_COLS)[:, :cols[r]].clone()
         recv.append((rows, rows.tolist()))
     return launched, recv
 
@@ -195,6 +195,21 @@ def check_bad_value_and_disagreement():
     calls = [exact(make_call(gen, 6, c, r)) for r in range(2)]
     calls[1].topk_idx[4, 2] = c["experts"]
     calls[0].expert_alignment = 4
+    every_rank_raises_alone(calls, "ranks disagree on expert_alignment (rank 0: 4, rank 1: 1)")
+
+
+def check_num_experts_disagreement():
+    """num_experts 8 on rank 0, 16 on rank 1: the flag columns of one rank's row are per-expert counts in the
+    other's view; both ranks raise the disagreement and neither gathers messages."""
+    calls = []
+    for r, experts in enumerate((8, 16)):
+        c = dict(ranks=2, n=6, hidden=16, dtype=torch.bfloat16, experts=experts, topk=3, idx_dtype=torch.int64)
+        calls.append(exact(make_call(torch.Generator().manual_seed(r), 6, c, r)))
+    every_rank_raises_alone(calls, "ranks disagree on num_experts (rank 0: 8, rank 1: 16)")
+
+
+def every_rank_raises_alone(calls, want):
+    """Every rank's read_rows raises `want`, and no rank gathers messages (a gather one rank joins alone hangs)."""
     _, recv = exchange(calls, 2)
     for r in range(2):
         gathered = []
@@ -205,7 +220,7 @@ def check_bad_value_and_disagreement():
         try:
             exact_nvlink.read_rows(buf, calls[r], recv[r][1])
         except ValueError as e:
-            assert "ranks disagree on expert_alignment (rank 0: 4, rank 1: 1)" in str(e), (r, str(e))
+            assert want in str(e), (r, str(e))
         else:
             raise AssertionError(f"rank {r} accepted the call")
         assert not gathered, f"rank {r} gathered messages alone"
@@ -233,12 +248,15 @@ def check_generic_peer():
 
 if __name__ == "__main__":
     bad = ("bad-id", "negative-id", "duplicate")
-    names = sys.argv[1:] or list(CASES) + list(bad) + ["generic-peer", "bad-value-and-disagreement"]
+    names = sys.argv[1:] or list(CASES) + list(bad) + ["generic-peer", "bad-value-and-disagreement",
+                                                         "num-experts-disagreement"]
     for name in names:
         if name == "generic-peer":
             check_generic_peer()
         elif name == "bad-value-and-disagreement":
             check_bad_value_and_disagreement()
+        elif name == "num-experts-disagreement":
+            check_num_experts_disagreement()
         elif name in bad:
             check_bad_values(name)
         else:

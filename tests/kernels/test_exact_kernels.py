@@ -3,8 +3,8 @@
 Each case runs `exact_sim.py` in a fresh interpreter: the sync-free cases' dtypes, layouts and options with
 `do_cpu_sync=True`, token chunks small enough that the send plan's prefix counts cross programs, and the errors
 every rank raises from the value flags (an id too large, an id below -1, an expert twice), the disagreement
-a rank on the generic path causes, and a bad value together with a disagreement (every rank raises the
-disagreement; none gathers messages alone). The GPU suite runs the
+a rank on the generic path causes, and disagreements with stale or foreign flag columns (a bad value beside
+another alignment; another num_experts): every rank raises the disagreement and none gathers messages alone. The GPU suite runs the
 same path on 2x H200 against the generic one (tests/test_gpu.py).
 """
 
@@ -19,6 +19,7 @@ def test_exact_kernels(case):
     run_sim("exact_sim.py", case)
 
 
-@pytest.mark.parametrize("case", ["bad-id", "negative-id", "duplicate", "generic-peer", "bad-value-and-disagreement"])
+@pytest.mark.parametrize("case", ["bad-id", "negative-id", "duplicate", "generic-peer", "bad-value-and-disagreement",
+                                  "num-experts-disagreement"])
 def test_bad_values_raise_on_every_rank(case):
     run_sim("exact_sim.py", case)
