@@ -14,7 +14,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a limit, keep the last lines 
   tail -25 "$OUT/$name.log"; echo "== $name rc=$rc in $((SECONDS - t0))s"
 }
 if [ -z "${SKIP_TESTS:-}" ]; then
-  step gpu_tests "${TEST_TIMEOUT:-300}" python3 -m pytest -m "multigpu or gpu" -q -p no:cacheprovider tests/ ${PYTEST_ARGS:-}
+  step gpu_tests "${TEST_TIMEOUT:-420}" python3 -m pytest -m "multigpu or gpu" -q -p no:cacheprovider tests/ ${PYTEST_ARGS:-}
 fi
 step bench "${BENCH_TIMEOUT:-200}" python3 -m epcomm.bench ${BENCH_ARGS:-} --json "$OUT/bench.json"
 if [ -z "${SKIP_COLLECTIVES:-}" ]; then
