@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from . import agreement, envs, epilogue, pipeline, syncfree_nvlink
+from . import agreement, envs, epilogue, pipeline, recv_plan
 from .debug import phase
 from .layout import SendLayout
 from .moves import Route
@@ -88,7 +88,7 @@ def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list
     ex = torch.tensor([head + [0] * (cols - len(head))] * num_ranks, dtype=torch.int64,
                       pin_memory=device.type == "cuda").to(device, non_blocking=True)
     # send_src: the first `sum(counts)` rows are the send rows; routing: top-k ids and token key, for the receivers.
-    token_slot_TR, last_pos_TR, send_row_TR, send_src, routing_TK1 = syncfree_nvlink.carve(
+    token_slot_TR, last_pos_TR, send_row_TR, send_src, routing_TK1 = recv_plan.carve(
         torch.int64, device, (num_tokens, num_ranks), (num_tokens, num_ranks), (num_tokens, num_ranks),
         (num_tokens * num_ranks,), (num_tokens, num_topk + 1))
     dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
@@ -167,7 +167,7 @@ def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
     aligned = [align(n, call.expert_alignment) for n in launched["num_unaligned"]]
     routing, recv_RC = fields["routing"].view(torch.uint8), launched["recv_RC"]
     w = fields.get("w")
-    p = syncfree_nvlink.plan_rows(
+    p = recv_plan.plan_rows(
         call, rank, num_ranks, num_rows=route.num_recv, num_expanded=sum(aligned) if call.do_expand else 0,
         blocked=False,
         counts=(recv_RC.view(torch.uint8), (agreement.HEADER_LEN + rank) * 8, recv_RC.shape[1]),
@@ -183,7 +183,7 @@ def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
             sources = dict(x=(x.view(torch.uint8), 0, x.shape[1] * x.element_size()))
             if sf is not None:
                 sources["sf"] = (sf.view(torch.uint8), 0, sf.shape[1] * sf.element_size())
-            recv_x, _ = syncfree_nvlink.place(call, plan, sources)
+            recv_x, _ = recv_plan.place(call, plan, sources)
         else:  # the moved rows are the output rows
             recv_x = x if sf is None else (x, epilogue.place_sf(sf, call.col_major_sf))
-    return syncfree_nvlink.outputs(buf, call, plan, p, recv_x, aligned, launched["dst_slot_TK"])
+    return recv_plan.outputs(buf, call, plan, p, recv_x, aligned, launched["dst_slot_TK"])

@@ -292,7 +292,7 @@ def _place(call: DispatchCall, launched: dict, plan: Plan) -> tuple:
     gather each from the receive buffer."""
     local_MK, num_rows = plan.recv.local_idx_MK, plan.out_src_M.shape[0]
     if call.do_expand and not plan.blocked and _places_in_one_launch(call, launched):
-        from .syncfree_nvlink import place  # one launch writes every expanded row once, zeros included
+        from .recv_plan import place  # one launch writes every expanded row once, zeros included
 
         fields = launched["fields"]
         sources = {name: (t.view(torch.uint8), 0, t[0].numel() * t.element_size()) for name, t in fields.items()
@@ -318,7 +318,7 @@ def _place(call: DispatchCall, launched: dict, plan: Plan) -> tuple:
 
 
 def _places_in_one_launch(call: DispatchCall, launched: dict) -> bool:
-    """Expand layout from moved fields on a GPU, rows of whole 4-byte words: `syncfree_nvlink.place` (one kernel)
+    """Expand layout from moved fields on a GPU, rows of whole 4-byte words: `recv_plan.place` (one kernel)
     rather than a gather and a fill per field over the expanded rows."""
     fields = launched.get("fields")
     return (fields is not None and fields["x"].is_cuda and fields["x"].shape[0] > 0

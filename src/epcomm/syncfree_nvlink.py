@@ -29,25 +29,16 @@ M = R * N received rows, S expanded rows, P scale packs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import envs, epilogue, layout, pipeline
 from .debug import phase
-from .moves import offsets
-from .sizing import align
+from .recv_plan import WORDS_PER_PROGRAM, as_bits, outputs, place, plan_rows, ptr_or
 
 _TOKEN_CHUNK = 64  # tokens per step when a send program counts the tokens before its own
-_WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
-_FILL = 1024  # expanded rows initialised per step by the plan kernel
-# One-hot elements ([rows, local experts]) per program of the plan kernels: 16 rows of 128 local experts, so that
-# a chunk is a few us of work and the chunks run in parallel.
-_PLAN_ELEMS = 2048
-_PLAN_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -86,11 +77,6 @@ def _spec(call: pipeline.DispatchCall, with_routing: bool = True):
     return pipeline.dispatch_record_spec(call.x, call.topk_idx.shape[1], wdt, with_routing=with_routing)
 
 
-def _bits(t: Tensor) -> Tensor:
-    """A float tensor as the integers of its width (the kernels move weights and scales as bits)."""
-    return t.view({8: torch.int64, 4: torch.int32}[t.element_size()])
-
-
 def _words(t: Tensor) -> Tensor:
     """[T, H] of any 1/2/4-byte dtype as [T, H * size / 4] int32 (rows must be whole words; a fresh copy if the
     start or the row stride is not: `contiguous()` would keep a misaligned start, or a one-row tensor's odd
@@ -105,8 +91,8 @@ def _send_inputs(call: pipeline.DispatchCall) -> tuple:
     data = _words(call.x.data)
     sf = call.x.sf if call.x.is_fp8 else None
     w = call.topk_weights
-    return (data, sf, None if sf is None else _bits(sf), w,
-            None if w is None else _bits(w if w.stride(1) == 1 else w.contiguous()))
+    return (data, sf, None if sf is None else as_bits(sf), w,
+            None if w is None else as_bits(w if w.stride(1) == 1 else w.contiguous()))
 
 
 def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, spec) -> dict:
@@ -128,7 +114,7 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, s
     dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
     counts_R = torch.empty(num_ranks, dtype=torch.int64, device=device)
     num_packs = sf.shape[1] if sf is not None else 1
-    k.dispatch_send[(n, triton.cdiv(data.shape[1], _WORDS_PER_PROGRAM))](
+    k.dispatch_send[(n, triton.cdiv(data.shape[1], WORDS_PER_PROGRAM))](
         data, sf_arg if sf is not None else data, topk_arg, w_arg if w is not None else data, areas.local,
         areas.delta16, token_slot_TR, last_pos_TR, send_row_TR, send_src_X, dst_slot_TK, counts_R,
         num_tokens, data.stride(0), sf.stride(0) if sf is not None else 0, sf.stride(1) if sf is not None else 0,
@@ -138,7 +124,7 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, s
         N=n, X_WORDS=data.shape[1], P=num_packs, K=num_topk, R=num_ranks, L=call.num_experts // num_ranks,
         HDR_COLS=areas.hdr_cols, HAS_SF=sf is not None, HAS_W=w is not None,
         K_POW2=triton.next_power_of_2(num_topk), R_POW2=triton.next_power_of_2(num_ranks),
-        P_POW2=triton.next_power_of_2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=_WORDS_PER_PROGRAM,
+        P_POW2=triton.next_power_of_2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=WORDS_PER_PROGRAM,
         USE_TRAP=device.type == "cuda", num_warps=4)
     send_layout = layout.SendLayout(num_tokens_per_rank_R=counts_R, token_slot_TR=token_slot_TR,
                                     last_pos_TR=last_pos_TR)
@@ -168,137 +154,12 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
     return outputs(buf, call, plan, p, recv_x, [], launched["dst_slot_TK"])
 
 
-def outputs(buf, call: pipeline.DispatchCall, plan: pipeline.Plan, p: dict, recv_x, aligned_list: list,
-            dst_slot_TK: Tensor) -> tuple:
-    """Dispatch's `(recv_x, recv_topk_idx, recv_topk_weights, handle)` from the plan kernels' tensors `p`."""
-    handle = pipeline.new_handle(
-        buf, call, plan, num_recv_tokens_per_expert_list=aligned_list, psum_rank=p["psum_rank"],
-        psum_expert=p["psum_expert"], unaligned=p["unaligned32"], recv_src_metadata=p["meta"],
-        dst_buffer_slot_idx=dst_slot_TK, recv_expert_ids=p["expert_ids"])
-    return recv_x, p["recv_topk_idx"], p["w_out"], handle  # recv_topk_idx: not the plan's local ids
-
-
-def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_rows: int, num_expanded: int,
-              blocked: bool, counts: tuple, routing: tuple, weights: tuple) -> dict:
-    """Launch `dispatch_plan_rows` and `dispatch_plan_experts` over `num_rows` received rows (`num_expanded`
-    expanded rows); returns every tensor they write, and the `RecvLayout` (`recv`).
-
-    Where the kernels read (tensor, byte offset, ...): `counts` = (t, off, row stride in int64): row s holds what
-    rank s sent here; `routing` = (t, off, stride, top-k offset, key offset) of received row b; `weights` = (t, off,
-    stride). `blocked`: R blocks of N rows (sync-free) rather than rows packed by source.
-    """
-    from .kernels import _syncfree_triton as k
-
-    import triton
-
-    num_topk, num_local = call.topk_idx.shape[1], call.num_experts // num_ranks
-    m, s, device = num_rows, num_expanded, call.topk_idx.device
-    l_pow2 = triton.next_power_of_2(num_local)
-    rows_per_program = max(1, min(64, _PLAN_ELEMS // l_pow2))
-    num_chunks = max(1, triton.cdiv(m, rows_per_program))  # program 0 also writes the per-rank counts
-    expand, ids = call.do_expand, call.emit_expert_ids
-    # Two allocations carved into the int64 and int32 tensors (an allocation costs host time on every call).
-    out = dict(zip(("counts_R", "out_src_M", "buf_out_X", "src_rank_M", "local_idx_MK", "unaligned_L", "start_L",
-                    "row_ptr_MK", "pair_S"), carve(torch.int64, device, (num_ranks,), (m,), (m,), (m,), (m, num_topk),
-                                                   (num_local,), (num_local,), (m, num_topk) if expand else None,
-                                                   (s,) if expand else None)))
-    out.update(zip(("meta", "psum_rank", "psum_expert", "unaligned32", "expert_ids", "chunk_counts"), carve(
-        torch.int32, device, (m, num_topk + 2), (num_ranks,), (num_local,), (num_local,), (s,) if ids else None,
-        (num_chunks, l_pow2))))
-    out["valid_M"] = torch.empty(m, dtype=torch.bool, device=device)
-    w = call.topk_weights
-    out["w_out"] = None if w is None else torch.empty((s,) if expand else (m, num_topk), dtype=w.dtype,
-                                                      device=device)
-    out["recv_topk_idx"] = None if expand else torch.empty(m, num_topk, dtype=call.topk_idx.dtype, device=device)
-    meta, chunk_counts = out["meta"], out.pop("chunk_counts")
-    stats = call.stats if call.stats is None or call.stats.is_contiguous() else call.stats.contiguous()
-    w_bits = dict(w_in_ptr=_bits(w) if w is not None else meta,
-                  w_out_ptr=_bits(out["w_out"]) if w is not None else meta)
-    w_rec = dict(wr_ptr=weights[0], wr_off=weights[1], wr_stride=weights[2])
-    shape = dict(K=num_topk, L=num_local, EXPAND=call.do_expand, HAS_W=w is not None,
-                 EMIT_IDS=out["expert_ids"] is not None, K_POW2=triton.next_power_of_2(num_topk), L_POW2=l_pow2,
-                 MC=rows_per_program, num_warps=_PLAN_WARPS)
-    common = dict(local_idx_ptr=out["local_idx_MK"], meta_ptr=meta, chunk_counts_ptr=chunk_counts,
-                  pair_ptr=_or(out["pair_S"], meta), expert_ids_ptr=_or(out["expert_ids"], meta), num_rows=m)
-    recv_idx = out["recv_topk_idx"]
-    with phase("plan_kernels"):
-        k.dispatch_plan_rows[(num_chunks,)](
-            counts[0], routing[0], counts_ptr=out["counts_R"], out_src_ptr=out["out_src_M"],
-            buf_out_ptr=out["buf_out_X"], src_rank_ptr=out["src_rank_M"], valid_ptr=out["valid_M"],
-            psum_rank_ptr=out["psum_rank"], recv_idx_ptr=_or(recv_idx, meta), WRITE_IDX=recv_idx is not None,
-            me=rank, num_expanded=s, cnt_off=counts[1], rt_off=routing[1],
-            rt_stride=routing[2], topk_off=routing[3], g_off=routing[4], N=call.n, R=num_ranks, HDR_COLS=counts[2],
-            BLOCKED=blocked, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **common, **w_rec, **w_bits,
-            **shape)
-        k.dispatch_plan_experts[(num_chunks if call.do_expand else 1,)](
-            out_src_ptr=out["out_src_M"], unaligned_ptr=out["unaligned_L"], start_ptr=out["start_L"],
-            psum_expert_ptr=out["psum_expert"], unaligned32_ptr=out["unaligned32"],
-            stats_ptr=_or(stats, out["unaligned32"]), row_ptr_ptr=_or(out["row_ptr_MK"], meta),
-            num_chunks=num_chunks, alignment=call.expert_alignment, HAS_STATS=stats is not None,
-            GC=max(1, min(64, 4096 // l_pow2)), **common, **w_rec, **w_bits, **shape)
-    if stats is not call.stats:  # the kernel added into a contiguous copy of strided stats
-        call.stats.copy_(stats)
-    out["recv"] = layout.RecvLayout(local_idx_MK=out["local_idx_MK"], num_unaligned_L=out["unaligned_L"],
-                                    aligned_start_L=out["start_L"], row_ptr_MK=out["row_ptr_MK"],
-                                    num_expanded_rows=s)
-    return out
-
-
-def carve(dtype: torch.dtype, device: torch.device, *shapes) -> list:
-    """Fresh tensors of `shapes` (None: no tensor) as views of one allocation, each starting on 16 bytes."""
-    sizes = [0 if shape is None else math.prod(shape) for shape in shapes]
-    per16 = 16 // torch.empty(0, dtype=dtype).element_size()
-    starts = offsets([align(n, per16) for n in sizes])
-    block = torch.empty(starts[-1] + align(sizes[-1], per16) if sizes else 0, dtype=dtype, device=device)
-    return [None if shape is None else block[a: a + n].view(shape) for shape, a, n in zip(shapes, starts, sizes)]
-
-
-def _or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:
-    """A tensor argument the kernel does not touch under its constexpr flags still needs a pointer."""
-    return placeholder if t is None else t
-
-
 def _place(areas: Areas, call: pipeline.DispatchCall, spec, plan: pipeline.Plan, with_weights: bool = False):
     """(recv_x, recv_topk_weights or None) from the receive area's records (`place`)."""
     base, rec = areas.rows_off, spec.nbytes
     sources = dict(x=(areas.local, base, rec), sf=(areas.local, base + spec.offsets.get("sf", 0), rec),
                    w=(areas.local, base + spec.offsets.get("w", 0), rec))
     return place(call, plan, sources, with_weights)
-
-
-def place(call: pipeline.DispatchCall, plan: pipeline.Plan, sources: dict, with_weights: bool = False):
-    """(recv_x, recv_topk_weights or None): the data rows (and scales) in the output layout, zeros where no token
-    lands; with `with_weights`, the weights too (cached dispatch; a full one gets them from the plan kernels).
-    `sources[name] = (tensor, byte offset, byte stride)`: field `name` of received row b (`plan.out_src_M`) is at
-    `offset + b * stride` bytes of the tensor ("x", "sf", "w")."""
-    from .kernels import _syncfree_triton as k
-
-    import triton
-
-    x, num_topk = call.x, call.topk_idx.shape[1]
-    rows = plan.pair_S.shape[0] if call.do_expand else plan.out_src_M.shape[0]
-    device = plan.out_src_M.device
-    out = torch.empty(rows, x.hidden, dtype=x.data.dtype, device=device)
-    words = out.shape[1] * out.element_size() // 4
-    num_packs = x.sf.shape[1] if x.is_fp8 else 1
-    sf_out = torch.empty(rows, num_packs, dtype=x.sf.dtype, device=device) if x.is_fp8 else None
-    w_out = None
-    if with_weights and call.topk_weights is not None:
-        w_out = torch.empty((rows,) if call.do_expand else (rows, num_topk), dtype=call.topk_weights.dtype,
-                            device=device)
-    if rows:
-        (x_src, x_off, x_stride), (sf_src, sf_off, sf_stride), (w_src, w_off, w_stride) = (
-            sources.get(name, sources["x"]) for name in ("x", "sf", "w"))
-        k.dispatch_place[(rows, triton.cdiv(words, _WORDS_PER_PROGRAM))](
-            x_src, sf_src, w_src, plan.out_src_M, _or(plan.pair_S, plan.out_src_M),
-            out.view(torch.uint8).view(torch.int32), sf_out.view(torch.int32) if sf_out is not None else out,
-            _bits(w_out) if w_out is not None else out, plan.recv.local_idx_MK,
-            x_off, x_stride, sf_off, sf_stride, w_off, w_stride,
-            X_WORDS=words, P=num_packs, K=num_topk, EXPAND=call.do_expand, HAS_SF=x.is_fp8, HAS_W=w_out is not None,
-            K_POW2=triton.next_power_of_2(num_topk), P_POW2=triton.next_power_of_2(num_packs),
-            BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
-    recv_x = out if sf_out is None else (out, epilogue.place_sf(sf_out, call.col_major_sf))
-    return recv_x, w_out
 
 
 def combine_applies(buf, call: pipeline.CombineCall) -> bool:
@@ -319,13 +180,13 @@ def combine_send(areas: Areas, call: pipeline.CombineCall, rank: int, num_ranks:
     y = epilogue.expert_partials(call.x, plan.recv.row_ptr_MK) if h.do_expand else call.x
     y_words = _words(y)
     w = call.topk_weights
-    w_arg = _bits(w.contiguous()) if w is not None else y_words
+    w_arg = as_bits(w.contiguous()) if w is not None else y_words
     if num_ranks * n:
-        k.combine_send[(num_ranks * n, triton.cdiv(y_words.shape[1], _WORDS_PER_PROGRAM))](
-            y_words, w_arg, _or(plan.recv.row_ptr_MK, plan.buf_out_X), plan.recv.local_idx_MK, plan.buf_out_X,
+        k.combine_send[(num_ranks * n, triton.cdiv(y_words.shape[1], WORDS_PER_PROGRAM))](
+            y_words, w_arg, ptr_or(plan.recv.row_ptr_MK, plan.buf_out_X), plan.recv.local_idx_MK, plan.buf_out_X,
             areas.local, areas.delta16, y_words.stride(0), rank, areas.rows_off, spec.nbytes, spec.offsets.get("w", 0),
             N=n, K=num_topk, Y_WORDS=y_words.shape[1], EXPAND=h.do_expand, HAS_W=w is not None,
-            K_POW2=triton.next_power_of_2(num_topk), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
+            K_POW2=triton.next_power_of_2(num_topk), BLOCK_W=WORDS_PER_PROGRAM, num_warps=4)
 
 
 def cached_applies(buf, call: pipeline.DispatchCall) -> bool:
@@ -345,13 +206,13 @@ def cached_send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks:
     data, sf, sf_arg, w, w_arg = _send_inputs(call)
     num_packs = sf.shape[1] if sf is not None else 1
     if num_ranks * n:
-        k.cached_send[(num_ranks * n, triton.cdiv(data.shape[1], _WORDS_PER_PROGRAM))](
+        k.cached_send[(num_ranks * n, triton.cdiv(data.shape[1], WORDS_PER_PROGRAM))](
             data, sf_arg if sf is not None else data, w_arg if w is not None else data, call.handle._plan.send_src_X,
             areas.local, areas.delta16, data.stride(0), sf.stride(0) if sf is not None else 0,
             sf.stride(1) if sf is not None else 0, w_arg.stride(0) if w is not None else 0, rank, areas.rows_off,
             spec.nbytes, spec.offsets.get("sf", 0), spec.offsets.get("w", 0), N=n, X_WORDS=data.shape[1], P=num_packs,
             K=num_topk, HAS_SF=sf is not None, HAS_W=w is not None, K_POW2=triton.next_power_of_2(num_topk),
-            P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=_WORDS_PER_PROGRAM, num_warps=4)
+            P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=WORDS_PER_PROGRAM, num_warps=4)
 
 
 def cached_finish(areas: Areas, call: pipeline.DispatchCall, spec) -> tuple:

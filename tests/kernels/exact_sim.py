@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from epcomm import agreement, exact_nvlink, layout, pipeline, syncfree_nvlink
+from epcomm import agreement, exact_nvlink, layout, pipeline, recv_plan
 from epcomm.moves import Route, offsets
 from syncfree_sim import CASES as SYNC_FREE_CASES
 from syncfree_sim import clone_call, make_call, same, want_stats
@@ -68,7 +68,7 @@ def generic(calls, num_ranks, n):
             fields = launched["fields"]
             sources = {name: (t.view(torch.uint8), 0, t[0].numel() * t.element_size()) for name, t in fields.items()
                        if name in ("x", "sf", "w")}
-            got = syncfree_nvlink.place(call, out[-1][3]._plan, sources, with_weights="w" in fields)
+            got = recv_plan.place(call, out[-1][3]._plan, sources, with_weights="w" in fields)
             same(out[-1][0], got[0], f"rank {me} expand place kernel recv_x")
             same(out[-1][2], got[1], f"rank {me} expand place kernel recv_topk_weights")
     return out
@@ -125,7 +125,7 @@ def exact(call):
 
 
 def check(c, tokens, seed=0):
-    syncfree_nvlink._PLAN_ELEMS = c.get("plan_elems", 8)  # a few rows per plan program: prefix sums cross them
+    recv_plan._PLAN_ELEMS = c.get("plan_elems", 8)  # a few rows per plan program: prefix sums cross them
     exact_nvlink._TOKEN_ELEMS = c.get("token_elems", exact_nvlink._TOKEN_ELEMS)
     exact_nvlink._COUNT_ELEMS = c.get("count_elems", exact_nvlink._COUNT_ELEMS)
     gen = torch.Generator().manual_seed(seed)

@@ -20,7 +20,7 @@ import torch
 from epcomm import layout, pipeline
 from epcomm.fp8 import per_token_cast_to_fp8
 from epcomm.kernels.push import push_rows_torch
-from epcomm import syncfree_nvlink
+from epcomm import recv_plan, syncfree_nvlink
 from epcomm.syncfree_nvlink import Areas, finish, send
 from epcomm.validate import XSpec
 
@@ -219,7 +219,7 @@ def same(a, b, what):
 
 def check(c, tokens, seed=0):
     # Rows per plan program: a few (many programs, prefix sums across them) unless the case says otherwise.
-    syncfree_nvlink._PLAN_ELEMS = c.get("plan_elems", 8)
+    recv_plan._PLAN_ELEMS = c.get("plan_elems", 8)
     gen = torch.Generator().manual_seed(seed)
     calls = [make_call(gen, t, c, r) for r, t in enumerate(tokens)]
     want = generic([clone_call(k) for k in calls], c["ranks"], c["n"])
