@@ -37,7 +37,7 @@ from .moves import Route
 from .sizing import align
 from .validate import Checker, check_topk_values
 
-_TOKEN_ELEMS = 8192  # [tokens, top-k, max(top-k, ranks)] elements of a send_plan program's own chunk
+_TOKEN_ELEMS = 4096  # [tokens, top-k, max(top-k, ranks)] elements of a send_plan program's own chunk
 _COUNT_ELEMS = 16384  # [tokens, top-k, ranks] elements per step of its count of the tokens before the chunk
 _NUM_FLAGS = 2  # an id outside [-1, num_experts); an expert twice in a token
 MAX_LOCAL_EXPERTS = 1024  # a published row holds a count per local expert (transport/nvlink.py: 1088 columns)
@@ -93,7 +93,7 @@ def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list
         (num_tokens * num_ranks,), (num_tokens, num_topk + 1))
     dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
     k_pow2, r_pow2 = triton.next_power_of_2(num_topk), triton.next_power_of_2(num_ranks)
-    tc = max(16, min(128, triton.next_power_of_2(_TOKEN_ELEMS // (k_pow2 * max(k_pow2, r_pow2))) // 2))
+    tc = max(16, min(128, _TOKEN_ELEMS // (k_pow2 * max(k_pow2, r_pow2))))  # powers of 2 throughout
     tl_ = max(tc, min(1024, _COUNT_ELEMS // (k_pow2 * r_pow2)))  # tokens per step of the count loop
     if num_tokens:  # no tokens: every count is the zero `ex` already holds
         k.send_plan[(triton.cdiv(num_tokens, tc),)](
@@ -179,11 +179,8 @@ def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
                          send=launched["send"], pair_S=p["pair_S"], route=route)
     x, sf = fields["x"], fields.get("sf")
     with phase("place"):
-        if call.do_expand:
-            sources = dict(x=(x.view(torch.uint8), 0, x.shape[1] * x.element_size()))
-            if sf is not None:
-                sources["sf"] = (sf.view(torch.uint8), 0, sf.shape[1] * sf.element_size())
-            recv_x, _ = recv_plan.place(call, plan, sources)
+        if call.do_expand:  # the weights came from the plan kernels
+            recv_x, _ = recv_plan.place(call, plan, recv_plan.field_sources(fields))
         else:  # the moved rows are the output rows
             recv_x = x if sf is None else (x, epilogue.place_sf(sf, call.col_major_sf))
     return recv_plan.outputs(buf, call, plan, p, recv_x, aligned, launched["dst_slot_TK"])

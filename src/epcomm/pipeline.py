@@ -24,7 +24,7 @@ from . import agreement, epilogue, layout, streams
 from .debug import phase
 from .kernels import canonical_reduce
 from .kernels.reduce import canonical_reduce_chunks
-from .moves import Route, chunk_of_rows, return_weights
+from .moves import Route, chunk_of_rows, return_weights, row_bytes
 from .records import Field, RecordSpec, scatter_index
 from .validate import XSpec
 
@@ -292,12 +292,10 @@ def _place(call: DispatchCall, launched: dict, plan: Plan) -> tuple:
     gather each from the receive buffer."""
     local_MK, num_rows = plan.recv.local_idx_MK, plan.out_src_M.shape[0]
     if call.do_expand and not plan.blocked and _places_in_one_launch(call, launched):
-        from .recv_plan import place  # one launch writes every expanded row once, zeros included
+        from .recv_plan import field_sources, place  # one launch writes every expanded row once, zeros included
 
         fields = launched["fields"]
-        sources = {name: (t.view(torch.uint8), 0, t[0].numel() * t.element_size()) for name, t in fields.items()
-                   if name in ("x", "sf", "w")}
-        return place(call, plan, sources, with_weights="w" in fields)
+        return place(call, plan, field_sources(fields), with_weights="w" in fields)
     if call.do_expand:
         num_topk = local_MK.shape[1]
         src_S = (torch.div(plan.pair_S, num_topk, rounding_mode="floor")).masked_fill(plan.pair_S < 0, -1)
@@ -322,7 +320,7 @@ def _places_in_one_launch(call: DispatchCall, launched: dict) -> bool:
     rather than a gather and a fill per field over the expanded rows."""
     fields = launched.get("fields")
     return (fields is not None and fields["x"].is_cuda and fields["x"].shape[0] > 0
-            and all((t[0].numel() * t.element_size()) % 4 == 0 for t in fields.values()))
+            and all(row_bytes(t) % 4 == 0 for t in fields.values()))
 
 
 def _make_handle(buf, call: DispatchCall, plan: Plan, g_M: Tensor, recv_counts_R: Tensor):

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import epilogue, layout, pipeline
 from .debug import phase
-from .moves import offsets
+from .moves import offsets, row_bytes
 from .sizing import align
 
 WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
@@ -118,6 +118,12 @@ def carve(dtype: torch.dtype, device: torch.device, *shapes) -> list:
 def ptr_or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:
     """A tensor argument the kernel does not touch under its constexpr flags still needs a pointer."""
     return placeholder if t is None else t
+
+
+def field_sources(fields: dict) -> dict:
+    """`place`'s sources for fields a packed move landed in their own row-contiguous tensors: received row b of
+    field "x", "sf" or "w" is row b of its tensor."""
+    return {name: (t.view(torch.uint8), 0, row_bytes(t)) for name, t in fields.items() if name in ("x", "sf", "w")}
 
 
 def place(call: pipeline.DispatchCall, plan: pipeline.Plan, sources: dict, with_weights: bool = False):

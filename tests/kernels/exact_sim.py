@@ -66,9 +66,7 @@ def generic(calls, num_ranks, n):
         out.append(pipeline.dispatch_finish(fake_buf(me, num_ranks), call, launched))
         if call.do_expand and route.num_recv:  # on a GPU `pipeline._place` takes the place kernel: the same rows
             fields = launched["fields"]
-            sources = {name: (t.view(torch.uint8), 0, t[0].numel() * t.element_size()) for name, t in fields.items()
-                       if name in ("x", "sf", "w")}
-            got = recv_plan.place(call, out[-1][3]._plan, sources, with_weights="w" in fields)
+            got = recv_plan.place(call, out[-1][3]._plan, recv_plan.field_sources(fields), with_weights="w" in fields)
             same(out[-1][0], got[0], f"rank {me} expand place kernel recv_x")
             same(out[-1][2], got[1], f"rank {me} expand place kernel recv_topk_weights")
     return out

@@ -173,7 +173,15 @@ def _gathers_in_one_launch(moves: list, row_bytes: list) -> bool:
 
 def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int) -> None:
     """`_gather_triton.gather_fields`: every send row of every field into my staging area (`stage_views`, one per
-    field; None when I stage nothing) or, for my rows for myself, into the outputs from row `lo`."""
+    field; None when I stage nothing) or, for my rows for myself, into the outputs from row `lo`.
+
+    Args:
+        moves: up to four `(src [T, ...], out [num_recv, ...])` pairs, row-contiguous, any dtype, rows of whole
+            4-byte words (`_gathers_in_one_launch`); send row x is `src[plan.send_idx[x]]`.
+        row_bytes: bytes of one row of each field.
+        stage_views: one `[staged rows, ...]` view of my staging area per field, or None.
+        lo: output row of my first row for myself.
+    """
     from ..kernels._gather_triton import gather_fields
 
     import triton
