@@ -28,6 +28,7 @@ _FILL = 1024  # expanded rows initialised per step by the plan kernel
 # a chunk is a few us of work and the chunks run in parallel.
 _PLAN_ELEMS = 2048
 _PLAN_WARPS = 4
+_SCAN_ELEMS = 1 << 25  # per-expert chunk counts the expand plan reads in all (plan_chunks)
 
 
 def outputs(buf, call: pipeline.DispatchCall, plan: pipeline.Plan, p: dict, recv_x, aligned_list: list,
@@ -56,8 +57,7 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
     num_topk, num_local = call.topk_idx.shape[1], call.num_experts // num_ranks
     m, s, device = num_rows, num_expanded, call.topk_idx.device
     l_pow2 = triton.next_power_of_2(num_local)
-    rows_per_program = max(1, min(64, _PLAN_ELEMS // l_pow2))
-    num_chunks = max(1, triton.cdiv(m, rows_per_program))  # program 0 also writes the per-rank counts
+    rows_per_block, chunk_rows, num_chunks = plan_chunks(m, l_pow2)
     expand, ids = call.do_expand, call.emit_expert_ids
     # Two allocations carved into the int64 and int32 tensors (an allocation costs host time on every call).
     out = dict(zip(("counts_R", "out_src_M", "buf_out_X", "src_rank_M", "local_idx_MK", "unaligned_L", "start_L",
@@ -79,9 +79,10 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
     w_rec = dict(wr_ptr=weights[0], wr_off=weights[1], wr_stride=weights[2])
     shape = dict(K=num_topk, L=num_local, EXPAND=call.do_expand, HAS_W=w is not None,
                  EMIT_IDS=out["expert_ids"] is not None, K_POW2=triton.next_power_of_2(num_topk), L_POW2=l_pow2,
-                 MC=rows_per_program, num_warps=_PLAN_WARPS)
+                 MC=rows_per_block, num_warps=_PLAN_WARPS)
     common = dict(local_idx_ptr=out["local_idx_MK"], meta_ptr=meta, chunk_counts_ptr=chunk_counts,
-                  pair_ptr=ptr_or(out["pair_S"], meta), expert_ids_ptr=ptr_or(out["expert_ids"], meta), num_rows=m)
+                  pair_ptr=ptr_or(out["pair_S"], meta), expert_ids_ptr=ptr_or(out["expert_ids"], meta), num_rows=m,
+                  chunk_rows=chunk_rows)
     recv_idx = out["recv_topk_idx"]
     with phase("plan_kernels"):
         k.dispatch_plan_rows[(num_chunks,)](
@@ -104,6 +105,19 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
                                     aligned_start_L=out["start_L"], row_ptr_MK=out["row_ptr_MK"],
                                     num_expanded_rows=s)
     return out
+
+
+def plan_chunks(num_rows: int, l_pow2: int) -> tuple:
+    """(rows per block MC, rows per chunk, chunks) of the plan kernels: a program takes a chunk of rows, MC at a time
+    (one-hot blocks of _PLAN_ELEMS elements). With expand, every chunk's program sums the per-expert counts of all
+    chunks (chunks^2 * L elements in all), so the chunks are at most sqrt(_SCAN_ELEMS / L): a bound that leaves
+    dsv3's ~8k rows of 128 local experts at one block per chunk and keeps 32k rows of 1024 local experts to ~10^8
+    elements rather than ~10^11."""
+    mc = max(1, min(64, _PLAN_ELEMS // l_pow2))
+    blocks = max(1, -(-num_rows // mc))
+    max_chunks = max(1, math.isqrt(_SCAN_ELEMS // l_pow2))
+    chunk_rows = -(-blocks // min(blocks, max_chunks)) * mc
+    return mc, chunk_rows, max(1, -(-num_rows // chunk_rows))  # program 0 also writes the per-rank counts
 
 
 def carve(dtype: torch.dtype, device: torch.device, *shapes) -> list:

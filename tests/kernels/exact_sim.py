@@ -124,6 +124,8 @@ def exact(call):
 
 def check(c, tokens, seed=0):
     recv_plan._PLAN_ELEMS = c.get("plan_elems", 8)  # a few rows per plan program: prefix sums cross them
+    # Few chunks of several blocks (the bound at many rows and local experts), unless the case says otherwise.
+    recv_plan._SCAN_ELEMS = c.get("scan_elems", 64)
     exact_nvlink._TOKEN_ELEMS = c.get("token_elems", exact_nvlink._TOKEN_ELEMS)
     exact_nvlink._COUNT_ELEMS = c.get("count_elems", exact_nvlink._COUNT_ELEMS)
     gen = torch.Generator().manual_seed(seed)

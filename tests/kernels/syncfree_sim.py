@@ -220,6 +220,8 @@ def same(a, b, what):
 def check(c, tokens, seed=0):
     # Rows per plan program: a few (many programs, prefix sums across them) unless the case says otherwise.
     recv_plan._PLAN_ELEMS = c.get("plan_elems", 8)
+    # Few chunks of several blocks (the bound at many rows and local experts), unless the case says otherwise.
+    recv_plan._SCAN_ELEMS = c.get("scan_elems", 64)
     gen = torch.Generator().manual_seed(seed)
     calls = [make_call(gen, t, c, r) for r, t in enumerate(tokens)]
     want = generic([clone_call(k) for k in calls], c["ranks"], c["n"])
@@ -253,7 +255,7 @@ CASES = {
                              idx_dtype=torch.int64, w_dtype=torch.float32, stats=True, plan_elems=2048), (6, 8)),
     "fp8-expand": (dict(ranks=3, n=5, hidden=256, dtype=torch.bfloat16, fp8="fp32", experts=12, topk=4,
                         idx_dtype=torch.int32, w_dtype=torch.float32, expand=True, alignment=4, emit=True,
-                        col_major=True, stats=True, sf_col_major_in=True), (5, 0, 3)),
+                        col_major=True, stats=True, sf_col_major_in=True, scan_elems=1 << 25), (5, 0, 3)),
     "skewed-fp32": (dict(ranks=2, n=6, hidden=24, dtype=torch.float32, experts=6, topk=2, idx_dtype=torch.int64,
                          w_dtype=torch.float32, expand=True, skew=True), (6, 4)),
     "ue8m0-bf16": (dict(ranks=2, n=4, hidden=512, dtype=torch.bfloat16, fp8="ue8m0", experts=4, topk=2,

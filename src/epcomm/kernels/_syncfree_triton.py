@@ -30,7 +30,7 @@ import triton.language as tl
 from ._signal_triton import _region
 
 _RUNTIME_INTS = ["num_tokens", "stride_x", "stride_sf_t", "stride_sf_p", "stride_topk", "stride_w", "me",
-                 "num_rows", "num_expanded", "alignment", "num_chunks"]
+                 "num_rows", "num_expanded", "alignment", "num_chunks", "chunk_rows"]
 
 
 @triton.jit
@@ -185,14 +185,14 @@ def _source_counts(cnt_ptr, cnt_off, R: tl.constexpr, HDR_COLS: tl.constexpr, R_
 def dispatch_plan_rows(
     cnt_ptr, rt_ptr, wr_ptr, counts_ptr, out_src_ptr, buf_out_ptr, src_rank_ptr, valid_ptr, local_idx_ptr, meta_ptr,
     psum_rank_ptr, chunk_counts_ptr, w_in_ptr, w_out_ptr, pair_ptr, expert_ids_ptr, recv_idx_ptr,
-    me, num_rows, num_expanded, cnt_off, rt_off, rt_stride, topk_off, g_off, wr_off, wr_stride,
+    me, num_rows, num_expanded, chunk_rows, cnt_off, rt_off, rt_stride, topk_off, g_off, wr_off, wr_stride,
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, HDR_COLS: tl.constexpr,
     BLOCKED: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr, EMIT_IDS: tl.constexpr, WRITE_IDX: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, FILL: tl.constexpr,
 ):
-    """Program g: rows g*MC .. of the `num_rows` received rows: compaction, local expert ids, metadata,
-    (non-expand) weights and `recv_topk_idx` (`WRITE_IDX`), and the chunk's count of rows per local expert
-    (`chunk_counts[g]`); with `EXPAND`, also
+    """Program g: the chunk of rows g*chunk_rows .. of the `num_rows` received rows, MC at a time (`chunk_rows` is a
+    multiple of MC): compaction, local expert ids, metadata, (non-expand) weights and `recv_topk_idx`
+    (`WRITE_IDX`), and the chunk's count of rows per local expert (`chunk_counts[g]`); with `EXPAND`, also
     its share of the expanded rows set to empty (before `dispatch_plan_experts` places the pairs: stream order).
 
     Received row b's routing is at byte `rt_off + b * rt_stride` of `rt_ptr` (top-k ids at `topk_off`, key at
@@ -220,46 +220,49 @@ def dispatch_plan_rows(
             if EMIT_IDS:
                 tl.store(expert_ids_ptr + ss, tl.full([FILL], -1, tl.int32), mask=inside)
 
-    mm = g_id * MC + tl.arange(0, MC)
-    in_m = mm < num_rows
-    # Output row m holds row k of source s's rows (in ascending token key), if m < total.
-    src = tl.sum(((mm[:, None] >= end_r[None, :]) & (rr[None, :] < R)).to(tl.int32), axis=1)
-    valid = mm < total
-    if BLOCKED:
-        k_in = mm - tl.sum(tl.where(rr[None, :] == src[:, None], off_r[None, :], 0), axis=1)
-        b = tl.where(valid, src * N + k_in, -1)
-        # Buffer row mm (block s = mm // N, row k = mm % N) goes to output row off[s] + k, if k < count[s].
-        bs = mm // N
-        bk = mm % N
-        b_off = tl.sum(tl.where(rr[None, :] == bs[:, None], off_r[None, :], 0), axis=1)
-        b_cnt = tl.sum(tl.where(rr[None, :] == bs[:, None], count_r[None, :], 0), axis=1)
-        buf_out = tl.where(bk < b_cnt, b_off + bk, -1)
-    else:
-        b = mm
-        buf_out = mm
-    tl.store(out_src_ptr + mm, b.to(tl.int64), mask=in_m)
-    tl.store(src_rank_ptr + mm, tl.where(valid, src, -1).to(tl.int64), mask=in_m)
-    tl.store(valid_ptr + mm, valid, mask=in_m)
-    tl.store(buf_out_ptr + mm, buf_out.to(tl.int64), mask=in_m)
+    n_l = tl.zeros([L_POW2], dtype=tl.int32)
+    for sub in range(0, chunk_rows, MC):
+        mm = g_id * chunk_rows + sub + tl.arange(0, MC)
+        in_m = mm < num_rows
+        # Output row m holds row k of source s's rows (in ascending token key), if m < total.
+        src = tl.sum(((mm[:, None] >= end_r[None, :]) & (rr[None, :] < R)).to(tl.int32), axis=1)
+        valid = mm < total
+        if BLOCKED:
+            k_in = mm - tl.sum(tl.where(rr[None, :] == src[:, None], off_r[None, :], 0), axis=1)
+            b = tl.where(valid, src * N + k_in, -1)
+            # Buffer row mm (block s = mm // N, row k = mm % N) goes to output row off[s] + k, if k < count[s].
+            bs = mm // N
+            bk = mm % N
+            b_off = tl.sum(tl.where(rr[None, :] == bs[:, None], off_r[None, :], 0), axis=1)
+            b_cnt = tl.sum(tl.where(rr[None, :] == bs[:, None], count_r[None, :], 0), axis=1)
+            buf_out = tl.where(bk < b_cnt, b_off + bk, -1)
+        else:
+            b = mm
+            buf_out = mm
+        tl.store(out_src_ptr + mm, b.to(tl.int64), mask=in_m)
+        tl.store(src_rank_ptr + mm, tl.where(valid, src, -1).to(tl.int64), mask=in_m)
+        tl.store(valid_ptr + mm, valid, mask=in_m)
+        tl.store(buf_out_ptr + mm, buf_out.to(tl.int64), mask=in_m)
 
-    rec = rt_ptr + rt_off + tl.maximum(b, 0).to(tl.int64) * rt_stride
-    g = tl.load((rec + g_off).to(tl.pointer_type(tl.int64)), mask=valid, other=-1)
-    local = _local_ids(rec, topk_off, valid, me, K, L, K_POW2)  # [MC, K_POW2]
-    in_mk = in_m[:, None] & (kk[None, :] < K)
-    tl.store(local_idx_ptr + mm[:, None] * K + kk[None, :], local.to(tl.int64), mask=in_mk)
-    if WRITE_IDX:  # dispatch's recv_topk_idx (non-expand): the local ids in topk_idx's dtype, a tensor of its own
-        tl.store(recv_idx_ptr + mm[:, None] * K + kk[None, :], local.to(recv_idx_ptr.dtype.element_ty), mask=in_mk)
-    last = tl.max(tl.where(local >= 0, kk[None, :], -1), axis=1)
-    meta = meta_ptr + mm * (K + 2)
-    tl.store(meta, tl.where(valid, g, -1).to(tl.int32), mask=in_m)
-    tl.store(meta + 1, tl.where(valid, src * K + last, -1).to(tl.int32), mask=in_m)
-    if not EXPAND:
-        tl.store(meta[:, None] + 2 + kk[None, :], tl.full([MC, K_POW2], -1, tl.int32), mask=in_mk)
-        if HAS_W:
-            w_rec = wr_ptr + wr_off + tl.maximum(b, 0).to(tl.int64) * wr_stride
-            w = tl.load(w_rec.to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
-            tl.store(w_out_ptr + mm[:, None] * K + kk[None, :], w, mask=in_mk)
-    n_l = tl.sum(_onehot(local, kk, ll, K, MC, L_POW2), axis=0)
+        rec = rt_ptr + rt_off + tl.maximum(b, 0).to(tl.int64) * rt_stride
+        g = tl.load((rec + g_off).to(tl.pointer_type(tl.int64)), mask=valid, other=-1)
+        local = _local_ids(rec, topk_off, valid, me, K, L, K_POW2)  # [MC, K_POW2]
+        in_mk = in_m[:, None] & (kk[None, :] < K)
+        tl.store(local_idx_ptr + mm[:, None] * K + kk[None, :], local.to(tl.int64), mask=in_mk)
+        if WRITE_IDX:  # dispatch's recv_topk_idx (non-expand): the local ids in topk_idx's dtype, a tensor of its own
+            tl.store(recv_idx_ptr + mm[:, None] * K + kk[None, :], local.to(recv_idx_ptr.dtype.element_ty),
+                     mask=in_mk)
+        last = tl.max(tl.where(local >= 0, kk[None, :], -1), axis=1)
+        meta = meta_ptr + mm * (K + 2)
+        tl.store(meta, tl.where(valid, g, -1).to(tl.int32), mask=in_m)
+        tl.store(meta + 1, tl.where(valid, src * K + last, -1).to(tl.int32), mask=in_m)
+        if not EXPAND:
+            tl.store(meta[:, None] + 2 + kk[None, :], tl.full([MC, K_POW2], -1, tl.int32), mask=in_mk)
+            if HAS_W:
+                w_rec = wr_ptr + wr_off + tl.maximum(b, 0).to(tl.int64) * wr_stride
+                w = tl.load(w_rec.to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
+                tl.store(w_out_ptr + mm[:, None] * K + kk[None, :], w, mask=in_mk)
+        n_l += tl.sum(_onehot(local, kk, ll, K, MC, L_POW2), axis=0)
     tl.store(chunk_counts_ptr + g_id * L_POW2 + ll, n_l)
 
 
@@ -267,15 +270,15 @@ def dispatch_plan_rows(
 def dispatch_plan_experts(
     wr_ptr, out_src_ptr, local_idx_ptr, meta_ptr, chunk_counts_ptr, unaligned_ptr, start_ptr, psum_expert_ptr,
     unaligned32_ptr, stats_ptr, w_in_ptr, w_out_ptr, row_ptr_ptr, pair_ptr, expert_ids_ptr,
-    num_rows, num_chunks, alignment, wr_off, wr_stride,
+    num_rows, num_chunks, chunk_rows, alignment, wr_off, wr_stride,
     K: tl.constexpr, L: tl.constexpr,
     EXPAND: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, EMIT_IDS: tl.constexpr,
     K_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, GC: tl.constexpr,
 ):
     """Program g (one program without `EXPAND`): per-expert counts and aligned starts from every chunk's counts;
-    program 0 stores them (and adds the stats). With `EXPAND`, program g places the pairs of rows g*MC ..: (row m,
-    position j) of expert e goes to start[e] + (rows before m that chose e), prefix sums in token-key order. Row m's
-    weights are at byte `wr_off + out_src[m] * wr_stride` of `wr_ptr` (`dispatch_plan_rows`)."""
+    program 0 stores them (and adds the stats). With `EXPAND`, program g places the pairs of its chunk's rows
+    g*chunk_rows .., MC at a time: (row m, position j) of expert e goes to start[e] + (rows before m that chose e),
+    prefix sums in token-key order. Row m's weights are at byte `wr_off + out_src[m] * wr_stride` of `wr_ptr` (`dispatch_plan_rows`)."""
     g_id = tl.program_id(0)
     kk = tl.arange(0, K_POW2)
     ll = tl.arange(0, L_POW2)
@@ -302,26 +305,29 @@ def dispatch_plan_experts(
             stats = tl.load(stats_ptr + ll, mask=ll < L, other=0)
             tl.store(stats_ptr + ll, stats + n_l, mask=ll < L)
     if EXPAND:
-        mm = g_id * MC + tl.arange(0, MC)
-        in_m = mm < num_rows
-        in_mk = in_m[:, None] & (kk[None, :] < K)
-        local = tl.load(local_idx_ptr + mm[:, None] * K + kk[None, :], mask=in_mk, other=-1).to(tl.int32)
-        if HAS_W:
-            b = tl.load(out_src_ptr + mm, mask=in_m, other=-1)
-            w_rec = wr_ptr + wr_off + tl.maximum(b, 0).to(tl.int64) * wr_stride
-            w = tl.load(w_rec.to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
-        onehot = _onehot(local, kk, ll, K, MC, L_POW2)
-        base = (start_l + before_l)[None, :] + tl.cumsum(onehot, axis=0) - onehot
-        row = tl.gather(base, tl.maximum(local, 0), axis=1)  # base[m, local[m, j]]
-        row = tl.where(local >= 0, row, -1)
-        tl.store(row_ptr_ptr + mm[:, None] * K + kk[None, :], row.to(tl.int64), mask=in_mk)
-        tl.store(meta_ptr + mm[:, None] * (K + 2) + 2 + kk[None, :], row, mask=in_mk)
-        placed = (row >= 0) & in_mk
-        tl.store(pair_ptr + row, (mm[:, None] * K + kk[None, :]).to(tl.int64), mask=placed)
-        if EMIT_IDS:
-            tl.store(expert_ids_ptr + row, local, mask=placed)
-        if HAS_W:
-            tl.store(w_out_ptr + row, w, mask=placed)
+        base_l = start_l + before_l  # the next expanded row of each expert
+        for sub in range(0, chunk_rows, MC):
+            mm = g_id * chunk_rows + sub + tl.arange(0, MC)
+            in_m = mm < num_rows
+            in_mk = in_m[:, None] & (kk[None, :] < K)
+            local = tl.load(local_idx_ptr + mm[:, None] * K + kk[None, :], mask=in_mk, other=-1).to(tl.int32)
+            if HAS_W:
+                b = tl.load(out_src_ptr + mm, mask=in_m, other=-1)
+                w_rec = wr_ptr + wr_off + tl.maximum(b, 0).to(tl.int64) * wr_stride
+                w = tl.load(w_rec.to(w_in_ptr.dtype)[:, None] + kk[None, :], mask=local >= 0, other=0)
+            onehot = _onehot(local, kk, ll, K, MC, L_POW2)
+            base = base_l[None, :] + tl.cumsum(onehot, axis=0) - onehot
+            row = tl.gather(base, tl.maximum(local, 0), axis=1)  # base[m, local[m, j]]
+            row = tl.where(local >= 0, row, -1)
+            tl.store(row_ptr_ptr + mm[:, None] * K + kk[None, :], row.to(tl.int64), mask=in_mk)
+            tl.store(meta_ptr + mm[:, None] * (K + 2) + 2 + kk[None, :], row, mask=in_mk)
+            placed = (row >= 0) & in_mk
+            tl.store(pair_ptr + row, (mm[:, None] * K + kk[None, :]).to(tl.int64), mask=placed)
+            if EMIT_IDS:
+                tl.store(expert_ids_ptr + row, local, mask=placed)
+            if HAS_W:
+                tl.store(w_out_ptr + row, w, mask=placed)
+            base_l += tl.sum(onehot, axis=0)
 
 
 @triton.jit
