@@ -34,7 +34,6 @@ from . import agreement, envs, epilogue, pipeline, recv_plan
 from .debug import phase
 from .layout import SendLayout
 from .moves import Route
-from .sizing import align
 from .validate import Checker, check_topk_values
 
 _TOKEN_ELEMS = 4096  # [tokens, top-k, max(top-k, ranks)] elements of a send_plan program's own chunk
@@ -84,9 +83,13 @@ def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list
     num_tokens, num_topk = topk.shape
     num_local, device = call.num_experts // num_ranks, topk.device
     cols = _cols(num_ranks, num_local)
-    # From pinned memory: a copy from pageable memory would wait for the device.
-    ex = torch.tensor([head + [0] * (cols - len(head))] * num_ranks, dtype=torch.int64,
-                      pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    # From pinned memory (a copy from pageable memory would wait for the device), filled through numpy (cheaper
+    # than a tensor from nested lists).
+    host = torch.empty(num_ranks, cols, dtype=torch.int64, pin_memory=device.type == "cuda")
+    rows = host.numpy()
+    rows[:, len(head):] = 0
+    rows[:, :len(head)] = head
+    ex = host.to(device, non_blocking=True)
     # send_src: the first `sum(counts)` rows are the send rows; routing: top-k ids and token key, for the receivers.
     token_slot_TR, last_pos_TR, send_row_TR, send_src, routing_TK1 = recv_plan.carve(
         torch.int64, device, (num_tokens, num_ranks), (num_tokens, num_ranks), (num_tokens, num_ranks),
@@ -134,8 +137,9 @@ def read_rows(buf, call: pipeline.DispatchCall, host_RC: list) -> dict:
             local_error = e
     buf.agree("EPBuffer.dispatch", rows, local_error)
     matrix = [row[cnt:] for row in rows]  # [src][dst] rows
+    per_expert = cnt + num_ranks  # each rank's (token, expert) pairs for my local experts
     return dict(matrix=matrix, send_splits=list(matrix[rank]), recv_splits=[row[rank] for row in matrix],
-                num_unaligned=[sum(row[cnt + num_ranks + e] for row in host_RC) for e in range(num_local)])
+                num_unaligned=[sum(col) for col in zip(*(row[per_expert: per_expert + num_local] for row in host_RC))])
 
 
 def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
@@ -164,7 +168,8 @@ def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
     """The plan kernels on the received fields, then the outputs; `pipeline.dispatch_finish`'s values."""
     num_ranks, rank, num_topk = buf.num_ranks, buf.rank, call.topk_idx.shape[1]
     route, fields = launched["route"], launched["fields"]
-    aligned = [align(n, call.expert_alignment) for n in launched["num_unaligned"]]
+    a = call.expert_alignment
+    aligned = [(n + a - 1) // a * a for n in launched["num_unaligned"]]  # sizing.align, inline: L calls per call
     routing, recv_RC = fields["routing"].view(torch.uint8), launched["recv_RC"]
     w = fields.get("w")
     p = recv_plan.plan_rows(

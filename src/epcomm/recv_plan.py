@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import epilogue, layout, pipeline
 from .debug import phase
-from .moves import offsets, row_bytes
+from .moves import row_bytes
 from .sizing import align
 
 WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
@@ -121,12 +121,16 @@ def plan_chunks(num_rows: int, l_pow2: int) -> tuple:
 
 
 def carve(dtype: torch.dtype, device: torch.device, *shapes) -> list:
-    """Fresh tensors of `shapes` (None: no tensor) as views of one allocation, each starting on 16 bytes."""
-    sizes = [0 if shape is None else math.prod(shape) for shape in shapes]
-    per16 = 16 // torch.empty(0, dtype=dtype).element_size()
-    starts = offsets([align(n, per16) for n in sizes])
-    block = torch.empty(starts[-1] + align(sizes[-1], per16) if sizes else 0, dtype=dtype, device=device)
-    return [None if shape is None else block[a: a + n].view(shape) for shape, a, n in zip(shapes, starts, sizes)]
+    """Fresh tensors of `shapes` (None: no tensor) as views of one allocation, each starting on 16 bytes: one
+    allocation and one split, since every torch call costs host time on every call."""
+    per16 = 16 // dtype.itemsize
+    pieces = []  # each tensor, then its padding to 16 bytes
+    for shape in shapes:
+        n = 0 if shape is None else math.prod(shape)
+        pieces += [n, align(n, per16) - n]
+    parts = torch.empty(sum(pieces), dtype=dtype, device=device).split_with_sizes(pieces)
+    return [None if shape is None else parts[2 * i] if len(shape) == 1 else parts[2 * i].view(shape)
+            for i, shape in enumerate(shapes)]
 
 
 def ptr_or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:

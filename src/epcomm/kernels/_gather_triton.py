@@ -2,7 +2,8 @@
 its staging area or, for its own rows, straight into its outputs. An eager call on a host where a launch costs tens
 of microseconds pays one launch here instead of two `index_select`s per field.
 
-Every field is moved as int32 words (callers check that rows are whole words); all tensors are row-contiguous.
+Every field is moved as int32 words, whatever its dtype (callers check that rows are whole words and that every
+tensor starts on 4 bytes); all tensors are row-contiguous.
 """
 
 import triton
@@ -10,32 +11,34 @@ import triton.language as tl
 
 
 @triton.jit
-def _copy_row(src_ptr, stage_ptr, out_ptr, t, row, own, ww, W: tl.constexpr):
-    v = tl.load(src_ptr + t * W + ww, mask=ww < W)
-    tl.store(out_ptr + row * W + ww, v, mask=ww < tl.where(own != 0, W, 0))
-    tl.store(stage_ptr + row * W + ww, v, mask=ww < tl.where(own != 0, 0, W))
+def _copy_row(src_ptr, stage_ptr, out_ptr, t, row, own, out_lo, ww, W: tl.constexpr):
+    words = tl.pointer_type(tl.int32)
+    v = tl.load(src_ptr.to(words) + t * W + ww, mask=ww < W)
+    tl.store(out_ptr.to(words) + (out_lo + row) * W + ww, v, mask=ww < tl.where(own != 0, W, 0))
+    tl.store(stage_ptr.to(words) + row * W + ww, v, mask=ww < tl.where(own != 0, 0, W))
 
 
-@triton.jit(do_not_specialize=["own_lo", "own_hi"])
+@triton.jit(do_not_specialize=["own_lo", "own_hi", "out_lo"])
 def gather_fields(
-    idx_ptr, own_lo, own_hi,
+    idx_ptr, own_lo, own_hi, out_lo,
     src0, stage0, out0, src1, stage1, out1, src2, stage2, out2, src3, stage3, out3,
     W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
     P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Program (x, c): send row x, which is row `idx[x]` of every source. Block c of field 0's words; c = 0 also
-    fields 1-3 (W = 0: no field; P: the next power of 2 of W). Send rows own_lo .. own_hi - 1 are this rank's rows
-    for itself and go to `out[x - own_lo]`; the others to `stage[x]` (x < own_lo) or `stage[x - own rows]`."""
+    """Program (x, c): send row x, which is row `idx[x]` of every source. Block c of field 0's words (W0 words a row);
+    c = 0 also fields 1-3 (W = 0: no field; P: the next power of 2 of W). Send rows own_lo .. own_hi - 1 are this
+    rank's rows for itself and go to `out[out_lo + x - own_lo]`; the others to `stage[x]` (x < own_lo) or
+    `stage[x - own rows]`."""
     x = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(idx_ptr + x)
     own = ((x >= own_lo) & (x < own_hi)).to(tl.int32)
     row = tl.where(own != 0, x - own_lo, tl.where(x < own_lo, x, x - (own_hi - own_lo)))
-    _copy_row(src0, stage0, out0, t, row, own, c * BLOCK + tl.arange(0, BLOCK), W0)
+    _copy_row(src0, stage0, out0, t, row, own, out_lo, c * BLOCK + tl.arange(0, BLOCK), W0)
     if c == 0:
         if W1 > 0:
-            _copy_row(src1, stage1, out1, t, row, own, tl.arange(0, P1), W1)
+            _copy_row(src1, stage1, out1, t, row, own, out_lo, tl.arange(0, P1), W1)
         if W2 > 0:
-            _copy_row(src2, stage2, out2, t, row, own, tl.arange(0, P2), W2)
+            _copy_row(src2, stage2, out2, t, row, own, out_lo, tl.arange(0, P2), W2)
         if W3 > 0:
-            _copy_row(src3, stage3, out3, t, row, own, tl.arange(0, P3), W3)
+            _copy_row(src3, stage3, out3, t, row, own, out_lo, tl.arange(0, P3), W3)

@@ -43,6 +43,19 @@ _HEADER_COLS = 1024 + 64
 _RETURN_CHUNKS_CAPTURED = 3
 
 
+class _EventWork:
+    """A CUDA event as the work the base class's bounded wait polls (`is_completed`, `wait`)."""
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
 class NVLinkTransport(Transport):
     name = "nvlink"
     # Received rows (sync-free calls) and returned rows (the combine's push) are views of a reused area: the
@@ -138,20 +151,15 @@ class NVLinkTransport(Transport):
                              EX_COLS=c, HDR_COLS=_HEADER_COLS, C_POW2=triton.next_power_of_2(c))
         self.barrier()
         recv = self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
+        host = torch.empty((r, c), dtype=torch.int64, pin_memory=True)
+        host.copy_(recv, non_blocking=True)  # read after the bounded wait (a blocking read could wait forever)
         self._host_wait("count exchange", call_id)
-        return recv, recv.tolist()
+        return recv, host.numpy().tolist()
 
     def _host_wait(self, what: str, call_id: int) -> None:
         event = torch.cuda.Event()
         event.record()
-
-        class _Work:  # the base class's bounded wait polls any object with is_completed/wait
-            def is_completed(self):
-                return event.query()
-
-            def wait(self):
-                event.synchronize()
-        self.wait(_Work(), what, call_id)
+        self.wait(_EventWork(event), what, call_id)
 
     def dispatch_rows(
         self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int

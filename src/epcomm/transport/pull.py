@@ -166,9 +166,10 @@ _WORDS_PER_PROGRAM = 1024
 
 
 def _gathers_in_one_launch(moves: list, row_bytes: list) -> bool:
-    """CUDA tensors, at most four fields, rows of whole 4-byte words."""
+    """CUDA tensors, at most four fields, rows of whole 4-byte words, every tensor starting on 4 bytes."""
     return (moves[0][0].device.type == "cuda" and len(moves) <= _MAX_FIELDS
-            and all(b % 4 == 0 and b for b in row_bytes))
+            and all(b % 4 == 0 and b for b in row_bytes)
+            and all(src.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0 for src, out in moves))
 
 
 def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int) -> None:
@@ -177,7 +178,7 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
 
     Args:
         moves: up to four `(src [T, ...], out [num_recv, ...])` pairs, row-contiguous, any dtype, rows of whole
-            4-byte words (`_gathers_in_one_launch`); send row x is `src[plan.send_idx[x]]`.
+            4-byte words, starting on 4 bytes (`_gathers_in_one_launch`); send row x is `src[plan.send_idx[x]]`.
         row_bytes: bytes of one row of each field.
         stage_views: one `[staged rows, ...]` view of my staging area per field, or None.
         lo: output row of my first row for myself.
@@ -190,26 +191,18 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
     if not num_send:
         return
     order = sorted(range(len(moves)), key=lambda i: -row_bytes[i])  # the widest field spans the programs' blocks
-    n_self = plan.own_rows[1] - plan.own_rows[0]
     args, widths = [], []
-    for i in order:
+    for i in order:  # the tensors as they are: the kernel reads and writes their rows as int32 words
         src, out = moves[i]
-        words = row_bytes[i] // 4
-        stage = stage_views[i] if stage_views is not None else out
-        args += [_words(src, words), _words(stage, words), _words(out[lo: lo + n_self], words)]
-        widths.append(words)
+        args += [src, stage_views[i] if stage_views is not None else out, out]
+        widths.append(row_bytes[i] // 4)
     while len(widths) < _MAX_FIELDS:
         args += args[:3]
         widths.append(0)
     gather_fields[(num_send, triton.cdiv(widths[0], _WORDS_PER_PROGRAM))](
-        plan.send_idx, plan.own_rows[0], plan.own_rows[1], *args, W0=widths[0], W1=widths[1], W2=widths[2],
+        plan.send_idx, plan.own_rows[0], plan.own_rows[1], lo, *args, W0=widths[0], W1=widths[1], W2=widths[2],
         W3=widths[3], P1=triton.next_power_of_2(max(widths[1], 1)), P2=triton.next_power_of_2(max(widths[2], 1)),
         P3=triton.next_power_of_2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, num_warps=4)
-
-
-def _words(t: torch.Tensor, words: int) -> torch.Tensor:
-    """A row-contiguous tensor as [rows, words] int32."""
-    return t.view(torch.uint8).reshape(t.shape[0], words * 4).view(torch.int32)
 
 
 def _on(stream: Optional["torch.cuda.Stream"]):
