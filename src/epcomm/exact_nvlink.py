@@ -32,6 +32,7 @@ import torch
 
 from . import agreement, envs, epilogue, pipeline, recv_plan
 from .debug import phase
+from .kernels.launch import launch
 from .layout import SendLayout
 from .moves import Route
 from .validate import Checker, check_topk_values
@@ -99,7 +100,7 @@ def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list
     tc = max(16, min(128, _TOKEN_ELEMS // (k_pow2 * max(k_pow2, r_pow2))))  # powers of 2 throughout
     tl_ = max(tc, min(1024, _COUNT_ELEMS // (k_pow2 * r_pow2)))  # tokens per step of the count loop
     if num_tokens:  # no tokens: every count is the zero `ex` already holds
-        k.send_plan[(triton.cdiv(num_tokens, tc),)](
+        launch(k.send_plan, (triton.cdiv(num_tokens, tc),),
             topk, token_slot_TR, last_pos_TR, send_row_TR, send_src, dst_slot_TK, routing_TK1, ex,
             num_tokens, topk.stride(0), rank, N=call.n, K=num_topk, R=num_ranks, L=num_local, EX_COLS=cols,
             CNT_COL=agreement.HEADER_LEN, K_POW2=k_pow2, R_POW2=r_pow2, TC=tc, TL=tl_, num_warps=4)

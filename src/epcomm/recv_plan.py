@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import epilogue, layout, pipeline
 from .debug import phase
+from .kernels.launch import launch
 from .moves import row_bytes
 from .sizing import align
 
@@ -85,7 +86,7 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
                   chunk_rows=chunk_rows)
     recv_idx = out["recv_topk_idx"]
     with phase("plan_kernels"):
-        k.dispatch_plan_rows[(num_chunks,)](
+        launch(k.dispatch_plan_rows, (num_chunks,),
             counts[0], routing[0], counts_ptr=out["counts_R"], out_src_ptr=out["out_src_M"],
             buf_out_ptr=out["buf_out_X"], src_rank_ptr=out["src_rank_M"], valid_ptr=out["valid_M"],
             psum_rank_ptr=out["psum_rank"], recv_idx_ptr=ptr_or(recv_idx, meta), WRITE_IDX=recv_idx is not None,
@@ -93,7 +94,7 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
             rt_stride=routing[2], topk_off=routing[3], g_off=routing[4], N=call.n, R=num_ranks, HDR_COLS=counts[2],
             BLOCKED=blocked, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **common, **w_rec, **w_bits,
             **shape)
-        k.dispatch_plan_experts[(num_chunks if call.do_expand else 1,)](
+        launch(k.dispatch_plan_experts, (num_chunks if call.do_expand else 1,),
             out_src_ptr=out["out_src_M"], unaligned_ptr=out["unaligned_L"], start_ptr=out["start_L"],
             psum_expert_ptr=out["psum_expert"], unaligned32_ptr=out["unaligned32"],
             stats_ptr=ptr_or(stats, out["unaligned32"]), row_ptr_ptr=ptr_or(out["row_ptr_MK"], meta),
@@ -167,7 +168,7 @@ def place(call: pipeline.DispatchCall, plan: pipeline.Plan, sources: dict, with_
     if rows:
         (x_src, x_off, x_stride), (sf_src, sf_off, sf_stride), (w_src, w_off, w_stride) = (
             sources.get(name, sources["x"]) for name in ("x", "sf", "w"))
-        k.dispatch_place[(rows, triton.cdiv(words, WORDS_PER_PROGRAM))](
+        launch(k.dispatch_place, (rows, triton.cdiv(words, WORDS_PER_PROGRAM)),
             x_src, sf_src, w_src, plan.out_src_M, ptr_or(plan.pair_S, plan.out_src_M),
             out.view(torch.uint8).view(torch.int32), sf_out.view(torch.int32) if sf_out is not None else out,
             as_bits(w_out) if w_out is not None else out, plan.recv.local_idx_MK,

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .launch import launch as launch_direct
+
 
 # Per-call integers: one compiled variant for all their values (Triton would specialise chunk 1 or an own range
 # starting at 0 or at a multiple of 16 into variants of their own).
@@ -79,7 +81,7 @@ def launch(rows, item, bias0, bias1, out, num_programs: int = 0, block_t: int = 
     block_h = min(block_h, triton.next_power_of_2(max(hidden, 16)))
     tiles = triton.cdiv(triton.cdiv(num_tokens, num_chunks), block_t) * triton.cdiv(hidden, block_h)
     grid = (min(tiles, num_programs) if num_programs > 0 else tiles,)
-    _canonical_reduce_kernel[grid](
+    launch_direct(_canonical_reduce_kernel, grid,
         rows, item, bias0 if bias0 is not None else out, bias1 if bias1 is not None else out, out,
         tokens if tokens is not None else item, bounds if bounds is not None else item,
         own if own is not None else rows,

@@ -27,6 +27,7 @@ from torch import Tensor
 from .. import envs, streams
 from ..debug import phase
 from ..kernels import push
+from ..kernels.launch import launch
 from ..moves import chunk_count
 from ..moves import row_bytes as moves_row_bytes
 from ..sizing import align
@@ -147,7 +148,7 @@ class NVLinkTransport(Transport):
         r, c = send_RC.shape
         assert c <= _HEADER_COLS
         self.barrier()  # every peer has read the previous call's headers
-        k.publish_rows[(r,)](send_RC, self.region.local, self.region.delta16, self._headers_off, self.rank,
+        launch(k.publish_rows, (r,), send_RC, self.region.local, self.region.delta16, self._headers_off, self.rank,
                              EX_COLS=c, HDR_COLS=_HEADER_COLS, C_POW2=triton.next_power_of_2(c))
         self.barrier()
         recv = self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()

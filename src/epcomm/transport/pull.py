@@ -27,6 +27,7 @@ import torch
 
 from .. import envs
 from ..debug import phase
+from ..kernels.launch import launch
 from ..moves import chunk_bounds, chunk_count, offsets, pull_weights
 from ..sizing import align
 
@@ -199,7 +200,7 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
     while len(widths) < _MAX_FIELDS:
         args += args[:3]
         widths.append(0)
-    gather_fields[(num_send, triton.cdiv(widths[0], _WORDS_PER_PROGRAM))](
+    launch(gather_fields, (num_send, triton.cdiv(widths[0], _WORDS_PER_PROGRAM)),
         plan.send_idx, plan.own_rows[0], plan.own_rows[1], lo, *args, W0=widths[0], W1=widths[1], W2=widths[2],
         W3=widths[3], P1=triton.next_power_of_2(max(widths[1], 1)), P2=triton.next_power_of_2(max(widths[2], 1)),
         P3=triton.next_power_of_2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, num_warps=4)
