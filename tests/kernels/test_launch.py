@@ -1,46 +1,101 @@
-"""kernels/launch.py: a direct launch of a compiled Triton kernel gives what `kernel[grid](...)` gives, takes the
-direct path on a GPU (no silent fallback), and keys its variants by the specialisation Triton computes (an input
-off 16-byte alignment gets a variant of its own). On CPU every launch goes the usual way."""
+"""kernels/launch.py: direct launches of compiled Triton kernels.
+
+On CPU: a fake kernel checks that the cache key separates everything Triton specialises on (dtype, 16-byte
+alignment, integers 1 / multiples of 16 / 64-bit, constexpr values, launch options) and nothing finer for runtime
+integers, that the compiled kernel gets every argument in signature order with a 3-d grid, and that without CUDA
+every launch goes the usual way. On a GPU: the direct path is taken for the reduction kernel and matches torch."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from epcomm.kernels import launch as launch_mod
-from epcomm.kernels.reduce import canonical_reduce, canonical_reduce_torch
 
 
+class FakeKernel:
+    """Parameters (a, n, B: constexpr); `warmup` compiles a recorder of launches."""
+
+    def __init__(self):
+        self.params = [SimpleNamespace(name="a", is_constexpr=False), SimpleNamespace(name="n", is_constexpr=False),
+                       SimpleNamespace(name="B", is_constexpr=True)]
+        self.compiles, self.launches, self.usual = [], [], []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.compiles.append((args, kwargs))
+        variant = len(self.compiles)
+        kernel = self
+
+        class Compiled:
+            def __getitem__(self, grid3):
+                return lambda *values: kernel.launches.append((variant, grid3, values))
+        return Compiled()
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.usual.append((grid, args, kwargs))
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(launch_mod, "_compiled", {})
+    monkeypatch.setattr(launch_mod, "_params", {})
+    monkeypatch.setattr(launch_mod, "_usual_way", set())
+
+
+def test_key_separates_what_triton_specialises(fresh, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    k = FakeKernel()
+    buf = torch.zeros(64)
+    aligned, misaligned = buf[:8], buf[1:9]  # 0 and 4 bytes past a 16-byte boundary (a fresh tensor is aligned)
+    calls = [  # (args, kwargs, expected variant)
+        ((aligned, 5), dict(B=3, num_warps=4), 1),
+        ((aligned, 7), dict(B=3, num_warps=4), 1),  # another runtime int of the same class: no new variant
+        ((buf[4:12], 5), dict(B=3, num_warps=4), 1),  # 16 bytes in: aligned as well
+        ((misaligned, 5), dict(B=3, num_warps=4), 2),
+        ((aligned, 1), dict(B=3, num_warps=4), 3),
+        ((aligned, 32), dict(B=3, num_warps=4), 4),
+        ((aligned, 48), dict(B=3, num_warps=4), 4),
+        ((aligned, 2 ** 40), dict(B=3, num_warps=4), 5),  # a 64-bit int
+        ((aligned, 5), dict(B=4, num_warps=4), 6),  # constexpr value
+        ((aligned, 5), dict(B=3, num_warps=8), 7),  # launch option
+        ((aligned.double(), 5), dict(B=3, num_warps=4), 8),  # dtype
+        ((aligned,), dict(n=5, B=3, num_warps=4), 1),  # by keyword: same key
+    ]
+    for args, kwargs, variant in calls:
+        launch_mod.launch(k, (9, 2), *args, **kwargs)
+        got_variant, grid3, values = k.launches[-1]
+        assert got_variant == variant, (args, kwargs)
+        assert grid3 == (9, 2, 1) and values[1:] == (args[1] if len(args) > 1 else kwargs["n"], kwargs["B"])
+        assert values[0] is args[0]
+    assert len(k.compiles) == 8 and not k.usual
+
+
+def test_cpu_launches_go_the_usual_way(fresh):
+    """Without CUDA the preparation fails and the kernel is launched as `kernel[grid](...)` from then on."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine prepares direct launches")
+    k = FakeKernel()
+    launch_mod.launch(k, (3,), torch.zeros(2), 4, B=1)
+    launch_mod.launch(k, (3,), torch.zeros(2), 5, B=1)
+    got = [(grid, args[1:], kwargs) for grid, args, kwargs in k.usual]
+    assert got == [((3,), (4,), {"B": 1}), ((3,), (5,), {"B": 1})]
+    assert k in launch_mod._usual_way and not k.compiles
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_direct_launch_matches_torch_and_keys_alignment():
+def test_direct_launch_on_gpu_matches_torch():
     pytest.importorskip("triton")
     from epcomm.kernels import _reduce_triton
+    from epcomm.kernels.reduce import canonical_reduce, canonical_reduce_torch
 
     gen = torch.Generator().manual_seed(3)
     kernel = _reduce_triton._canonical_reduce_kernel
-    for offset in (0, 1, 0):  # aligned, misaligned by 4 bytes, aligned again (a cache hit)
+    for offset in (0, 1, 0):  # aligned, 4 bytes off, aligned again (a cache hit)
         rows = (torch.randn(64 * 300 + 8, generator=gen) * 10).cuda()[offset: offset + 64 * 300].view(64, 300)
         item = torch.randint(-1, 64, (24, 5), generator=gen).cuda()
         bias = torch.randn(24, 300, generator=gen).cuda()
-        got = canonical_reduce(rows, item, bias)
-        assert torch.equal(got, canonical_reduce_torch(rows, item, bias))
+        assert torch.equal(canonical_reduce(rows, item, bias), canonical_reduce_torch(rows, item, bias))
     assert kernel not in launch_mod._usual_way
-    variants = [key for key in launch_mod._compiled if key[0] is kernel]
-    aligned = {("D" in str(spec_rows)) for (_, _, spec, _) in variants for spec_rows in spec[:1]}
-    assert len(variants) >= 2 and aligned == {True, False}, variants
-
-
-def test_cpu_launches_go_the_usual_way():
-    """Without CUDA the preparation fails and the kernel is launched as `kernel[grid](...)`."""
-    calls = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
-
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA machine prepares direct launches")
-    k = Kernel()
-    launch_mod.launch(k, (3,), 1, 2, A=4)
-    assert calls == [((3,), (1, 2), {"A": 4})] and k in launch_mod._usual_way
+    rows_keys = {key[3][0] for key in launch_mod._compiled if key[0] is kernel}  # (dtype, aligned) of `rows`
+    assert rows_keys == {(torch.float32, True), (torch.float32, False)}, rows_keys

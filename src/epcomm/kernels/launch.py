@@ -1,50 +1,79 @@
 """Eager launches of Triton kernels at a fraction of the host cost of `kernel[grid](...)`.
 
-An eager CPU-synced dispatch on nvlink launches five Triton kernels and is bound by host time. Triton 3.6's
-`kernel[grid](...)` costs the host 40-100 us per launch for kernels of 20-60 arguments (2x H200 hosts; measured
-by wrapping `JITFunction.run`), much of it turning the argument specialisation into a string key on every call.
-`launch` binds the arguments with the kernel's own binder (the specialisation Triton computes, so the compiled
-variant Triton would pick), keys its own cache by that specialisation as a tuple, and launches the compiled
-kernel directly, as `transport/symm.py` does for the barrier kernel.
+An eager CPU-synced dispatch on nvlink launches five Triton kernels and is bound by host time. `kernel[grid](...)`
+costs the host 40-100 us per launch for kernels of 15-60 arguments (2x H200 hosts, Triton 3.6, measured by wrapping
+`JITFunction.run`), most of it in Triton's binder, which specialises every argument in ~3 us per tensor. `launch`
+keys its own cache with a cheaper description of the arguments that is at least as fine as Triton's
+specialisation, and launches the compiled kernel directly, as `transport/symm.py` does for the barrier kernel:
 
-Triton's internals move between releases: if binding or compiling through them fails, the kernel is launched the
-usual way from then on (and under the interpreter, `TRITON_INTERPRET=1`, always). Triton's runtime settings
-(`TRITON_DEBUG` and the like) are read when a variant is first compiled, not on every launch.
+* tensors: dtype and whether the address is a multiple of 16 bytes (Triton's alignment specialisation);
+* integers of runtime parameters: 1 or not, a multiple of 16 or not, 32- or 64-bit (all Triton looks at);
+* constexpr parameters, booleans, None and strings: their values; other floats: one class;
+* the launch options (`num_warps`, ...) and the device.
+
+Two calls with one key get one specialisation, so the variant Triton compiled (`kernel.warmup`) for the first is the
+one it would pick for the second. If anything fails before the launch (another Triton's internals), the kernel is
+launched the usual way from then on, and always under the interpreter (`TRITON_INTERPRET=1`) or without CUDA.
+Triton's runtime settings (`TRITON_DEBUG` and the like) count when a variant is first compiled, not per launch.
 """
 
 from __future__ import annotations
 
 import torch
 
-_compiled: dict = {}  # (kernel, device, specialisation, options) -> Triton's compiled kernel
+_compiled: dict = {}  # (kernel, device, options, argument key) -> Triton's compiled kernel
+_params: dict = {}  # kernel -> (parameter names, their set, runtime parameters' indices, constexprs' indices)
 _usual_way: set = set()  # kernels whose direct launch failed to prepare
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` (grid of up to 3 ints), launched directly once compiled."""
-    compiled, bound = _prepare(kernel, grid, args, kwargs)
+    compiled, values = _prepare(kernel, grid, args, kwargs)
     if compiled is None:
         kernel[grid](*args, **kwargs)
         return
-    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    compiled[grid3](*bound.values())
+    compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*values)
+
+
+def _arg_key(value, _tensor=torch.Tensor):
+    kind = type(value)
+    if kind is int:
+        return value == 1, value % 16 == 0, -2 ** 31 <= value < 2 ** 31, value < 2 ** 63
+    if kind is bool or value is None or kind is str:
+        return value
+    if isinstance(value, _tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, int):  # an int subclass
+        return _arg_key(int(value))
+    if isinstance(value, float):
+        return float
+    return value  # anything else (a Triton dtype, ...) by value: must be hashable
 
 
 def _prepare(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
-    """(compiled kernel, bound arguments in signature order), or (None, None) to launch the usual way."""
+    """(compiled kernel, every argument in signature order), or (None, None) to launch the usual way."""
     if kernel in _usual_way:
         return None, None
     try:
-        device = torch.cuda.current_device()
-        bound, specialisation, options = kernel.device_caches[device][-1](*args, **kwargs)  # Triton's binder
-        key = (kernel, device, tuple(specialisation), tuple(options.items()))
+        params = _params.get(kernel)
+        if params is None:
+            names = [p.name for p in kernel.params]
+            runtime = [i for i, p in enumerate(kernel.params) if not p.is_constexpr]
+            constexpr = [i for i, p in enumerate(kernel.params) if p.is_constexpr]
+            params = _params[kernel] = (names, frozenset(names), runtime, constexpr)
+        names, name_set, runtime, constexpr = params
+        values = list(args)
+        values += [kwargs[name] for name in names[len(args):]]
+        options = tuple((k, v) for k, v in kwargs.items() if k not in name_set)  # num_warps, ...
+        key = (kernel, torch.cuda.current_device(), options, tuple([_arg_key(values[i]) for i in runtime]),
+               tuple([values[i] for i in constexpr]))
         compiled = _compiled.get(key)
         if compiled is None:
             compiled = kernel.warmup(*args, grid=grid, **kwargs)
             if compiled is None or not hasattr(compiled, "__getitem__"):
                 raise TypeError("warmup returned no compiled kernel")
             _compiled[key] = compiled
-        return compiled, bound
-    except Exception:  # the interpreter, another Triton's internals: the usual path from now on
+        return compiled, values
+    except Exception:  # no CUDA, the interpreter, another Triton's internals: the usual path from now on
         _usual_way.add(kernel)
         return None, None
