@@ -66,6 +66,10 @@ def scenarios():
         "x_3d": bad(x=lambda a: a["x"].unsqueeze(0)),
         "x_hidden_zero": bad(x=lambda a: a["x"][:, :0]),
         "x_meta_device": bad(x=lambda a: a["x"].to("meta")),
+        "x_sparse": bad(x=lambda a: a["x"].to_sparse()),
+        "topk_idx_sparse": bad(topk_idx=lambda a: a["topk_idx"].to_sparse()),
+        "weights_sparse": bad(topk_weights=lambda a: a["topk_weights"].to_sparse()),
+        "fp8_scales_no_columns": bad(x=lambda a: (a["x"].float().to(torch.float8_e4m3fn), torch.ones(6, 0))),
         "x_tuple_len3": bad(x=lambda a: (a["x"], a["x"], a["x"])),
         "too_many_tokens": bad(x=lambda a: torch.randn(N + 1, H).bfloat16(),
                                topk_idx=lambda a: torch.full((N + 1, K), -1, dtype=torch.int64),
@@ -84,6 +88,7 @@ def scenarios():
         "num_experts_not_multiple": bad(num_experts=lambda a: 7),
         "num_experts_missing": bad(num_experts=lambda a: None),
         "alignment_zero": bad(expert_alignment=lambda a: 0),
+        "alignment_huge": bad(expert_alignment=lambda a: 2 ** 40),
         "zero_padding_without_expand": bad(do_zero_padding=lambda a: True),
         "expert_ids_without_expand": bad(emit_expert_ids=lambda a: True),
         "defer_without_async": bad(defer_epilogue=lambda a: True),
@@ -99,6 +104,7 @@ def scenarios():
         "disagree_dtype": bad(x=lambda a: a["x"].half()),
         "disagree_sync": bad(do_cpu_sync=lambda a: False),
         "combine_rows": combine(lambda a, x: a.update(x=a["x"][:-1])),
+        "combine_x_sparse": combine(lambda a, x: a.update(x=a["x"].to_sparse())),
         "combine_x_fp8_tuple": combine(lambda a, x: a.update(x=(a["x"], a["x"]))),
         "combine_bias_len3": combine(lambda a, x: a.update(bias=(x, x, x))),
         "combine_bias_shape": combine(lambda a, x: a.update(bias=x[:-1])),
@@ -206,6 +212,28 @@ def missing_peer(rank: int, world: int, timeout_s: float):
             after = str(e2)
         return str(e), elapsed, after
     return None
+
+
+def late_rank_with_bad_value(rank: int, world: int, timeout_s: float):
+    """Rank 1 calls dispatch after rank 0 has given up waiting for it, with a bad expert id: its header exchange
+    pairs with rank 0's abandoned one and shows its own failure, and the message gather that follows is bounded
+    too: rank 1 raises a timeout naming rank 0 within its own timeout instead of waiting while rank 0 lives."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)
+    x, idx, w = _inputs(rank)
+    if rank == 1:
+        time.sleep(timeout_s + 1)
+        idx = idx.clone()
+        idx[0, 0] = E + 5
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, idx, w, num_experts=E)
+        outcome = "returned"
+    except (TimeoutError, ValueError) as e:
+        outcome = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    if rank == 0:
+        time.sleep(timeout_s + 6)  # alive (and out of the collective) until rank 1 is done
+    return outcome, elapsed
 
 
 def missing_at_construction(rank: int, world: int, timeout_s: float):

@@ -20,6 +20,11 @@ EXPECTED = {
     "x_hidden_zero": (ValueError, r"x has shape \(6, 0\): hidden must be >= 1"),
     "x_meta_device": (ValueError, r"x is on meta but the buffer lives on cpu"),
     "x_tuple_len3": (ValueError, r"x as a tuple must be \(data, scales\), got 3 elements"),
+    "x_sparse": (TypeError, r"x must be a dense \(strided\) tensor, got layout torch\.sparse_coo"),
+    "topk_idx_sparse": (TypeError, r"topk_idx must be a dense \(strided\) tensor, got layout torch\.sparse_coo"),
+    "weights_sparse": (TypeError, r"topk_weights must be a dense \(strided\) tensor, got layout torch\.sparse_coo"),
+    "fp8_scales_no_columns": (ValueError, r"x\[1\] \(scales\) has shape \(6, 0\): it needs at least one column"),
+    "combine_x_sparse": (TypeError, r"x must be a dense \(strided\) tensor, got layout torch\.sparse_coo"),
     "too_many_tokens": (ValueError, r"x has 17 tokens but num_max_tokens_per_rank is 16"),
     "topk_idx_float": (TypeError, r"topk_idx must have dtype in \(torch\.int64, torch\.int32\), got torch\.float32"),
     "topk_idx_rows": (ValueError, r"topk_idx must have shape \[6, \*\], got \(5, 2\)"),
@@ -34,6 +39,7 @@ EXPECTED = {
     "num_experts_not_multiple": (ValueError, r"num_experts=7 must be a multiple of the group size 2"),
     "num_experts_missing": (ValueError, r"num_experts is required for a non-cached dispatch"),
     "alignment_zero": (ValueError, r"expert_alignment must be >= 1, got 0"),
+    "alignment_huge": (ValueError, r"expert_alignment=1099511627776 is too large: with 4 local experts"),
     "zero_padding_without_expand": (ValueError, r"do_zero_padding=True requires do_expand=True"),
     "expert_ids_without_expand": (ValueError, r"emit_expert_ids=True requires do_expand=True"),
     "defer_without_async": (ValueError, r"defer_epilogue=True requires async_with_compute_stream=True"),
@@ -122,6 +128,15 @@ def test_missing_peer_times_out_naming_it():
     assert elapsed < 3.0 + 5.0, elapsed
     assert "unusable after an earlier failure" in after
     assert results[1] == "skipped"
+
+
+def test_late_rank_with_a_bad_value_times_out_in_the_message_gather():
+    """The message gather of a failed call is bounded like every host wait (agreement.gather_messages)."""
+    results = run_in_fresh_world(2, error_cases.late_rank_with_bad_value, 2.0, timeout=60)
+    (msg0, elapsed0), (msg1, elapsed1) = results
+    assert msg0.startswith("TransportTimeout") and "group ranks [1] did not arrive" in msg0, msg0
+    assert msg1.startswith("TransportTimeout") and "rank 1 waited 2 s" in msg1, msg1  # not gloo's 30 min
+    assert elapsed1 < 2.0 + 4.0, elapsed1
 
 
 def test_missing_peer_at_construction_times_out_naming_it():

@@ -69,6 +69,25 @@ def pack(header_row: list, counts_R: Optional[Tensor], num_ranks: int, device: t
     return send
 
 
+MESSAGE_BYTES = 2048  # of each rank's error message the failure exchange carries (an nvlink header holds 8704)
+
+
+def gather_messages(exchange: Callable[[Tensor], Tensor], msg: str, num_ranks: int,
+                    device: torch.device) -> list:
+    """Every rank's `msg` (its first MESSAGE_BYTES bytes of UTF-8), through `exchange`: the caller's bounded
+    all-to-all of an [R, C] int64 tensor (row r to rank r; returns row s from rank s). A failed call gathers the
+    messages this way rather than with `dist.all_gather_object`, whose wait has no bound, so a rank that arrives
+    after its peers gave up raises a timeout naming them instead of waiting for ever."""
+    data = msg.encode("utf-8")[:MESSAGE_BYTES]
+    row = torch.zeros(1 + MESSAGE_BYTES // 8, dtype=torch.int64)
+    row[0] = len(data)
+    if data:
+        row[1:].view(torch.uint8)[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    recv = exchange(row.expand(num_ranks, -1).contiguous().to(device)).cpu()
+    return [bytes(recv[s, 1:].view(torch.uint8)[:int(recv[s, 0])].tolist()).decode("utf-8", errors="replace")
+            for s in range(num_ranks)]
+
+
 def check(
     call: str, rank: int, recv_RC: list, local_error: Optional[BaseException], gather_messages: Callable[[str], list]
 ) -> None:
@@ -77,7 +96,8 @@ def check(
     Args:
         recv_RC: the received headers as host lists, row s from group rank s.
         local_error: this rank's own check failure, or None.
-        gather_messages: all-gathers one string per rank (only called when some rank failed).
+        gather_messages: gathers one string per rank, bounded (`gather_messages` above; only called when some
+            rank failed).
     """
     failed = [s for s, row in enumerate(recv_RC) if row[0] != STATUS_OK]
     if failed:

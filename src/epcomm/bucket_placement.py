@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agreement import STATUS_OK, STATUS_TYPE, status_of
+from .agreement import STATUS_OK, STATUS_TYPE, gather_messages, status_of
 from .comm import CommContext
 from .events import EventHandle, EventOverlap
 
@@ -207,8 +207,8 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
     rows = ctx.exchange(torch.tensor([row] * ctx.num_ranks, dtype=torch.int64), f"{call} header").tolist()
     failed = [r for r, got in enumerate(rows) if got[0] != STATUS_OK]
     if failed:
-        messages = [None] * ctx.num_ranks
-        dist.all_gather_object(messages, str(err) if err is not None else "", group=ctx.group)
+        messages = gather_messages(lambda t: ctx.exchange(t, f"{call} messages"), str(err) if err is not None else "",
+                                   ctx.num_ranks, torch.device("cpu"))
         if err is not None:
             raise err
         exc = TypeError if rows[failed[0]][0] == STATUS_TYPE else ValueError

@@ -211,8 +211,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         rows = rows.tolist()
         failed = [s for s, row in enumerate(rows) if row[4] != agreement.STATUS_OK]
         if failed:
-            messages = [None] * self.num_ranks
-            dist.all_gather_object(messages, str(err) if err is not None else "", group=self.group)
+            messages = agreement.gather_messages(
+                lambda t: self.transport.exchange_counts(t, wait=True, call_id=0), str(err) if err is not None else "",
+                self.num_ranks, self.device)
             self._destroyed = True
             if err is not None:
                 raise err
@@ -432,12 +433,13 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
     def agree(self, call: str, recv_rows: list, local_error: Optional[BaseException]) -> None:
         """Raise on every rank when any rank failed or the ranks disagree (see agreement.py)."""
-        def gather(msg: str) -> list:
-            out = [None] * self.num_ranks
-            dist.all_gather_object(out, msg, group=self.group)
-            return out
         # Ranks that got out of step resume at the furthest call, so a caller that recovers can go on.
         self._call_id = max(self._call_id, max(row[1] for row in recv_rows))
+
+        def gather(msg: str) -> list:
+            return agreement.gather_messages(
+                lambda t: self.transport.exchange_counts(t, wait=True, call_id=self._call_id), msg, self.num_ranks,
+                self.device)
         agreement.check(call, self.rank, recv_rows, local_error, gather)
 
     def _reject(self, call: str, err: BaseException) -> None:

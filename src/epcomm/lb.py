@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import lb_nvlink, lb_sum, sizing
+from . import agreement, lb_nvlink, lb_sum, sizing
 from .allocator import BufferAllocator
 from .events import EventHandle, EventOverlap
 from .validate import Checker
@@ -369,8 +369,9 @@ class LoadBalancingMixin:
             self._call_id = max(self._call_id, max(r[1] for r in recv))
         failed = [s for s, r in enumerate(recv) if r[0] != 0]
         if failed:
-            messages = [None] * self.num_ranks
-            dist.all_gather_object(messages, str(err) if err is not None else "", group=self.group)
+            messages = agreement.gather_messages(
+                lambda t: self.transport.exchange_counts(t, wait=True, call_id=call_id),
+                str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err
             raise _EXC.get(recv[failed[0]][0], ValueError)(

@@ -32,6 +32,8 @@ class Checker:
     def tensor(self, name: str, t, *, ndim: int, dtypes: tuple, shape: Optional[tuple] = None) -> Tensor:
         if not isinstance(t, Tensor):
             self.fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:  # sparse, mkldnn, ...: the data path reads strided memory
+            self.fail(TypeError, f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dim() != ndim:
             self.fail(ValueError, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
         if t.dtype not in dtypes:
@@ -91,6 +93,8 @@ def check_x(c: Checker, x, *, allow_fp8: bool) -> XSpec:
         data = c.tensor("x[0] (FP8 data)", x[0], ndim=2, dtypes=FP8_DTYPES)
         sf = c.tensor("x[1] (scales)", x[1], ndim=2, dtypes=(torch.float32, torch.int32), shape=(data.shape[0], None))
         _require_hidden(c, "x[0] (FP8 data)", data)
+        c.require(sf.shape[1] >= 1, f"x[1] (scales) has shape {tuple(sf.shape)}: it needs at least one column of "
+                                    "scale factors per token")
         return XSpec(data, sf)
     data = c.tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     _require_hidden(c, "x", data)

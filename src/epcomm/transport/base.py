@@ -1,11 +1,14 @@
 """The transport interface, the registry, and bounded host waits.
 
 A transport moves rows of bytes between the ranks of one group and nothing else: the buffer computes the
-layout, packs records, and places/reduces what arrives. Three data methods:
+layout, packs records, and places/reduces what arrives. Its data methods:
 
 | method | moves | host waits? |
 | --- | --- | --- |
-| `exchange_counts(send_RC)` | one int64 row per peer (counts + call header) | when `wait=True` |
+| `exchange_counts(send_RC)` | one int64 row per peer (counts + call header; error messages of a failed call) | when `wait=True` |
+| `move_fields(moves, route)` | each field of a CPU-synced dispatch straight into its output, in send order | on CPU (gloo) only |
+| `return_fields(srcs, route)` | the same in the combine direction (nvlink: views of its area, reduced in place) | on CPU only |
+| `push_rows(spec, tensors, src_X, cap)` | sync-free records into every peer's block of `cap` rows | on CPU only |
 | `dispatch_rows(buf, splits)` | packed records to their destination ranks | on CPU (gloo) only |
 | `combine_rows(buf, splits)` | the same primitive in the return direction | on CPU (gloo) only |
 
