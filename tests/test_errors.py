@@ -39,7 +39,8 @@ EXPECTED = {
     "num_experts_not_multiple": (ValueError, r"num_experts=7 must be a multiple of the group size 2"),
     "num_experts_missing": (ValueError, r"num_experts is required for a non-cached dispatch"),
     "alignment_zero": (ValueError, r"expert_alignment must be >= 1, got 0"),
-    "alignment_huge": (ValueError, r"expert_alignment=1099511627776 is too large: with 4 local experts"),
+    "alignment_huge": (ValueError, r"expert_alignment=1099511627776, num_max_tokens_per_rank=16: with 4 local "
+                                   r"experts and 2 ranks the aligned rows could reach \d+, past the int32 row"),
     "zero_padding_without_expand": (ValueError, r"do_zero_padding=True requires do_expand=True"),
     "expert_ids_without_expand": (ValueError, r"emit_expert_ids=True requires do_expand=True"),
     "defer_without_async": (ValueError, r"defer_epilogue=True requires async_with_compute_stream=True"),
@@ -135,7 +136,10 @@ def test_late_rank_with_a_bad_value_times_out_in_the_message_gather():
     results = run_in_fresh_world(2, error_cases.late_rank_with_bad_value, 2.0, timeout=60)
     (msg0, elapsed0), (msg1, elapsed1) = results
     assert msg0.startswith("TransportTimeout") and "group ranks [1] did not arrive" in msg0, msg0
-    assert msg1.startswith("TransportTimeout") and "rank 1 waited 2 s" in msg1, msg1  # not gloo's 30 min
+    # Bounded (not gloo's 30 min), in the header exchange or the message gather (whether rank 1's exchange pairs
+    # with rank 0's abandoned one is up to gloo), naming the rank that is gone.
+    assert re.search(r"^TransportTimeout: EPBuffer.dispatch: (count exchange|error messages): rank 1 waited 2 s .* "
+                     r"group ranks \[0\] (did not arrive|gave up waiting for this call)", msg1), msg1
     assert elapsed1 < 2.0 + 4.0, elapsed1
 
 

@@ -70,6 +70,7 @@ def pack(header_row: list, counts_R: Optional[Tensor], num_ranks: int, device: t
 
 
 MESSAGE_BYTES = 2048  # of each rank's error message the failure exchange carries (an nvlink header holds 8704)
+_CUT = b" [...]"  # ends a message cut at MESSAGE_BYTES
 
 
 def gather_messages(exchange: Callable[[Tensor], Tensor], msg: str, num_ranks: int,
@@ -78,7 +79,9 @@ def gather_messages(exchange: Callable[[Tensor], Tensor], msg: str, num_ranks: i
     all-to-all of an [R, C] int64 tensor (row r to rank r; returns row s from rank s). A failed call gathers the
     messages this way rather than with `dist.all_gather_object`, whose wait has no bound, so a rank that arrives
     after its peers gave up raises a timeout naming them instead of waiting for ever."""
-    data = msg.encode("utf-8")[:MESSAGE_BYTES]
+    data = msg.encode("utf-8", errors="backslashreplace")  # (a lone surrogate must not raise here)
+    if len(data) > MESSAGE_BYTES:
+        data = data[:MESSAGE_BYTES - len(_CUT)].decode("utf-8", errors="ignore").encode() + _CUT  # whole chars
     row = torch.zeros(1 + MESSAGE_BYTES // 8, dtype=torch.int64)
     row[0] = len(data)
     if data:

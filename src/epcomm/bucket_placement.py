@@ -253,6 +253,8 @@ def _in_storage(buf: BucketBuffer, c, name: str, t: Tensor) -> int:
 def _check_tensor(buf: BucketBuffer, c, name: str, t) -> Tensor:
     if not isinstance(t, Tensor):
         c.fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # sparse, mkldnn, ...: buckets are strided memory
+        c.fail(TypeError, f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.device.type != buf.device.type or (buf.device.index is not None and t.device != buf.device):
         c.fail(ValueError, f"{name} is on {t.device} but the buffer lives on {buf.device}; move it there")
     if t.numel() == 0:

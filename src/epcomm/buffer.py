@@ -211,9 +211,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         rows = rows.tolist()
         failed = [s for s, row in enumerate(rows) if row[4] != agreement.STATUS_OK]
         if failed:
-            messages = agreement.gather_messages(
-                lambda t: self.transport.exchange_counts(t, wait=True, call_id=0), str(err) if err is not None else "",
-                self.num_ranks, self.device)
+            messages = agreement.gather_messages(  # call 1: a timeout here must not see the keys of call 0
+                lambda t: self.transport.exchange_counts(t, wait=True, call_id=1, what="error messages"),
+                str(err) if err is not None else "", self.num_ranks, self.device)
             self._destroyed = True
             if err is not None:
                 raise err
@@ -436,10 +436,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         # Ranks that got out of step resume at the furthest call, so a caller that recovers can go on.
         self._call_id = max(self._call_id, max(row[1] for row in recv_rows))
 
-        def gather(msg: str) -> list:
+        def gather(msg: str) -> list:  # a call of its own: a timeout here must not see the header's keys
+            call_id = self._next_call_id()
             return agreement.gather_messages(
-                lambda t: self.transport.exchange_counts(t, wait=True, call_id=self._call_id), msg, self.num_ranks,
-                self.device)
+                lambda t: self.transport.exchange_counts(t, wait=True, call_id=call_id, what="error messages"), msg,
+                self.num_ranks, self.device)
         agreement.check(call, self.rank, recv_rows, local_error, gather)
 
     def _reject(self, call: str, err: BaseException) -> None:

@@ -369,8 +369,9 @@ class LoadBalancingMixin:
             self._call_id = max(self._call_id, max(r[1] for r in recv))
         failed = [s for s, r in enumerate(recv) if r[0] != 0]
         if failed:
+            msg_call = self._next_call_id() if hasattr(self, "_next_call_id") else call_id + 1  # keys of its own
             messages = agreement.gather_messages(
-                lambda t: self.transport.exchange_counts(t, wait=True, call_id=call_id),
+                lambda t: self.transport.exchange_counts(t, wait=True, call_id=msg_call, what="error messages"),
                 str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err

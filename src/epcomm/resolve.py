@@ -76,10 +76,12 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
     c.require(not emit_expert_ids or do_expand, "emit_expert_ids=True requires do_expand=True")
     num_topk = topk_idx.shape[1]
     if handle is None:  # expanded-row positions and per-expert prefix sums are int32 (handle, plan kernels)
-        worst = num_experts // buf.num_ranks * (expert_alignment - 1) + buf.num_ranks * n * num_topk
-        c.require(worst < 2 ** 31, f"expert_alignment={expert_alignment} is too large: with "
-                                   f"{num_experts // buf.num_ranks} local experts the aligned rows could reach "
-                                   f"{worst}, past the int32 row indices of the layout (2^31 - 1)")
+        num_local = num_experts // buf.num_ranks
+        worst = num_local * (expert_alignment - 1) + buf.num_ranks * n * min(num_topk, num_local)
+        c.require(worst < 2 ** 31, f"expert_alignment={expert_alignment}, num_max_tokens_per_rank={n}: with "
+                                   f"{num_local} local experts and {buf.num_ranks} ranks the aligned rows could "
+                                   f"reach {worst}, past the int32 row indices of the layout (2^31 - 1); use a "
+                                   "smaller alignment or token count")
     if topk_weights is not None:
         c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(weights_dtype(xs.data.dtype),),
                  shape=(xs.num_tokens, num_topk))

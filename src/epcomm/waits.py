@@ -29,6 +29,10 @@ def _key(uid: int, call_id: int, rank: int) -> str:
     return f"epcomm/{uid}/{call_id}/{rank}"
 
 
+def _gave_up_key(uid: int, call_id: int, rank: int) -> str:
+    return f"epcomm/{uid}/{call_id}/{rank}/gave-up"
+
+
 def announce(uid: int, call_id: int, rank: int) -> None:
     store = default_store()
     if store is not None:
@@ -62,12 +66,19 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
                    owner: str) -> None:
     store = default_store()
     missing: Optional[list] = None
+    gave_up: list = []
     if store is not None:
         announce(uid, call_id, rank)
         time.sleep(min(1.0, timeout_s / 4))  # let peers that are waiting too announce themselves
         missing = [r for r in range(num_ranks) if r != rank and not store.check([_key(uid, call_id, r)])]
+        gave_up = [r for r in range(num_ranks) if r != rank and store.check([_gave_up_key(uid, call_id, r)])]
+        # A peer that comes later finds this rank announced but gone: say so rather than "every rank arrived".
+        store.set(_gave_up_key(uid, call_id, rank), "1")
     if missing:
         who = f"group ranks {missing} did not arrive"
+    elif gave_up:
+        who = (f"group ranks {gave_up} gave up waiting for this call (their own timeout) before this rank came "
+               "or before it finished")
     elif missing is None:
         who = "a peer (could not tell which) did not arrive"
     else:

@@ -70,6 +70,36 @@ def test_key_separates_what_triton_specialises(fresh, monkeypatch):
     assert len(k.compiles) == 8 and not k.usual
 
 
+def test_key_separates_constexpr_types_and_float_signs_and_tuples(fresh, monkeypatch):
+    """True, 1 and 1.0 (one dict key) and 0.0 / -0.0 are different constexprs to Triton; tuples are keyed element
+    by element (not by the identity of the tensors they hold)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    k = FakeKernel()
+    a = torch.zeros(8)
+    for b, variant in ((1, 1), (True, 2), (1.0, 3), (0.0, 4), (-0.0, 5), (1, 1), (-0.0, 5)):
+        launch_mod.launch(k, (1,), a, 5, B=b)
+        assert k.launches[-1][0] == variant, b
+    for n, variant in (((torch.zeros(4), 3), 6), ((torch.zeros(4), 7), 6), ((torch.zeros(4), 16), 7)):
+        launch_mod.launch(k, (1,), a, n, B=1)
+        assert k.launches[-1][0] == variant, n
+    assert len(k.compiles) == 7 and not k.usual
+
+
+def test_a_variant_still_compiling_launches_the_usual_way(fresh, monkeypatch):
+    """Triton's asynchronous compile mode: warmup returns a future whose type has no `__getitem__` (though
+    `hasattr` through its `__getattr__` says it has): launch the usual way, cache nothing, mark nothing."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Future:
+        def __getattr__(self, name):
+            return getattr(object(), "__getitem__", None) or (lambda *a: None)
+
+    k = FakeKernel()
+    monkeypatch.setattr(k, "warmup", lambda *args, grid, **kwargs: Future())
+    launch_mod.launch(k, (2,), torch.zeros(4), 3, B=1)
+    assert len(k.usual) == 1 and not launch_mod._compiled and k not in launch_mod._usual_way
+
+
 def test_cpu_launches_go_the_usual_way(fresh):
     """Without CUDA the preparation fails and the kernel is launched as `kernel[grid](...)` from then on."""
     if torch.cuda.is_available():

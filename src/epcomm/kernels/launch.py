@@ -8,12 +8,15 @@ specialisation, and launches the compiled kernel directly, as `transport/symm.py
 
 * tensors: dtype and whether the address is a multiple of 16 bytes (Triton's alignment specialisation);
 * integers of runtime parameters: 1 or not, a multiple of 16 or not, 32- or 64-bit (all Triton looks at);
-* constexpr parameters, booleans, None and strings: their values; other floats: one class;
+* constexpr parameters: their type and value (floats by their text, so -0.0 is not 0.0); booleans, None and
+  strings: their values; other floats: one class; tuples: element by element;
 * the launch options (`num_warps`, ...) and the device.
 
 Two calls with one key get one specialisation, so the variant Triton compiled (`kernel.warmup`) for the first is the
 one it would pick for the second. If anything fails before the launch (another Triton's internals), the kernel is
-launched the usual way from then on, and always under the interpreter (`TRITON_INTERPRET=1`) or without CUDA.
+launched the usual way from then on, and always under the interpreter (`TRITON_INTERPRET=1`), without CUDA and on
+ROCm (whose Triton also specialises tensors on their size). A variant still compiling (Triton's asynchronous
+compile mode) is launched the usual way until it is ready.
 Triton's runtime settings (`TRITON_DEBUG` and the like) count when a variant is first compiled, not per launch.
 """
 
@@ -47,6 +50,8 @@ def _arg_key(value, _tensor=torch.Tensor):
         return _arg_key(int(value))
     if isinstance(value, float):
         return float
+    if isinstance(value, tuple):
+        return tuple(map(_arg_key, value))
     return value  # anything else (a Triton dtype, ...) by value: must be hashable
 
 
@@ -55,6 +60,8 @@ def _prepare(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
     if kernel in _usual_way:
         return None, None
     try:
+        if torch.version.hip is not None:
+            raise RuntimeError("ROCm: Triton specialises tensors on their size too")
         params = _params.get(kernel)
         if params is None:
             names = [p.name for p in kernel.params]
@@ -65,13 +72,18 @@ def _prepare(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
         values = list(args)
         values += [kwargs[name] for name in names[len(args):]]
         options = tuple((k, v) for k, v in kwargs.items() if k not in name_set)  # num_warps, ...
+        consts = [values[i] for i in constexpr]
+        const_types = tuple(map(type, consts))  # True, 1 and 1.0 are one dict key but three variants
+        const_key = tuple(map(repr, consts)) if float in const_types else tuple(consts)
         key = (kernel, torch.cuda.current_device(), options, tuple([_arg_key(values[i]) for i in runtime]),
-               tuple([values[i] for i in constexpr]))
+               const_types, const_key)
         compiled = _compiled.get(key)
         if compiled is None:
             compiled = kernel.warmup(*args, grid=grid, **kwargs)
-            if compiled is None or not hasattr(compiled, "__getitem__"):
+            if compiled is None:
                 raise TypeError("warmup returned no compiled kernel")
+            if getattr(type(compiled), "__getitem__", None) is None:  # still compiling: the usual way this time
+                return None, None
             _compiled[key] = compiled
         return compiled, values
     except Exception:  # no CUDA, the interpreter, another Triton's internals: the usual path from now on

@@ -5,12 +5,12 @@ layout, packs records, and places/reduces what arrives. Its data methods:
 
 | method | moves | host waits? |
 | --- | --- | --- |
-| `exchange_counts(send_RC)` | one int64 row per peer (counts + call header; error messages of a failed call) | when `wait=True` |
-| `move_fields(moves, route)` | each field of a CPU-synced dispatch straight into its output, in send order | on CPU (gloo) only |
-| `return_fields(srcs, route)` | the same in the combine direction (nvlink: views of its area, reduced in place) | on CPU only |
+| `exchange_counts(send_RC)` | an int64 row per peer: counts + call header (or a failed call's messages) | if `wait` |
+| `move_fields(moves, route)` | each field of a CPU-synced dispatch straight into its output | on CPU only |
+| `return_fields(srcs, route)` | the same, combine direction (nvlink: views, reduced in place) | on CPU only |
 | `push_rows(spec, tensors, src_X, cap)` | sync-free records into every peer's block of `cap` rows | on CPU only |
-| `dispatch_rows(buf, splits)` | packed records to their destination ranks | on CPU (gloo) only |
-| `combine_rows(buf, splits)` | the same primitive in the return direction | on CPU (gloo) only |
+| `dispatch_rows(buf, splits)` | packed records to their destination ranks | on CPU only |
+| `combine_rows(buf, splits)` | the same primitive in the return direction | on CPU only |
 
 `splits=None` means equal splits (every peer gets `rows / R` rows): the sync-free mode, where sizes are the
 worst case and no host read of counts is needed.
@@ -58,8 +58,9 @@ class Transport(ABC):
         self.uid = uid
 
     @abstractmethod
-    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int) -> Tensor:
-        """Send row r of `send_RC` ([R, C] int64) to rank r; return [R, C] with row s from rank s."""
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange") -> Tensor:
+        """Send row r of `send_RC` ([R, C] int64) to rank r; return [R, C] with row s from rank s. `what` names the
+        exchange in a timeout's message."""
 
     @abstractmethod
     def dispatch_rows(

@@ -30,9 +30,9 @@ class CollectiveTransport(Transport):
             work.wait()  # orders the current stream after the collective; no host wait
         return out
 
-    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int) -> Tensor:
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange") -> Tensor:
         recv_RC = torch.empty_like(send_RC)
-        return self._all_to_all(recv_RC, send_RC, None, None, wait, "count exchange", call_id)
+        return self._all_to_all(recv_RC, send_RC, None, None, wait, what, call_id)
 
     def dispatch_rows(
         self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int

@@ -120,7 +120,7 @@ class NVLinkTransport(Transport):
         local = self.region.peer(self.rank, offset, (self.num_ranks, cols), torch.int64)
         return local.clone()
 
-    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int) -> Tensor:
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange") -> Tensor:
         r, c = send_RC.shape
         assert c <= _HEADER_COLS
         # Peer p must receive row p of send_RC: write it into p's headers at row `me`.
@@ -131,7 +131,7 @@ class NVLinkTransport(Transport):
         self.barrier()
         recv = self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
         if wait:
-            self._host_wait("count exchange", call_id)
+            self._host_wait(what, call_id)
         return recv
 
     def publish_rows(self, send_RC: Tensor, *, call_id: int) -> tuple:
