@@ -52,6 +52,16 @@ def test_bf16_example_passes_with_hint_traffic_and_walkthrough(capsys):
     assert not status_lines(out, "UNCHECKED")  # collective on CPU needs no hardware
 
 
+def test_alignment_past_int32_rows_fails(capsys):
+    """The bound `resolve` enforces: the worst-case aligned rows must fit the layout's int32 row indices."""
+    rc, out = run(capsys, "--ranks", "2", "--experts", "1024", "--topk", "8", "--hidden", "2048", "--tokens",
+                  "4096", "--layout", "expand", "--alignment", str(8_000_000))
+    assert rc == 1
+    assert any("aligned rows < 2^31 (int32 row indices): at most 4,104,000,000" in f for f in status_lines(out, "FAIL"))
+    rc, out = run(capsys, *EXAMPLE, "--layout", "expand", "--alignment", "128")
+    assert "PASS      aligned rows < 2^31 (int32 row indices): at most " in out
+
+
 def test_experts_not_divisible_fails(capsys):
     rc, out = run(capsys, "--ranks", "8", "--experts", "250", "--topk", "6", "--hidden", "7168", "--tokens", "16384")
     assert rc == 1

@@ -158,7 +158,11 @@ def check_constraints(r: Report, a) -> tuple:
                    "topk_idx may have at most 32 columns")
     if ok_e and ok_k and K > E:
         r.line("NOTE", f"num_topk {K} > num_experts {E}: ids in a row are distinct, so >= {K - E} columns are -1")
-    r.check(a.alignment >= 1, f"expert_alignment >= 1: {a.alignment}")
+    rows_ok = True
+    if r.check(a.alignment >= 1, f"expert_alignment >= 1: {a.alignment}") and ok_div and ok_k:
+        rows = layout.worst_case_expanded_rows(R, N, K, E // R, a.alignment)
+        rows_ok = r.check(rows < 2 ** 31, f"aligned rows < 2^31 (int32 row indices): at most {rows:,}",
+                          "use a smaller expert_alignment or num_max_tokens_per_rank")
     r.line("PASS", f"tokens <= num_max_tokens_per_rank: {N} <= {N} (every call of this plan carries N tokens)")
     if a.fp8:
         p, q = fp8.num_sf_packs(max(H, 0)), fp8.num_sf_packs(max(H, 0), use_ue8m0=True)
@@ -222,7 +226,7 @@ def check_constraints(r: Report, a) -> tuple:
             r.line("UNCHECKED", "(needs hardware) an explicit num_sms must be in [1, the GPU's SM count]")
         else:
             r.line("NOTE", f"gloo process group, {R} CPU processes; num_sms/num_qps are ignored on CPU")
-    return shape_ok and ok_k, ok_div and a.alignment >= 1
+    return shape_ok and ok_k, ok_div and a.alignment >= 1 and rows_ok
 
 
 def report_numbers(r: Report, a, routable: bool) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import pipeline
+from . import layout, pipeline
 from .handle import EPHandle
 from .validate import Checker, check_capacity, check_topk_idx, check_topk_values, check_x, weights_dtype
 
@@ -77,7 +77,7 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
     num_topk = topk_idx.shape[1]
     if handle is None:  # expanded-row positions and per-expert prefix sums are int32 (handle, plan kernels)
         num_local = num_experts // buf.num_ranks
-        worst = num_local * (expert_alignment - 1) + buf.num_ranks * n * min(num_topk, num_local)
+        worst = layout.worst_case_expanded_rows(buf.num_ranks, n, num_topk, num_local, expert_alignment)
         c.require(worst < 2 ** 31, f"expert_alignment={expert_alignment}, num_max_tokens_per_rank={n}: with "
                                    f"{num_local} local experts and {buf.num_ranks} ranks the aligned rows could "
                                    f"reach {worst}, past the int32 row indices of the layout (2^31 - 1); use a "
