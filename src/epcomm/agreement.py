@@ -78,7 +78,14 @@ def gather_messages(exchange: Callable[[Tensor], Tensor], msg: str, num_ranks: i
     """Every rank's `msg` (its first MESSAGE_BYTES bytes of UTF-8), through `exchange`: the caller's bounded
     all-to-all of an [R, C] int64 tensor (row r to rank r; returns row s from rank s). A failed call gathers the
     messages this way rather than with `dist.all_gather_object`, whose wait has no bound, so a rank that arrives
-    after its peers gave up raises a timeout naming them instead of waiting for ever."""
+    after its peers gave up raises a timeout naming them instead of waiting for ever.
+
+    Returns:
+        [R] str, rank s's message at s.
+
+    Raises:
+        TimeoutError: from `exchange`, when a peer does not join within the caller's `num_cpu_timeout_secs`.
+    """
     data = msg.encode("utf-8", errors="backslashreplace")  # (a lone surrogate must not raise here)
     if len(data) > MESSAGE_BYTES:
         data = data[:MESSAGE_BYTES - len(_CUT)].decode("utf-8", errors="ignore").encode() + _CUT  # whole chars

@@ -32,7 +32,18 @@ _usual_way: set = set()  # kernels whose direct launch failed to prepare
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """`kernel[grid](*args, **kwargs)` (grid of up to 3 ints), launched directly once compiled."""
+    """`kernel[grid](*args, **kwargs)`, launched directly once compiled.
+
+    Args:
+        kernel: a `@triton.jit` function.
+        grid: 1 to 3 ints, programs per grid axis.
+        args, kwargs: the kernel's arguments (tensors, ints, constexprs) and launch options (`num_warps`, ...), as
+            for `kernel[grid](...)`.
+
+    Raises:
+        whatever `kernel[grid](...)` raises (compile errors, bad arguments, launch failures); a launch never runs
+        twice.
+    """
     compiled, values = _prepare(kernel, grid, args, kwargs)
     if compiled is None:
         kernel[grid](*args, **kwargs)

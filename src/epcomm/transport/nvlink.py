@@ -129,7 +129,7 @@ class NVLinkTransport(Transport):
             self.region.peer(peer, self._headers_off + self.rank * _HEADER_COLS * 8, (c,), torch.int64).copy_(
                 send_RC[peer])
         self.barrier()
-        recv = self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
+        recv = self._received_headers(r, c)
         if wait:
             self._host_wait(what, call_id)
         return recv
@@ -149,13 +149,17 @@ class NVLinkTransport(Transport):
         assert c <= _HEADER_COLS
         self.barrier()  # every peer has read the previous call's headers
         launch(k.publish_rows, (r,), send_RC, self.region.local, self.region.delta16, self._headers_off, self.rank,
-                             EX_COLS=c, HDR_COLS=_HEADER_COLS, C_POW2=triton.next_power_of_2(c))
+               EX_COLS=c, HDR_COLS=_HEADER_COLS, C_POW2=triton.next_power_of_2(c))
         self.barrier()
-        recv = self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
+        recv = self._received_headers(r, c)
         host = torch.empty((r, c), dtype=torch.int64, pin_memory=True)
         host.copy_(recv, non_blocking=True)  # read after the bounded wait (a blocking read could wait forever)
         self._host_wait("count exchange", call_id)
         return recv, host.numpy().tolist()
+
+    def _received_headers(self, r: int, c: int) -> Tensor:
+        """[r, c] int64, a fresh copy of the first c columns of this rank's headers (row s from rank s)."""
+        return self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
 
     def _host_wait(self, what: str, call_id: int) -> None:
         event = torch.cuda.Event()
