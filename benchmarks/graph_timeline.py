@@ -1,6 +1,7 @@
 """Where the time of a CUDA-graph replay goes: the device timeline (torch.profiler, CUDA activities) of the last of
-3 replays of one cached dispatch and of one combine (all SMs) of a CPU-synced dsv3 handle on nvlink, rank 0: every
-kernel and copy with its start (us from the first) and duration, so stages that wait for each other show as gaps.
+3 replays of one cached dispatch (BF16, then FP8 with scales) and of one combine (all SMs) of a CPU-synced dsv3
+handle on nvlink, rank 0: every kernel and copy with its start (us from the first) and duration, so stages that
+wait for each other show as gaps.
 
 Run on a machine with 2 GPUs: `python benchmarks/graph_timeline.py`.
 """
@@ -23,9 +24,13 @@ def last_replay(prof) -> list:
 
 def body(rank: int, world: int, port: int) -> None:
     buf, x, handle, y = start(rank, world, port)
+    from epcomm.fp8 import per_token_cast_to_fp8
+
+    x_fp8 = per_token_cast_to_fp8(x)
     all_sms = torch.cuda.get_device_properties(rank).multi_processor_count
     lines = []
     for label, fn in (("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
+                      ("cached dispatch, FP8", lambda: buf.dispatch(x_fp8, handle=handle)),
                       (f"combine, num_sms={all_sms}", lambda: buf.combine(y, handle, num_sms=all_sms))):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
