@@ -83,10 +83,11 @@ class PullPlan:
         return chunk_count(envs.pull_chunks(), capturing, max(self.staged_rows) * sum(row_bytes), _CHUNKS_CAPTURED)
 
     def views(self, region, stage: int, moves: list, row_bytes: list, chunks: int) -> tuple:
-        """`(staged, pulled)` per chunk: `staged[c]` = (the pieces of my rows in chunk c (`staged_pieces`), its first
-        staged row, one staging view per field);
-        `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c. Made once
-        per staging area, chunking and field kinds (slicing peer memory costs host time)."""
+        """`(staged, pulled, whole)`: per chunk, `staged[c]` = (the pieces of my rows in chunk c (`staged_pieces`),
+        its first staged row, one staging view per field) or None;
+        `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c;
+        `whole` = one view of my whole staging area per field (None when I stage nothing). Made once per staging
+        area, chunking and field kinds (slicing peer memory costs host time)."""
         weights = pull_weights(chunks)  # a small first chunk: its staging holds back the first pull
         key = (stage, weights, tuple((src.dtype, tuple(src.shape[1:])) for src, _ in moves))
         got = self._views.get(key)
@@ -103,6 +104,7 @@ class PullPlan:
 
         staged, pulled = [], []
         bounds = [chunk_bounds(n, weights) for n in self.staged_rows]
+        whole = field_views(self.me, 0, self.staged_rows[self.me]) if self.staged_rows[self.me] else None
         for c in range(chunks):
             a, b = bounds[self.me][c], bounds[self.me][c + 1]
             staged.append((self.staged_pieces(a, b), a, field_views(self.me, a, b - a)) if b > a else None)
@@ -117,7 +119,7 @@ class PullPlan:
                     out_row = self.recv_off[s] + lo - self.first_row_at[s]
                     pieces.append((out_row, hi - lo, field_views(s, lo, hi - lo)))
             pulled.append(pieces)
-        got = self._views[key] = (staged, pulled)
+        got = self._views[key] = (staged, pulled, whole)
         return got
 
 
@@ -126,25 +128,33 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     """One pull over `tr` (the nvlink transport: `region`, `barrier`). `side`: the stream that runs the pulls
     beside the staging and the gather of my own rows (None on CPU: all in order)."""
     chunks = plan.num_chunks(row_bytes, capturing)
-    staged, pulled = plan.views(tr.region, stage, moves, row_bytes, chunks)
+    staged, pulled, whole = plan.views(tr.region, stage, moves, row_bytes, chunks)
     lo, n_self = plan.recv_off[plan.me], plan.recv_splits[plan.me]
     main = torch.cuda.current_stream(tr.device) if side is not None else None
+    by_words = _gathers_in_one_launch(moves, row_bytes)  # else per-field index_selects (CPU, odd row widths)
 
     def gather_own_rows():  # my rows for myself: no staging, no barrier
-        if n_self:
-            for src, out in moves:
-                torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
+        if not n_self:
+            return
+        if by_words:
+            gather_in_one_launch(plan, moves, row_bytes, None, lo, rows="own")
+            return
+        for src, out in moves:
+            torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
 
-    one_launch = chunks == 1 and side is None and _gathers_in_one_launch(moves, row_bytes)
+    one_launch = chunks == 1 and side is None and by_words
     for c in range(chunks):
         with phase("stage"):
             if one_launch:  # my staged rows and my own rows in one launch
-                gather_in_one_launch(plan, moves, row_bytes, None if staged[0] is None else staged[0][2], lo)
+                gather_in_one_launch(plan, moves, row_bytes, whole, lo)
             elif staged[c] is not None:
                 pieces, first, views = staged[c]
-                for idx, row in pieces:
-                    for (src, _), view in zip(moves, views):
-                        torch.index_select(src, 0, idx, out=view[row - first: row - first + idx.shape[0]])
+                if by_words:  # one launch for every field
+                    gather_in_one_launch(plan, moves, row_bytes, whole, lo, rows=(first, views[0].shape[0]))
+                else:
+                    for idx, row in pieces:
+                        for (src, _), view in zip(moves, views):
+                            torch.index_select(src, 0, idx, out=view[row - first: row - first + idx.shape[0]])
         tr.barrier()  # chunk c of every peer's staging area is complete
         if side is not None:
             side.wait_stream(main)
@@ -173,23 +183,32 @@ def _gathers_in_one_launch(moves: list, row_bytes: list) -> bool:
             and all(src.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0 for src, out in moves))
 
 
-def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int) -> None:
-    """`_gather_triton.gather_fields`: every send row of every field into my staging area (`stage_views`, one per
+def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int,
+                         rows="all") -> None:
+    """`_gather_triton.gather_fields`: send rows of every field into my staging area (`stage_views`, one per
     field; None when I stage nothing) or, for my rows for myself, into the outputs from row `lo`.
 
     Args:
         moves: up to four `(src [T, ...], out [num_recv, ...])` pairs, row-contiguous, any dtype, rows of whole
             4-byte words, starting on 4 bytes (`_gathers_in_one_launch`); send row x is `src[plan.send_idx[x]]`.
         row_bytes: bytes of one row of each field.
-        stage_views: one `[staged rows, ...]` view of my staging area per field, or None.
+        stage_views: one view of my whole staging area (`[staged rows, ...]`) per field, or None.
         lo: output row of my first row for myself.
+        rows: which send rows: "all"; "own" (my rows for myself); or `(first, n)`, staged rows first .. first + n - 1
+            (one chunk of the staging).
     """
     from ..kernels._gather_triton import gather_fields
 
     import triton
 
-    num_send = plan.send_idx.shape[0]
-    if not num_send:
+    own_lo, own_hi = plan.own_rows
+    if rows == "all":
+        first, num, skip = 0, plan.send_idx.shape[0], 0
+    elif rows == "own":
+        first, num, skip = own_lo, own_hi - own_lo, 0
+    else:  # staged rows: the send rows without my own block
+        (first, num), skip = rows, own_hi - own_lo
+    if not num:
         return
     order = sorted(range(len(moves)), key=lambda i: -row_bytes[i])  # the widest field spans the programs' blocks
     args, widths = [], []
@@ -200,8 +219,8 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
     while len(widths) < _MAX_FIELDS:
         args += args[:3]
         widths.append(0)
-    launch(gather_fields, (num_send, triton.cdiv(widths[0], _WORDS_PER_PROGRAM)),
-        plan.send_idx, plan.own_rows[0], plan.own_rows[1], lo, *args, W0=widths[0], W1=widths[1], W2=widths[2],
+    launch(gather_fields, (num, triton.cdiv(widths[0], _WORDS_PER_PROGRAM)),
+        plan.send_idx, own_lo, own_hi, lo, first, skip, *args, W0=widths[0], W1=widths[1], W2=widths[2],
         W3=widths[3], P1=triton.next_power_of_2(max(widths[1], 1)), P2=triton.next_power_of_2(max(widths[2], 1)),
         P3=triton.next_power_of_2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, num_warps=4)
 
