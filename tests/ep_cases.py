@@ -456,29 +456,47 @@ def graph_replay(rank: int, world: int, transport: str = "auto", replays: int = 
 
 
 def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: int = 4, num_tokens: int = 80,
-                       hidden: int = 192, num_experts: int = 16, num_topk: int = 4):
+                       hidden: int = 192, num_experts: int = 16, num_topk: int = 4, dtype: str = "bf16",
+                       pull_chunks: str = ""):
     """A CPU-synced handle's cached dispatch and combine captured in one CUDA graph (a captured nvlink call waits
-    for its peers on both sides of the staging area it reuses), replayed with new inputs; bitwise every replay."""
+    for its peers on both sides of the staging area it reuses), replayed with new inputs; bitwise every replay.
+    `dtype` "fp8": the dispatch moves FP8 rows and their scales; `pull_chunks`: EPCOMM_PULL_CHUNKS for the capture
+    (the nvlink pull stages and pulls in that many chunks)."""
+    import os
+
     device = torch.device("cuda", torch.cuda.current_device())
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=num_topk,
-                          explicitly_destroy=True, transport=transport)
+                          explicitly_destroy=True, transport=transport, use_fp8_dispatch=dtype == "fp8")
     gen = torch.Generator().manual_seed(200 + rank)
     topk_idx, weights = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio=0.2)
     topk_idx, weights = topk_idx.to(device), weights.to(device)
-    x_s = make_x(gen, num_tokens, hidden, "bf16").to(device)
+
+    def inputs():
+        x = make_x(gen, num_tokens, hidden, dtype)
+        return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+
+    def fields(x):
+        return x if isinstance(x, tuple) else (x,)
+
+    x_s = inputs()
     recv_x, _, recv_w, handle, _ = buf.dispatch(x_s, topk_idx, weights, num_experts=num_experts)
-    y_s = torch.empty_like(recv_x)
+    y_s = torch.empty(handle.num_recv_tokens, hidden, dtype=torch.bfloat16, device=device)
 
     def step():
         c_x, _, c_w, _, _ = buf.dispatch(x_s, handle=handle, topk_weights=weights)
         comb_x, comb_w, _ = buf.combine(y_s, handle, topk_weights=c_w)
         return c_x, c_w, comb_x, comb_w
 
-    graph, outs = captured(step)
+    os.environ["EPCOMM_PULL_CHUNKS"] = pull_chunks
+    try:
+        graph, outs = captured(step)
+    finally:
+        os.environ.pop("EPCOMM_PULL_CHUNKS")
     for i in range(replays):
-        x = make_x(gen, num_tokens, hidden, "bf16").to(device)
-        y = make_x(gen, recv_x.shape[0], hidden, "bf16").to(device)
-        x_s.copy_(x)
+        x = inputs()
+        y = make_x(gen, handle.num_recv_tokens, hidden, "bf16").to(device)
+        for static, new in zip(fields(x_s), fields(x)):
+            static.copy_(new)
         y_s.copy_(y)
         graph.replay()
         # Eager calls between replays: a combine right after the replay writes into peers' staging areas; the
@@ -489,8 +507,9 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
         torch.cuda.synchronize()
         c_x, c_w, comb_x, comb_w = outs
         r_x, _, r_w, r_handle = ref.dispatch(x, topk_idx, weights, num_experts, num_max_tokens_per_rank=num_tokens)
-        assert_equal(c_x, r_x, f"replay {i}: cached recv_x")
-        assert_equal(eager[0], r_x, f"replay {i}: eager cached recv_x after the replay")
+        for j, (got, got_eager, want) in enumerate(zip(fields(c_x), fields(eager[0]), fields(r_x))):
+            assert_equal(got, want, f"replay {i}: cached recv_x field {j}")
+            assert_equal(got_eager, want, f"replay {i}: eager cached recv_x field {j} after the replay")
         assert_equal(c_w, r_w, f"replay {i}: cached recv_topk_weights")
         c_ref, cw_ref = ref.combine(y, r_handle, topk_weights=r_w)
         assert_equal(comb_x, c_ref, f"replay {i}: combined_x")

@@ -103,6 +103,14 @@ def test_cuda_graph_replay_of_cached_calls(nccl, transport):
     assert nccl.run(ep_cases.graph_replay_exact, transport) == [4, 4]
 
 
+@pytest.mark.parametrize("dtype,pull_chunks", [("fp8", ""), ("fp8", "3"), ("bf16", "3")])
+def test_cuda_graph_replay_of_cached_calls_in_chunks(nccl, dtype, pull_chunks):
+    """As above on nvlink, FP8 rows with their scales and the pull in several chunks: in a graph each chunk is
+    staged by one word-gather launch and the narrow fields (scales, weights) are read out of the peers by the SMs
+    (transport/pull.py)."""
+    assert nccl.run(ep_cases.graph_replay_exact, "nvlink", dtype=dtype, pull_chunks=pull_chunks) == [4, 4]
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_captured_handle_then_eager_before_replay(nccl, transport):
     """Index tensors a handle first builds inside a capture are not reused by eager calls before the first replay."""

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from epcomm.moves import Route, chunk_bounds
-from epcomm.transport.pull import PullPlan, gather_in_one_launch, pull_weights
+from epcomm.transport.pull import PullPlan, copy_by_sms, gather_in_one_launch, pull_weights
 
 
 def fields(gen, rows, kinds):
@@ -76,10 +76,27 @@ CASES = {
     "no-send-rows": (2, [[1, 1, 0], [0, 2, 0], [0, 0, 0]], ("bf16-wide", "sf")),
 }
 
+def check_copy_words(seed=0):
+    """`copy_by_sms` (the SMs' pull of narrow fields) moves every byte of rows of any width in whole words, and
+    nothing past them, at sizes around its program's block."""
+    gen = torch.Generator().manual_seed(seed)
+    for rows, width in ((0, 8), (1, 3), (37, 56), (700, 8), (1, 4096)):
+        src = torch.rand(rows, width, generator=gen)
+        dst = torch.rand(rows + 1, width, generator=gen)
+        tail = dst[rows:].clone()
+        copy_by_sms(src, dst[:rows])
+        assert torch.equal(dst[:rows], src) and torch.equal(dst[rows:], tail), f"copy_words {rows}x{width}"
+
+
+CASES["copy-words"] = None
+
 if __name__ == "__main__":
     assert pull_weights(1) == (1,)
     for name in sys.argv[1:] or list(CASES):
-        me, matrix, kinds = CASES[name]
-        check(me, matrix, kinds, seed=len(name))
+        if CASES[name] is None:
+            check_copy_words(seed=len(name))
+        else:
+            me, matrix, kinds = CASES[name]
+            check(me, matrix, kinds, seed=len(name))
         print(name, "ok")
     print("ok")

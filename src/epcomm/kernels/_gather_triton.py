@@ -2,7 +2,7 @@
 its staging area or, for its own rows, straight into its outputs; all of them, one chunk of the staged rows, or the
 own rows alone. An eager call on a host where a launch costs tens of microseconds pays one launch here instead of
 two `index_select`s per field; in a graph, one launch per chunk moves whole 4-byte words, where `index_select`
-moves FP8 rows a byte at a time.
+moves FP8 rows a byte at a time. `copy_words` reads narrow fields out of a peer's staging area with the SMs.
 
 Every field is moved as int32 words, whatever its dtype (callers check that rows are whole words and that every
 tensor starts on 4 bytes); all tensors are row-contiguous.
@@ -46,3 +46,12 @@ def gather_fields(
             _copy_row(src2, stage2, out2, t, row, own, out_lo, tl.arange(0, P2), W2)
         if W3 > 0:
             _copy_row(src3, stage3, out3, t, row, own, out_lo, tl.arange(0, P3), W3)
+
+
+@triton.jit
+def copy_words(src_ptr, dst_ptr, num_words, BLOCK: tl.constexpr):
+    """Program i: words i * BLOCK .. (i + 1) * BLOCK - 1 of `num_words` contiguous 4-byte words from `src` (a peer's
+    staging area, read over NVLink) to `dst`."""
+    w = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    words = tl.pointer_type(tl.int32)
+    tl.store(dst_ptr.to(words) + w, tl.load(src_ptr.to(words) + w, mask=w < num_words), mask=w < num_words)

@@ -6,6 +6,9 @@ out of each peer's staging area into its outputs with the copy engines, which re
 SMs. Under CUDA-graph capture the staging goes in `C` chunks, each published by its own barrier, so that the copy
 engines pull chunk c while the SMs gather chunk c + 1; the pulls run on a second stream, and the own-rows gather
 follows the staging on the first, beside the pulls (eager calls keep one stream: they are bound by launch cost).
+Narrow fields (FP8 scales, weights) are then read out of the peers by the SMs, not by copy-engine copies, which
+cost more to start in a replay than such fields take to move. The staging and the own-rows gather move whole 4-byte
+words in one Triton launch for every field (`gather_in_one_launch`) where the rows allow it.
 
 Rank s's staging area holds, per field, `staged_rows[s]` rows; my rows in it start at `first_row_at[s]` (rows s
 sends to ranks before me, other than itself); its chunk c is rows
@@ -83,11 +86,12 @@ class PullPlan:
         return chunk_count(envs.pull_chunks(), capturing, max(self.staged_rows) * sum(row_bytes), _CHUNKS_CAPTURED)
 
     def views(self, region, stage: int, moves: list, row_bytes: list, chunks: int) -> tuple:
-        """`(staged, pulled, whole)`: per chunk, `staged[c]` = (the pieces of my rows in chunk c (`staged_pieces`),
-        its first staged row, one staging view per field) or None;
+        """`(staged, pulled, whole, every)`: per chunk, `staged[c]` = (the pieces of my rows in chunk c
+        (`staged_pieces`), its first staged row, one staging view per field) or None;
         `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c;
-        `whole` = one view of my whole staging area per field (None when I stage nothing). Made once per staging
-        area, chunking and field kinds (slicing peer memory costs host time)."""
+        `whole` = one view of my whole staging area per field (None when I stage nothing);
+        `every` = `pulled`'s pieces of all chunks together, one per peer. Made once per staging area, chunking and
+        field kinds (slicing peer memory costs host time)."""
         weights = pull_weights(chunks)  # a small first chunk: its staging holds back the first pull
         key = (stage, weights, tuple((src.dtype, tuple(src.shape[1:])) for src, _ in moves))
         got = self._views.get(key)
@@ -119,7 +123,9 @@ class PullPlan:
                     out_row = self.recv_off[s] + lo - self.first_row_at[s]
                     pieces.append((out_row, hi - lo, field_views(s, lo, hi - lo)))
             pulled.append(pieces)
-        got = self._views[key] = (staged, pulled, whole)
+        every = [(self.recv_off[s], self.recv_splits[s], field_views(s, self.first_row_at[s], self.recv_splits[s]))
+                 for s in range(self.num_ranks) if s != self.me and self.recv_splits[s]]
+        got = self._views[key] = (staged, pulled, whole, every)
         return got
 
 
@@ -128,10 +134,14 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     """One pull over `tr` (the nvlink transport: `region`, `barrier`). `side`: the stream that runs the pulls
     beside the staging and the gather of my own rows (None on CPU: all in order)."""
     chunks = plan.num_chunks(row_bytes, capturing)
-    staged, pulled, whole = plan.views(tr.region, stage, moves, row_bytes, chunks)
+    staged, pulled, whole, every = plan.views(tr.region, stage, moves, row_bytes, chunks)
     lo, n_self = plan.recv_off[plan.me], plan.recv_splits[plan.me]
     main = torch.cuda.current_stream(tr.device) if side is not None else None
     by_words = _gathers_in_one_launch(moves, row_bytes)  # else per-field index_selects (CPU, odd row widths)
+    # In a graph the SMs read narrow fields (FP8 scales, weights) out of the peers after the last barrier, beside the
+    # copy engines' pulls: in a replay each copy-engine copy costs 2-10 us of start-up (2x H200 timeline), more
+    # than such a field's bytes take.
+    by_sms = {i for i, b in enumerate(row_bytes) if b <= _SM_PULL_ROW_BYTES} if side is not None and by_words else ()
 
     def gather_own_rows():  # my rows for myself: no staging, no barrier
         if not n_self:
@@ -160,20 +170,38 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
             side.wait_stream(main)
         with phase("pull"), _on(side):
             for out_row, n, views in pulled[c]:
-                for (_, out), peer in zip(moves, views):
-                    out[out_row: out_row + n].copy_(peer)
+                for i, ((_, out), peer) in enumerate(zip(moves, views)):
+                    if i not in by_sms:
+                        out[out_row: out_row + n].copy_(peer)
     # After the staging (so that the first pull starts as early as it can), beside the pulls: the SMs gather while
     # the copy engines pull (2x H200 profile: gathering my rows first held the first pull back by ~35 us). On one
     # stream: after the barrier, so that peers are not kept waiting for it. The one-launch gather (eager calls, bound
     # by launch cost) did them before the barrier, with the staged rows.
     if not one_launch:
         gather_own_rows()
+    for out_row, n, views in every if by_sms else ():
+        for i in by_sms:
+            copy_by_sms(views[i], moves[i][1][out_row: out_row + n])
     if side is not None:
         main.wait_stream(side)
 
 
 _MAX_FIELDS = 4  # of `_gather_triton.gather_fields`
 _WORDS_PER_PROGRAM = 1024
+_SM_PULL_ROW_BYTES = 512  # fields of rows this narrow are pulled by the SMs in a graph
+
+
+def copy_by_sms(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """`dst.copy_(src)` by a Triton kernel (`_gather_triton.copy_words`) instead of the copy engines: contiguous
+    tensors of equal byte size, a whole number of 4-byte words, starting on 4 bytes; `src` may be a peer's memory."""
+    from ..kernels._gather_triton import copy_words
+
+    import triton
+
+    num_words = src.numel() * src.element_size() // 4
+    if num_words:
+        launch(copy_words, (triton.cdiv(num_words, _WORDS_PER_PROGRAM * 2),), src, dst, num_words,
+               BLOCK=_WORDS_PER_PROGRAM * 2, num_warps=4)
 
 
 def _gathers_in_one_launch(moves: list, row_bytes: list) -> bool:
