@@ -458,8 +458,9 @@ def graph_replay(rank: int, world: int, transport: str = "auto", replays: int = 
 def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: int = 4, num_tokens: int = 80,
                        hidden: int = 192, num_experts: int = 16, num_topk: int = 4, dtype: str = "bf16",
                        pull_chunks: str = ""):
-    """A CPU-synced handle's cached dispatch and combine captured in one CUDA graph (a captured nvlink call waits
-    for its peers on both sides of the staging area it reuses), replayed with new inputs; bitwise every replay.
+    """A CPU-synced handle's cached dispatch and combine captured in one CUDA graph (a captured nvlink call, and every
+    call after a capture, waits for its peers before using the staging area), replayed with new inputs and eager
+    calls in between; bitwise every replay.
     `dtype` "fp8": the dispatch moves FP8 rows and their scales; `pull_chunks`: EPCOMM_PULL_CHUNKS for the capture
     (the nvlink pull stages and pulls in that many chunks)."""
     import os

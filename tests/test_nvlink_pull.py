@@ -38,7 +38,7 @@ def _transport(rank: int, num_ranks: int, region: FakeRegion) -> NVLinkTransport
     tr = object.__new__(NVLinkTransport)  # no process group, no symmetric memory: only what move_fields reads
     tr.num_ranks, tr.rank, tr.device = num_ranks, rank, torch.device("cpu")
     tr.rows_capacity, tr._stage_off, tr._stage_calls = CAP, [HEAD + CAP, HEAD + 2 * CAP], 0
-    tr.region, tr._side, tr._signals, tr._captured_return = region, None, None, False
+    tr.region, tr._side, tr._signals, tr._captured = region, None, None, False
     return tr
 
 
@@ -220,6 +220,47 @@ def test_eager_return_after_a_captured_one_waits_for_the_slow_reader(monkeypatch
         tr.return_fields([ys[r] * 2], back, call_id=1)
 
     _run_ranks(num_ranks, rank_body, region.meet)
+
+
+def test_eager_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
+    """A graph replays its pull on one staging area, the one the eager call after the capture stages into; a
+    captured pull has no barrier after its copies, so the eager call must wait for its peers before staging. Here on
+    fake regions: rank 0 pulls slowly out of rank 1's area in its "replayed" call while rank 1 goes on to an eager
+    pull that stages other rows into that area; rank 0 must still read the replayed call's rows."""
+    import time
+
+    from epcomm import streams as streams_mod
+
+    num_ranks = 2
+    matrix = [[3, 4], [2, 5]]  # rows rank s sends to rank d
+    meet = threading.Barrier(num_ranks)
+    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
+    xs = [torch.randn(sum(matrix[r]), HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
+          for r in range(num_ranks)]
+    capturing = threading.local()
+    monkeypatch.setattr(streams_mod, "capturing", lambda device: getattr(capturing, "on", False))
+
+    def rank_body(r: int) -> None:
+        tr = _transport(r, num_ranks, region)
+        tr._stream = lambda name: None  # no CUDA: the "captured" call runs on one stream
+        route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], None, matrix)
+        barriers = []
+        if r == 0:  # after the staging's barrier (the second of the captured call), a slow copy engine
+            def slow_barrier():
+                meet.wait()
+                barriers.append(1)
+                if capturing.on and len(barriers) == 2:
+                    time.sleep(0.3)
+            tr.barrier = slow_barrier
+        want = torch.cat([xs[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
+        got = torch.empty_like(want)
+        capturing.on = True
+        tr.move_fields([(xs[r], got)], route, call_id=0)  # "captured": the area of the next eager call
+        capturing.on = False
+        assert torch.equal(got, want), f"rank {r}: the replayed pull read rows of the peer's eager call"
+        tr.move_fields([(xs[r] * 2, torch.empty_like(want))], route, call_id=1)
+
+    _run_ranks(num_ranks, rank_body, meet)
 
 
 def test_one_row_sources_with_a_wide_stride():

@@ -1,14 +1,14 @@
 """The pull's one-launch gather (`transport/pull.gather_in_one_launch`) under TRITON_INTERPRET=1 against the
-per-field `index_select`s it replaces, all send rows at once and in chunks of the staged rows then the own rows:
-staged rows and own rows of up to four fields of mixed widths (BF16 rows wider than a program's block, FP8 rows, fp32
-scales, fp64 weights, int64 routing rows), a rank that stages nothing, a rank with no rows for itself, and no send
-rows at all. Run as a script: `python gather_sim.py CASE`."""
+per-field `index_select`s it replaces: staged rows and own rows of up to four fields of mixed widths (BF16 rows
+wider than a program's block, FP8 rows, fp32 scales, fp64 weights, int64 routing rows), a rank that stages nothing,
+a rank with no rows for itself, and no send rows at all; and the SMs' copy of narrow fields out of a peer
+(`copy_by_sms`). Run as a script: `python gather_sim.py CASE`."""
 
 import sys
 
 import torch
 
-from epcomm.moves import Route, chunk_bounds
+from epcomm.moves import Route
 from epcomm.transport.pull import PullPlan, copy_by_sms, gather_in_one_launch, pull_weights
 
 
@@ -50,22 +50,13 @@ def check(me, matrix, kinds, seed=0):
         staged = torch.cat([plan.send_idx[:plan.own_rows[0]], plan.send_idx[plan.own_rows[1]:]])
         stage.view(torch.uint8).copy_(src.view(torch.uint8)[staged])
         out.view(torch.uint8)[lo: lo + len(plan.self_idx)] = src.view(torch.uint8)[plan.self_idx]
+    got_out = [fresh(s, route.num_recv) for s in srcs]
+    got_stage = [fresh(s, staged_rows) for s in srcs]
     row_bytes = [s[0].numel() * s.element_size() for s in srcs]
-    # all send rows in one launch (eager); the staged rows in chunks, then the own rows (graph capture)
-    for chunks in (None, 1, 2, 3):
-        got_out = [fresh(s, route.num_recv) for s in srcs]
-        got_stage = [fresh(s, staged_rows) for s in srcs]
-        moves, stage_views = list(zip(srcs, got_out)), got_stage if staged_rows else None
-        if chunks is None:
-            gather_in_one_launch(plan, moves, row_bytes, stage_views, lo)
-        else:
-            bounds = chunk_bounds(staged_rows, pull_weights(chunks))
-            for a, b in zip(bounds, bounds[1:]):
-                gather_in_one_launch(plan, moves, row_bytes, stage_views, lo, rows=(a, b - a))
-            gather_in_one_launch(plan, moves, row_bytes, stage_views, lo, rows="own")
-        for name, want, got in (("out", want_out, got_out), ("stage", want_stage, got_stage)):
-            for kind, u, v in zip(kinds, want, got):
-                assert torch.equal(u.view(torch.uint8), v.view(torch.uint8)), f"{name} {kind} differs ({chunks=})"
+    gather_in_one_launch(plan, list(zip(srcs, got_out)), row_bytes, got_stage if staged_rows else None, lo)
+    for name, a, b in (("out", want_out, got_out), ("stage", want_stage, got_stage)):
+        for kind, u, v in zip(kinds, a, b):
+            assert torch.equal(u.view(torch.uint8), v.view(torch.uint8)), f"{name} {kind} differs"
 
 
 CASES = {
@@ -74,7 +65,9 @@ CASES = {
     "stages-nothing": (1, [[2, 3], [0, 6]], ("routing", "bf16-wide")),
     "nothing-for-itself": (0, [[0, 5, 2], [1, 1, 1], [3, 0, 0]], ("w64",)),
     "no-send-rows": (2, [[1, 1, 0], [0, 2, 0], [0, 0, 0]], ("bf16-wide", "sf")),
+    "copy-words": None,  # check_copy_words
 }
+
 
 def check_copy_words(seed=0):
     """`copy_by_sms` (the SMs' pull of narrow fields) moves every byte of rows of any width in whole words, and
@@ -87,8 +80,6 @@ def check_copy_words(seed=0):
         copy_by_sms(src, dst[:rows])
         assert torch.equal(dst[:rows], src) and torch.equal(dst[rows:], tail), f"copy_words {rows}x{width}"
 
-
-CASES["copy-words"] = None
 
 if __name__ == "__main__":
     assert pull_weights(1) == (1,)

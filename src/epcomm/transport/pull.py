@@ -7,8 +7,7 @@ SMs. Under CUDA-graph capture the staging goes in `C` chunks, each published by 
 engines pull chunk c while the SMs gather chunk c + 1; the pulls run on a second stream, and the own-rows gather
 follows the staging on the first, beside the pulls (eager calls keep one stream: they are bound by launch cost).
 Narrow fields (FP8 scales, weights) are then read out of the peers by the SMs, not by copy-engine copies, which
-cost more to start in a replay than such fields take to move. The staging and the own-rows gather move whole 4-byte
-words in one Triton launch for every field (`gather_in_one_launch`) where the rows allow it.
+cost more to start in a replay than such fields take to move.
 
 Rank s's staging area holds, per field, `staged_rows[s]` rows; my rows in it start at `first_row_at[s]` (rows s
 sends to ranks before me, other than itself); its chunk c is rows
@@ -86,10 +85,9 @@ class PullPlan:
         return chunk_count(envs.pull_chunks(), capturing, max(self.staged_rows) * sum(row_bytes), _CHUNKS_CAPTURED)
 
     def views(self, region, stage: int, moves: list, row_bytes: list, chunks: int) -> tuple:
-        """`(staged, pulled, whole, every)`: per chunk, `staged[c]` = (the pieces of my rows in chunk c
-        (`staged_pieces`), its first staged row, one staging view per field) or None;
+        """`(staged, pulled, every)`: per chunk, `staged[c]` = (the pieces of my rows in chunk c (`staged_pieces`),
+        its first staged row, one staging view per field) or None;
         `pulled[c]` = [(output row, rows, one peer view per field)] for every peer piece of chunk c;
-        `whole` = one view of my whole staging area per field (None when I stage nothing);
         `every` = `pulled`'s pieces of all chunks together, one per peer. Made once per staging area, chunking and
         field kinds (slicing peer memory costs host time)."""
         weights = pull_weights(chunks)  # a small first chunk: its staging holds back the first pull
@@ -108,7 +106,6 @@ class PullPlan:
 
         staged, pulled = [], []
         bounds = [chunk_bounds(n, weights) for n in self.staged_rows]
-        whole = field_views(self.me, 0, self.staged_rows[self.me]) if self.staged_rows[self.me] else None
         for c in range(chunks):
             a, b = bounds[self.me][c], bounds[self.me][c + 1]
             staged.append((self.staged_pieces(a, b), a, field_views(self.me, a, b - a)) if b > a else None)
@@ -125,7 +122,7 @@ class PullPlan:
             pulled.append(pieces)
         every = [(self.recv_off[s], self.recv_splits[s], field_views(s, self.first_row_at[s], self.recv_splits[s]))
                  for s in range(self.num_ranks) if s != self.me and self.recv_splits[s]]
-        got = self._views[key] = (staged, pulled, whole, every)
+        got = self._views[key] = (staged, pulled, every)
         return got
 
 
@@ -134,7 +131,7 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     """One pull over `tr` (the nvlink transport: `region`, `barrier`). `side`: the stream that runs the pulls
     beside the staging and the gather of my own rows (None on CPU: all in order)."""
     chunks = plan.num_chunks(row_bytes, capturing)
-    staged, pulled, whole, every = plan.views(tr.region, stage, moves, row_bytes, chunks)
+    staged, pulled, every = plan.views(tr.region, stage, moves, row_bytes, chunks)
     lo, n_self = plan.recv_off[plan.me], plan.recv_splits[plan.me]
     main = torch.cuda.current_stream(tr.device) if side is not None else None
     by_words = _gathers_in_one_launch(moves, row_bytes)  # else per-field index_selects (CPU, odd row widths)
@@ -144,27 +141,20 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     by_sms = {i for i, b in enumerate(row_bytes) if b <= _SM_PULL_ROW_BYTES} if side is not None and by_words else ()
 
     def gather_own_rows():  # my rows for myself: no staging, no barrier
-        if not n_self:
-            return
-        if by_words:
-            gather_in_one_launch(plan, moves, row_bytes, None, lo, rows="own")
-            return
-        for src, out in moves:
-            torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
+        if n_self:
+            for src, out in moves:
+                torch.index_select(src, 0, plan.self_idx, out=out[lo: lo + n_self])
 
     one_launch = chunks == 1 and side is None and by_words
     for c in range(chunks):
         with phase("stage"):
             if one_launch:  # my staged rows and my own rows in one launch
-                gather_in_one_launch(plan, moves, row_bytes, whole, lo)
-            elif staged[c] is not None:
+                gather_in_one_launch(plan, moves, row_bytes, None if staged[0] is None else staged[0][2], lo)
+            elif staged[c] is not None:  # in a graph index_select gathers faster than one word launch (2x H200)
                 pieces, first, views = staged[c]
-                if by_words:  # one launch for every field
-                    gather_in_one_launch(plan, moves, row_bytes, whole, lo, rows=(first, views[0].shape[0]))
-                else:
-                    for idx, row in pieces:
-                        for (src, _), view in zip(moves, views):
-                            torch.index_select(src, 0, idx, out=view[row - first: row - first + idx.shape[0]])
+                for idx, row in pieces:
+                    for (src, _), view in zip(moves, views):
+                        torch.index_select(src, 0, idx, out=view[row - first: row - first + idx.shape[0]])
         tr.barrier()  # chunk c of every peer's staging area is complete
         if side is not None:
             side.wait_stream(main)
@@ -211,32 +201,23 @@ def _gathers_in_one_launch(moves: list, row_bytes: list) -> bool:
             and all(src.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0 for src, out in moves))
 
 
-def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int,
-                         rows="all") -> None:
-    """`_gather_triton.gather_fields`: send rows of every field into my staging area (`stage_views`, one per
+def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int) -> None:
+    """`_gather_triton.gather_fields`: every send row of every field into my staging area (`stage_views`, one per
     field; None when I stage nothing) or, for my rows for myself, into the outputs from row `lo`.
 
     Args:
         moves: up to four `(src [T, ...], out [num_recv, ...])` pairs, row-contiguous, any dtype, rows of whole
             4-byte words, starting on 4 bytes (`_gathers_in_one_launch`); send row x is `src[plan.send_idx[x]]`.
         row_bytes: bytes of one row of each field.
-        stage_views: one view of my whole staging area (`[staged rows, ...]`) per field, or None.
+        stage_views: one `[staged rows, ...]` view of my staging area per field, or None.
         lo: output row of my first row for myself.
-        rows: which send rows: "all"; "own" (my rows for myself); or `(first, n)`, staged rows first .. first + n - 1
-            (one chunk of the staging).
     """
     from ..kernels._gather_triton import gather_fields
 
     import triton
 
-    own_lo, own_hi = plan.own_rows
-    if rows == "all":
-        first, num, skip = 0, plan.send_idx.shape[0], 0
-    elif rows == "own":
-        first, num, skip = own_lo, own_hi - own_lo, 0
-    else:  # staged rows: the send rows without my own block
-        (first, num), skip = rows, own_hi - own_lo
-    if not num:
+    num_send = plan.send_idx.shape[0]
+    if not num_send:
         return
     order = sorted(range(len(moves)), key=lambda i: -row_bytes[i])  # the widest field spans the programs' blocks
     args, widths = [], []
@@ -247,8 +228,8 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
     while len(widths) < _MAX_FIELDS:
         args += args[:3]
         widths.append(0)
-    launch(gather_fields, (num, triton.cdiv(widths[0], _WORDS_PER_PROGRAM)),
-        plan.send_idx, own_lo, own_hi, lo, first, skip, *args, W0=widths[0], W1=widths[1], W2=widths[2],
+    launch(gather_fields, (num_send, triton.cdiv(widths[0], _WORDS_PER_PROGRAM)),
+        plan.send_idx, plan.own_rows[0], plan.own_rows[1], lo, *args, W0=widths[0], W1=widths[1], W2=widths[2],
         W3=widths[3], P1=triton.next_power_of_2(max(widths[1], 1)), P2=triton.next_power_of_2(max(widths[2], 1)),
         P3=triton.next_power_of_2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, num_warps=4)
 
