@@ -107,16 +107,6 @@ def chunk_bounds(rows: int, weights: tuple) -> list:
     return out
 
 
-def chunk_of_rows(rows: int, weights: tuple, device: torch.device) -> Tensor:
-    """[rows] int64: the chunk of each row of a block, counted as the inner boundaries at or
-    below the row; made from host sizes with device ops only (it may run under CUDA-graph capture)."""
-    j = torch.arange(rows, device=device)
-    out = torch.zeros(rows, dtype=torch.int64, device=device)
-    for b in chunk_bounds(rows, weights)[1:-1]:
-        out += j >= b
-    return out
-
-
 def chunk_count(forced: int, capturing: bool, largest_bytes: int, most: int) -> int:
     """How many chunks a staged move takes: `forced` (an `EPCOMM_*_CHUNKS` value) when set; else one for an eager
     call (launch cost dominates it) and, in a CUDA graph, one per 4 MiB of the largest area, at most `most`. Every

@@ -23,8 +23,9 @@ from torch import Tensor
 from . import agreement, epilogue, layout, streams
 from .debug import phase
 from .kernels import canonical_reduce
+from .kernels.launch import launch
 from .kernels.reduce import canonical_reduce_chunks
-from .moves import Route, chunk_of_rows, return_weights, row_bytes
+from .moves import Route, return_weights, row_bytes
 from .records import Field, RecordSpec, scatter_index
 from .validate import XSpec
 
@@ -488,30 +489,42 @@ def _left_packed(item_TK: Tensor, width: int) -> Tensor:
     return item_TK.gather(1, order)[:, :width].contiguous()
 
 
-def _token_chunks(item_TP: Tensor, recv_splits: list, weights: tuple) -> tuple:
-    """Tokens grouped by the chunk in which the last of their returned rows arrives.
+def _token_chunks(item_TP: Tensor, rows_R: Tensor, weights: tuple) -> tuple:
+    """Tokens grouped by the chunk in which the last of their returned rows arrives (two Triton launches:
+    `kernels/_token_chunks_triton.py`; this runs inside a CUDA graph on every replay).
 
-    Returned rows come grouped by source rank (`recv_splits`), and chunk c of a source's n rows is
-    `moves.chunk_bounds(n, weights)[c: c + 2]` (`moves.chunk_of_rows` gives each row's). A token is ready when its
-    latest item is (chunk 0 without items).
+    Returned rows come grouped by source rank, `rows_R[r]` from rank r, and chunk c of a source's n rows is
+    `moves.chunk_bounds(n, weights)[c: c + 2]`, where `weights` are `moves.return_weights(C)`. A token is ready
+    when its latest item is (chunk 0 without items).
+
+    Args:
+        item_TP: [T, P] int64 -- returned row of each of a token's items, -1 for none (rows with unit stride).
+        rows_R: [R] int64 (device) -- rows returned by each rank: the tokens this rank sent it.
+        weights: `moves.return_weights(C)`, `(E, .., E, 1)`.
 
     Returns:
-        `(tokens_T [T] int64, bounds_C [chunks + 1] int64)`: chunk c's tokens are `tokens_T[bounds_C[c]:bounds_C[c+1]]`.
+        `(tokens_T [T] int64, bounds_C [C + 1] int64)`: chunk c's tokens are `tokens_T[bounds_C[c]:bounds_C[c+1]]`,
+        ascending.
     """
+    from .kernels import _token_chunks_triton as k
+
+    import triton
+
+    chunks, num_tokens = len(weights), item_TP.shape[0]
+    earlier = weights[0] if chunks > 1 else 1
+    assert tuple(weights) == (earlier,) * (chunks - 1) + (1,), f"not a return push's chunk weights: {weights}"
+    assert item_TP.shape[1] == 0 or item_TP.stride(1) == 1
     device = item_TP.device
-    chunks = len(weights)
-    pieces = [chunk_of_rows(n, weights, device) for n in recv_splits if n]
-    chunk_X = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
-    chunk_T = torch.zeros(item_TP.shape[0], dtype=torch.int64, device=device)
-    if item_TP.shape[1] and chunk_X.shape[0]:
-        chunk_T = torch.where(item_TP >= 0, chunk_X[item_TP.clamp(min=0)], 0).amax(dim=1)
-    # A stable partition by chunk from prefix sums: a sort costs ~30 us here (2x H200), and bincount syncs.
-    in_C_T = chunk_T[None, :] == torch.arange(chunks, device=device)[:, None]
-    rank_CT = torch.cumsum(in_C_T, dim=1)  # tokens of chunk c up to and including t
-    bounds_C = torch.zeros(chunks + 1, dtype=torch.int64, device=device)
-    bounds_C[1:] = torch.cumsum(rank_CT[:, -1], 0) if chunk_T.shape[0] else 0
-    slot_T = bounds_C[chunk_T] + rank_CT.gather(0, chunk_T[None, :])[0] - 1
-    tokens_T = torch.empty_like(chunk_T).scatter_(0, slot_T, torch.arange(chunk_T.shape[0], device=device))
+    chunk_T = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    tokens_T = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    bounds_C = torch.empty(chunks + 1, dtype=torch.int64, device=device)
+    block_t = 128
+    launch(k.token_chunk, (max(1, triton.cdiv(num_tokens, block_t)),), item_TP, rows_R, chunk_T, num_tokens,
+           item_TP.stride(0), item_TP.shape[1], rows_R.shape[0], chunks, earlier, BLOCK_T=block_t,
+           P_POW2=triton.next_power_of_2(max(item_TP.shape[1], 1)), num_warps=4)
+    c_pow2 = triton.next_power_of_2(chunks)
+    launch(k.group_by_chunk, (1,), chunk_T, tokens_T, bounds_C, num_tokens, chunks,
+           BLOCK=max(16, min(1024, 4096 // c_pow2)), C_POW2=c_pow2, num_warps=4)
     return tokens_T, bounds_C
 
 
@@ -529,7 +542,7 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
     if ready is not None and y_XH.shape[0] and num_tokens:  # rows arrive in chunks: reduce each as it lands
         weights = return_weights(len(ready))  # the return push's chunks (transport/push_back.py)
         tokens_T, bounds_C = _memo(plan, ("token_chunks", weights), lambda: _token_chunks(
-            item_TK, plan.route.send_splits, weights))
+            item_TK, plan.send.num_tokens_per_rank_R, weights))  # rows back from rank r: tokens sent to r
         combined_x = canonical_reduce_chunks(y_XH, item_TK, call.bias_0, call.bias_1, call.x.dtype,
                                              tokens_T=tokens_T, bounds_C=bounds_C, ready=ready, num_sms=call.num_sms,
                                              own=own_x)

@@ -1,6 +1,9 @@
-"""The canonical reduction kernel's twin: the docstring's worked example first, then random."""
+"""The canonical reduction kernel's twin: the docstring's worked example first, then random; and the chunked
+combine's schedule (`pipeline._token_chunks`)."""
 
+import pytest
 import torch
+from interpreter import run_sim
 
 from epcomm.kernels import canonical_reduce, canonical_reduce_torch
 
@@ -52,7 +55,6 @@ def _run_triton_interpreted(rows, item, b0, b1, out_dtype, num_sms=0):
 
 
 def test_triton_kernel_matches_twin_interpreted():
-    pytest = __import__("pytest")
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(1)
     cases = [
@@ -74,43 +76,17 @@ def test_triton_kernel_matches_twin_interpreted():
             assert torch.equal(got, want), (num_sms, (got - want).abs().max())
 
 
-def test_token_chunks_group_each_token_by_its_last_row():
-    """pipeline._token_chunks: the chunk of a token is the last chunk holding one of its returned rows, where chunk c
-    of a source's n rows is moves.chunk_bounds(n, weights)[c: c + 2] (the rows the return push writes in step c),
-    with random chunk weights (empty chunks included)."""
-    from epcomm.moves import chunk_bounds
-    from epcomm.pipeline import _token_chunks
-
-    gen = torch.Generator().manual_seed(3)
-    for trial in range(40):
-        recv_splits = torch.randint(0, 9, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
-        num_rows, chunks = sum(recv_splits), int(torch.randint(1, 6, (1,), generator=gen))
-        weights = tuple(int(w) for w in torch.randint(0, 5, (chunks,), generator=gen))
-        weights = weights if sum(weights) else (1,) * chunks  # zero weights: empty chunks
-        num_tokens = int(torch.randint(0, 12, (1,), generator=gen))
-        width = int(torch.randint(0, 4, (1,), generator=gen))
-        item = torch.randint(-1, max(num_rows, 1), (num_tokens, width), generator=gen)
-        if num_rows == 0:
-            item.fill_(-1)
-        row_chunk = []
-        for n in recv_splits:
-            for j in range(n):
-                bounds = chunk_bounds(n, weights)
-                row_chunk.append(next(c for c in range(chunks) if bounds[c] <= j < bounds[c + 1]))
-        want = [max([row_chunk[i] for i in item[t].tolist() if i >= 0], default=0) for t in range(num_tokens)]
-        tokens, bounds = _token_chunks(item, recv_splits, weights)
-        assert sorted(tokens.tolist()) == list(range(num_tokens)), trial
-        assert bounds[0] == 0 and bounds[-1] == num_tokens and bool((bounds[1:] >= bounds[:-1]).all()), trial
-        for c in range(chunks):
-            got = tokens[bounds[c]: bounds[c + 1]].tolist()
-            assert got == sorted(got) and all(want[t] == c for t in got), (trial, c)
+@pytest.mark.parametrize("case", ["small", "many-tokens"])
+def test_token_chunks_group_each_token_by_its_last_row(case):
+    """pipeline._token_chunks (two Triton launches, interpreted) against a plain Python count: each token in the
+    chunk of the return push that brings its last returned row, tokens grouped by chunk (token_chunks_sim.py)."""
+    run_sim("token_chunks_sim.py", case)
 
 
 def test_triton_kernel_token_list_and_own_rows_interpreted():
     """The reduction kernel over one chunk of tokens at a time (`TOKEN_LIST`, as the chunked combine launches it):
     after every chunk each token is written once, with the twin's bits; a persistent grid smaller than a chunk.
     Also with rows 11..18 read from a separate `own` tensor (the rows a rank keeps for itself), whole and chunked."""
-    pytest = __import__("pytest")
     pytest.importorskip("triton")
     import pickle
     import subprocess
