@@ -1,7 +1,7 @@
 """Where the time of a CUDA-graph replay goes: the device timeline (torch.profiler, CUDA activities) of the last of
-3 replays of one cached dispatch (BF16, then FP8 with scales) and of one combine (all SMs) of a CPU-synced dsv3
-handle on nvlink, rank 0: every kernel and copy with its start (us from the first) and duration, so stages that
-wait for each other show as gaps.
+3 replays of one cached dispatch (BF16, then FP8 with scales) and of one combine (all SMs, then 24) of a
+CPU-synced dsv3 handle on nvlink, rank 0: every kernel and copy with its start (us from the first) and duration,
+so stages that wait for each other show as gaps.
 
 Run on a machine with 2 GPUs: `python benchmarks/graph_timeline.py`.
 """
@@ -31,7 +31,8 @@ def body(rank: int, world: int, port: int) -> None:
     lines = []
     for label, fn in (("cached dispatch", lambda: buf.dispatch(x, handle=handle)),
                       ("cached dispatch, FP8", lambda: buf.dispatch(x_fp8, handle=handle)),
-                      (f"combine, num_sms={all_sms}", lambda: buf.combine(y, handle, num_sms=all_sms))):
+                      (f"combine, num_sms={all_sms}", lambda: buf.combine(y, handle, num_sms=all_sms)),
+                      ("combine, num_sms=24", lambda: buf.combine(y, handle, num_sms=24))):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiled kernels and the handle's index tensors made before the capture
