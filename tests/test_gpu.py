@@ -103,12 +103,15 @@ def test_cuda_graph_replay_of_cached_calls(nccl, transport):
     assert nccl.run(ep_cases.graph_replay_exact, transport) == [4, 4]
 
 
-@pytest.mark.parametrize("dtype,pull_chunks", [("fp8", ""), ("fp8", "3"), ("bf16", "3")])
-def test_cuda_graph_replay_of_cached_calls_in_chunks(nccl, dtype, pull_chunks):
-    """As above on nvlink, FP8 rows with their scales and the pull in several chunks: in a graph each chunk is
-    staged by one word-gather launch and the narrow fields (scales, weights) are read out of the peers by the SMs
+@pytest.mark.parametrize("dtype,pull_chunks,hidden", [("fp8", "", 192), ("fp8", "3", 192), ("bf16", "3", 192),
+                                                      ("fp8", "", 1024), ("bf16", "3", 1024)])
+def test_cuda_graph_replay_of_cached_calls_in_chunks(nccl, dtype, pull_chunks, hidden):
+    """As above on nvlink, FP8 rows with their scales and the pull in several chunks. In a graph, fields of at most
+    512 bytes a row (scales, weights, and here the rows themselves at hidden 192) are read out of the peers by the
+    SMs after the last chunk; wider rows (hidden 1024) are pulled per chunk by the copy engines beside them
     (transport/pull.py)."""
-    assert nccl.run(ep_cases.graph_replay_exact, "nvlink", dtype=dtype, pull_chunks=pull_chunks) == [4, 4]
+    assert nccl.run(ep_cases.graph_replay_exact, "nvlink", dtype=dtype, pull_chunks=pull_chunks,
+                    hidden=hidden) == [4, 4]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -195,6 +195,7 @@ def test_eager_return_after_a_captured_one_waits_for_the_slow_reader(monkeypatch
 
     from epcomm import streams as streams_mod
 
+    monkeypatch.delenv("EPCOMM_RETURN_CHUNKS", raising=False)
     num_ranks = 2
     matrix = [[3, 4], [2, 5]]  # rows rank s returns to rank d (the route of the combine direction)
     region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)],
@@ -229,6 +230,7 @@ def test_eager_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
 
     from epcomm import streams as streams_mod
 
+    monkeypatch.delenv("EPCOMM_PULL_CHUNKS", raising=False)  # one chunk: the staging's barrier is the second
     num_ranks = 2
     matrix = [[3, 4], [2, 5]]  # rows rank s sends to rank d
     meet = threading.Barrier(num_ranks)
@@ -257,6 +259,89 @@ def test_eager_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
         capturing.on = False
         assert torch.equal(got, want), f"rank {r}: the replayed pull read rows of the peer's eager call"
         tr.move_fields([(xs[r] * 2, torch.empty_like(want))], route, call_id=1)
+
+    _run_ranks(num_ranks, rank_body, meet)
+
+
+def test_captured_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
+    """Two captured pulls back to back (two replays of a graph, or two calls in one graph) on one staging area:
+    rank 0 pulls slowly out of rank 1's area in the first; rank 1's second must not stage over it. With no barrier
+    after a captured pull's copies, only the captured pull's own barrier before staging guards this."""
+    import time
+
+    from epcomm import streams as streams_mod
+
+    num_ranks, matrix = 2, [[3, 4], [2, 5]]
+    meet = threading.Barrier(num_ranks)
+    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
+    xs = [torch.randn(sum(matrix[r]), HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
+          for r in range(num_ranks)]
+    monkeypatch.setattr(streams_mod, "capturing", lambda device: True)
+
+    def rank_body(r: int) -> None:
+        tr = _transport(r, num_ranks, region)
+        tr._stream = lambda name: None  # no CUDA: the "captured" calls run on one stream
+        route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], None, matrix)
+        first_call = [True]
+        if r == 0:  # every barrier of the first call is followed by a slow reader
+            def slow_barrier():
+                meet.wait()
+                if first_call[0]:
+                    time.sleep(0.3)
+            tr.barrier = slow_barrier
+        want = torch.cat([xs[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
+        got = torch.empty_like(want)
+        tr.move_fields([(xs[r], got)], route, call_id=0)
+        first_call[0] = False
+        assert torch.equal(got, want), f"rank {r}: the first replay read rows of the peer's next replay"
+        tr.move_fields([(xs[r] * 2, torch.empty_like(want))], route, call_id=1)
+
+    _run_ranks(num_ranks, rank_body, meet)
+
+
+def test_eager_return_after_a_captured_pull_waits_for_the_slow_reader(monkeypatch):
+    """3 ranks: a captured pull, then an eager return push on the same staging area. Rank 0 pulls slowly out of
+    rank 1's area while rank 2's return push writes into that area (rank 1 itself has finished its pull): the
+    return push after a capture must wait for its peers first, whichever kind of call was captured."""
+    import time
+
+    from epcomm import streams as streams_mod
+
+    monkeypatch.delenv("EPCOMM_PULL_CHUNKS", raising=False)  # one chunk: the staging's barrier is the second
+    monkeypatch.delenv("EPCOMM_RETURN_CHUNKS", raising=False)
+    monkeypatch.setenv("EPCOMM_NVLINK_RETURN", "push")
+    num_ranks = 3
+    matrix = [[1, 1, 1], [3, 1, 2], [1, 1, 1]]  # pull: rank 1 stages 3 rows for rank 0 first (its area's rows 0..2)
+    back = [[1, 0, 1], [1, 0, 1], [1, 5, 1]]  # return: only rank 2 writes into rank 1's area, from row 0
+    meet = threading.Barrier(num_ranks)
+    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
+    xs = [torch.randn(sum(matrix[r]), HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
+          for r in range(num_ranks)]
+    ys = [torch.randn(sum(back[r]), HIDDEN, generator=torch.Generator().manual_seed(9 + r)).bfloat16()
+          for r in range(num_ranks)]
+    capturing = threading.local()
+    monkeypatch.setattr(streams_mod, "capturing", lambda device: getattr(capturing, "on", False))
+
+    def rank_body(r: int) -> None:
+        tr = _transport(r, num_ranks, region)
+        tr._stream = lambda name: None  # no CUDA: the "captured" call runs on one stream
+        route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], None, matrix)
+        route_back = Route(back[r], [back[s][r] for s in range(num_ranks)], None, back)
+        barriers = []
+        if r == 0:  # after the staging's barrier (the second of the captured call), a slow copy engine
+            def slow_barrier():
+                meet.wait()
+                barriers.append(1)
+                if capturing.on and len(barriers) == 2:
+                    time.sleep(0.3)
+            tr.barrier = slow_barrier
+        want = torch.cat([xs[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
+        got = torch.empty_like(want)
+        capturing.on = True
+        tr.move_fields([(xs[r], got)], route, call_id=0)
+        capturing.on = False
+        assert torch.equal(got, want), f"rank {r}: the replayed pull read rows of a peer's eager return push"
+        tr.return_fields([ys[r]], route_back, call_id=1)
 
     _run_ranks(num_ranks, rank_body, meet)
 

@@ -1,8 +1,8 @@
 """Triton body of the pull's one-launch gather (transport/pull.py): the rows a rank sends, of up to four fields, into
 its staging area or, for its own rows, straight into its outputs. An eager call on a host where a launch costs tens
 of microseconds pays one launch here instead of two `index_select`s per field. In a CUDA graph, where launches are
-cheap, `index_select` gathers faster (2x H200); there `copy_words` reads the narrow fields (FP8 scales, weights) out
-of the peers' staging areas with the SMs.
+cheap, `index_select` gathers faster (2x H200); there `copy_words` reads the narrow fields (scales, weights: at
+most 512 bytes a row) out of the peers' staging areas with the SMs.
 
 Every field is moved as int32 words, whatever its dtype (callers check that rows are whole words and that every
 tensor starts on 4 bytes); all tensors are row-contiguous.

@@ -10,9 +10,12 @@ Two ways rows move:
 * pull (CPU-synced calls, `move_fields`): a sender gathers each field of its rows for the other ranks into its own
   staging area (its rows for itself go straight into its output), one device barrier, then every receiver copies
   its rows out of each peer's staging area straight into its output tensors. The two staging areas alternate
-  between calls: a call's barrier proves every peer has finished the call before, so the area used two calls ago
-  is free again without a second barrier.
-Both copy with the copy engines (`copy_` on peer views), which reach the measured link ceiling and use no SMs.
+  between eager calls: a call's barrier proves every peer has finished the call before, so the area used two
+  calls ago is free again without a second barrier. A call captured in a CUDA graph replays on one area, so it, and
+  every call after a capture, waits for its peers before staging (`move_fields`).
+Both copy with the copy engines (`copy_` on peer views), which reach the measured link ceiling and use no SMs;
+in a graph the pull reads fields of at most 512 bytes a row (FP8 scales, weights) with the SMs instead
+(`pull.py`).
 Every wait is a device barrier (`SymmetricRegion.barrier`, epcomm's kernel) bounded by `num_gpu_timeout_secs`;
 a rank that does not arrive is named in the kernel's message before it aborts.
 """
@@ -234,7 +237,8 @@ class NVLinkTransport(Transport):
         """Byte offset of this call's staging area. The two alternate between eager calls; a captured call takes
         the area of the next eager call and does not advance the alternation, so the eager calls before and after a
         capture still use different areas (one barrier per eager call proves that peers finished the one before),
-        however many calls the capture holds. Captured calls guard their area with their own barriers."""
+        however many calls the capture holds. Captured calls, and every call after a capture, wait for their peers
+        before using their area (`move_fields`, `return_fields`)."""
         stage = self._stage_off[self._stage_calls % 2]
         if not streams.capturing(self.device):
             self._stage_calls += 1

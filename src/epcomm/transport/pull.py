@@ -6,8 +6,8 @@ out of each peer's staging area into its outputs with the copy engines, which re
 SMs. Under CUDA-graph capture the staging goes in `C` chunks, each published by its own barrier, so that the copy
 engines pull chunk c while the SMs gather chunk c + 1; the pulls run on a second stream, and the own-rows gather
 follows the staging on the first, beside the pulls (eager calls keep one stream: they are bound by launch cost).
-Narrow fields (FP8 scales, weights) are then read out of the peers by the SMs, not by copy-engine copies, which
-cost more to start in a replay than such fields take to move.
+Narrow fields (at most 512 bytes a row: FP8 scales, weights; rows of whole 4-byte words) are then read out of the
+peers by the SMs, not by copy-engine copies, which cost more to start in a replay than such fields take to move.
 
 Rank s's staging area holds, per field, `staged_rows[s]` rows; my rows in it start at `first_row_at[s]` (rows s
 sends to ranks before me, other than itself); its chunk c is rows
@@ -134,7 +134,7 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     staged, pulled, every = plan.views(tr.region, stage, moves, row_bytes, chunks)
     lo, n_self = plan.recv_off[plan.me], plan.recv_splits[plan.me]
     main = torch.cuda.current_stream(tr.device) if side is not None else None
-    by_words = _gathers_in_one_launch(moves, row_bytes)  # else per-field index_selects (CPU, odd row widths)
+    by_words = _gathers_in_one_launch(moves, row_bytes)  # the eager one-launch gather and the SMs' reads may run
     # In a graph the SMs read narrow fields (FP8 scales, weights) out of the peers after the last barrier, beside the
     # copy engines' pulls: in a replay each copy-engine copy costs 2-10 us of start-up (2x H200 timeline), more
     # than such a field's bytes take.
@@ -188,7 +188,10 @@ def copy_by_sms(src: torch.Tensor, dst: torch.Tensor) -> None:
 
     import triton
 
-    num_words = src.numel() * src.element_size() // 4
+    num_bytes = src.numel() * src.element_size()
+    assert src.is_contiguous() and dst.is_contiguous() and num_bytes == dst.numel() * dst.element_size()
+    assert num_bytes % 4 == 0 and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0
+    num_words = num_bytes // 4
     if num_words:
         launch(copy_words, (triton.cdiv(num_words, _WORDS_PER_PROGRAM * 2),), src, dst, num_words,
                BLOCK=_WORDS_PER_PROGRAM * 2, num_warps=4)
