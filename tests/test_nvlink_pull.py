@@ -221,18 +221,16 @@ def test_eager_return_after_a_captured_one_waits_for_the_slow_reader(monkeypatch
     _run_ranks(num_ranks, rank_body, region.meet)
 
 
-def test_eager_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
-    """A graph replays its pull on one staging area, the one the eager call after the capture stages into; a
-    captured pull has no barrier after its copies, so the eager call must wait for its peers before staging. Here on
-    fake regions: rank 0 pulls slowly out of rank 1's area in its "replayed" call while rank 1 goes on to an eager
-    pull that stages other rows into that area; rank 0 must still read the replayed call's rows."""
+def _slow_reader_of_a_replayed_pull(monkeypatch, matrix: list, then) -> None:
+    """Every rank makes a "captured" pull of `matrix` (one chunk, on one stream), in which rank 0 pulls slowly (after
+    the staging's barrier, the second of the call), then the eager call `then(tr, r)`; rank 0 must still read the
+    captured call's rows, whatever its peers' eager calls write meanwhile."""
     import time
 
     from epcomm import streams as streams_mod
 
     monkeypatch.delenv("EPCOMM_PULL_CHUNKS", raising=False)  # one chunk: the staging's barrier is the second
-    num_ranks = 2
-    matrix = [[3, 4], [2, 5]]  # rows rank s sends to rank d
+    num_ranks = len(matrix)
     meet = threading.Barrier(num_ranks)
     region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
     xs = [torch.randn(sum(matrix[r]), HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
@@ -245,7 +243,7 @@ def test_eager_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
         tr._stream = lambda name: None  # no CUDA: the "captured" call runs on one stream
         route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], None, matrix)
         barriers = []
-        if r == 0:  # after the staging's barrier (the second of the captured call), a slow copy engine
+        if r == 0:  # a slow copy engine
             def slow_barrier():
                 meet.wait()
                 barriers.append(1)
@@ -257,10 +255,25 @@ def test_eager_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
         capturing.on = True
         tr.move_fields([(xs[r], got)], route, call_id=0)  # "captured": the area of the next eager call
         capturing.on = False
-        assert torch.equal(got, want), f"rank {r}: the replayed pull read rows of the peer's eager call"
-        tr.move_fields([(xs[r] * 2, torch.empty_like(want))], route, call_id=1)
+        assert torch.equal(got, want), f"rank {r}: the replayed pull read rows of a peer's eager call"
+        then(tr, r)
 
     _run_ranks(num_ranks, rank_body, meet)
+
+
+def test_eager_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
+    """A graph replays its pull on one staging area, the one the eager call after the capture stages into; a
+    captured pull has no barrier after its copies, so the eager call must wait for its peers before staging. Here on
+    fake regions: rank 0 pulls slowly out of rank 1's area in its "replayed" call while rank 1 goes on to an eager
+    pull that stages other rows into that area."""
+    matrix = [[3, 4], [2, 5]]  # rows rank s sends to rank d
+
+    def eager_pull(tr, r):
+        route = Route(matrix[r], [matrix[s][r] for s in range(2)], None, matrix)
+        rows = torch.randn(sum(matrix[r]), HIDDEN).bfloat16()
+        tr.move_fields([(rows, torch.empty(sum(m[r] for m in matrix), HIDDEN).bfloat16())], route, call_id=1)
+
+    _slow_reader_of_a_replayed_pull(monkeypatch, matrix, eager_pull)
 
 
 def test_captured_pull_after_a_captured_one_waits_for_the_slow_reader(monkeypatch):
@@ -303,47 +316,16 @@ def test_eager_return_after_a_captured_pull_waits_for_the_slow_reader(monkeypatc
     """3 ranks: a captured pull, then an eager return push on the same staging area. Rank 0 pulls slowly out of
     rank 1's area while rank 2's return push writes into that area (rank 1 itself has finished its pull): the
     return push after a capture must wait for its peers first, whichever kind of call was captured."""
-    import time
-
-    from epcomm import streams as streams_mod
-
-    monkeypatch.delenv("EPCOMM_PULL_CHUNKS", raising=False)  # one chunk: the staging's barrier is the second
     monkeypatch.delenv("EPCOMM_RETURN_CHUNKS", raising=False)
     monkeypatch.setenv("EPCOMM_NVLINK_RETURN", "push")
-    num_ranks = 3
     matrix = [[1, 1, 1], [3, 1, 2], [1, 1, 1]]  # pull: rank 1 stages 3 rows for rank 0 first (its area's rows 0..2)
     back = [[1, 0, 1], [1, 0, 1], [1, 5, 1]]  # return: only rank 2 writes into rank 1's area, from row 0
-    meet = threading.Barrier(num_ranks)
-    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
-    xs = [torch.randn(sum(matrix[r]), HIDDEN, generator=torch.Generator().manual_seed(r)).bfloat16()
-          for r in range(num_ranks)]
-    ys = [torch.randn(sum(back[r]), HIDDEN, generator=torch.Generator().manual_seed(9 + r)).bfloat16()
-          for r in range(num_ranks)]
-    capturing = threading.local()
-    monkeypatch.setattr(streams_mod, "capturing", lambda device: getattr(capturing, "on", False))
 
-    def rank_body(r: int) -> None:
-        tr = _transport(r, num_ranks, region)
-        tr._stream = lambda name: None  # no CUDA: the "captured" call runs on one stream
-        route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], None, matrix)
-        route_back = Route(back[r], [back[s][r] for s in range(num_ranks)], None, back)
-        barriers = []
-        if r == 0:  # after the staging's barrier (the second of the captured call), a slow copy engine
-            def slow_barrier():
-                meet.wait()
-                barriers.append(1)
-                if capturing.on and len(barriers) == 2:
-                    time.sleep(0.3)
-            tr.barrier = slow_barrier
-        want = torch.cat([xs[s][sum(matrix[s][:r]): sum(matrix[s][:r + 1])] for s in range(num_ranks)])
-        got = torch.empty_like(want)
-        capturing.on = True
-        tr.move_fields([(xs[r], got)], route, call_id=0)
-        capturing.on = False
-        assert torch.equal(got, want), f"rank {r}: the replayed pull read rows of a peer's eager return push"
-        tr.return_fields([ys[r]], route_back, call_id=1)
+    def eager_return(tr, r):
+        route_back = Route(back[r], [back[s][r] for s in range(3)], None, back)
+        tr.return_fields([torch.randn(sum(back[r]), HIDDEN).bfloat16()], route_back, call_id=1)
 
-    _run_ranks(num_ranks, rank_body, meet)
+    _slow_reader_of_a_replayed_pull(monkeypatch, matrix, eager_return)
 
 
 def test_one_row_sources_with_a_wide_stride():
