@@ -134,7 +134,7 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     staged, pulled, every = plan.views(tr.region, stage, moves, row_bytes, chunks)
     lo, n_self = plan.recv_off[plan.me], plan.recv_splits[plan.me]
     main = torch.cuda.current_stream(tr.device) if side is not None else None
-    by_words = _gathers_in_one_launch(moves, row_bytes)  # the eager one-launch gather and the SMs' reads may run
+    by_words = _gathers_in_one_launch(moves, row_bytes)  # rows of whole words: word kernels may move them
     # In a graph the SMs read narrow fields (FP8 scales, weights) out of the peers after the last barrier, beside the
     # copy engines' pulls: in a replay each copy-engine copy costs 2-10 us of start-up (2x H200 timeline), more
     # than such a field's bytes take.
@@ -169,9 +169,10 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
     # by launch cost) did them before the barrier, with the staged rows.
     if not one_launch:
         gather_own_rows()
-    for out_row, n, views in every if by_sms else ():
-        for i in by_sms:
-            copy_by_sms(views[i], moves[i][1][out_row: out_row + n])
+    if by_sms:
+        for out_row, n, views in every:
+            for i in by_sms:
+                copy_by_sms(views[i], moves[i][1][out_row: out_row + n])
     if side is not None:
         main.wait_stream(side)
 
@@ -183,7 +184,8 @@ _SM_PULL_ROW_BYTES = 512  # fields of rows this narrow are pulled by the SMs in 
 
 def copy_by_sms(src: torch.Tensor, dst: torch.Tensor) -> None:
     """`dst.copy_(src)` by a Triton kernel (`_gather_triton.copy_words`) instead of the copy engines: contiguous
-    tensors of equal byte size, a whole number of 4-byte words, starting on 4 bytes; `src` may be a peer's memory."""
+    tensors of equal byte size, a whole number of 4-byte words, starting on 4 bytes; `src` may be a peer's memory.
+    Callers check this (`_gathers_in_one_launch`); a call that breaks it fails an assertion before the launch."""
     from ..kernels._gather_triton import copy_words
 
     import triton
