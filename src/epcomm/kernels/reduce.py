@@ -152,9 +152,10 @@ def _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms) -> tu
     if num_sms and rows.is_cuda and num_sms >= torch.cuda.get_device_properties(rows.device).multi_processor_count:
         num_sms = 0  # a cap at every SM binds nothing: one program per tile is faster (90 vs 106 us below)
     # Tiles measured on H200 (benchmarks/reduce_sweep.py, dsv3 combine shape, items left-packed): 4 tokens x 1024
-    # channels x 8 warps with one program per tile (90 us); a capped grid needs more bytes in flight per program:
-    # 16 x 2048 x 16 warps (206 us at 28 programs, against 260 us for 8 x 2048).
-    tile = dict(block_t=16, block_h=2048, num_warps=16) if num_sms > 0 else dict(block_t=4, block_h=1024, num_warps=8)
+    # channels x 8 warps with one program per tile (90 us); a capped grid needs more loads in flight per SM:
+    # 8 x 2048 x 32 warps (the chunked combine's three launches at 24 programs: 213-236 us, against 284-386 us for
+    # 16 x 2048 x 16 warps; loading the next tile's items ahead, or the own rows by a second masked load, was slower).
+    tile = dict(block_t=8, block_h=2048, num_warps=32) if num_sms > 0 else dict(block_t=4, block_h=1024, num_warps=8)
     return rows, item_row_TP.contiguous(), bias_0, bias_1, out, num_sms, tile
 
 
