@@ -1,10 +1,11 @@
-"""Host time against device time of one cached dispatch and one combine on 2 GPUs (rank 0 prints).
+"""Host time against device time of one full dispatch, one cached dispatch and one combine on 2 GPUs (rank 0
+prints).
 
 Usage: python benchmarks/host_overhead.py [--transport nvlink] [--tokens 4096] [--out DIR]
 For each op: the wall time of a synchronised call, the host time to enqueue it (the call returns before the
-device finishes), the device time (CUDA events around the call), then the top Python functions by own time
-(cProfile, 20 calls) and the device kernels by total time (torch.profiler, 5 calls). A call is host-bound when
-its enqueue time is close to its wall time.
+device finishes), the device time (CUDA events around the call), then the top Python functions by own time and
+epcomm's functions by cumulative time (cProfile, 20 calls) and the device kernels by total time (torch.profiler, 5
+calls). A call is host-bound when its enqueue time is close to its wall time.
 """
 
 import argparse
@@ -35,6 +36,7 @@ def run(rank, world, args):
                           transport=args.transport)
     recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=256)
     ops = {
+        "full dispatch": lambda: buf.dispatch(x, idx, w, num_experts=256),
         "cached dispatch": lambda: buf.dispatch(x, handle=handle, topk_weights=w),
         "combine": lambda: buf.combine(recv_x, handle, topk_weights=recv_w),
     }
@@ -67,6 +69,7 @@ def run(rank, world, args):
         prof.disable()
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats("epcomm", 45)
         report.append(text.getvalue())
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as p:
@@ -76,7 +79,7 @@ def run(rank, world, args):
         report.append(p.key_averages().table(sort_by="cuda_time_total", row_limit=20))
     if rank == 0:
         text = "\n".join(report)
-        print(text[:6000], flush=True)
+        print(text[:3000], flush=True)
         if args.out:
             with open(os.path.join(args.out, f"host_overhead_{args.transport}.txt"), "w") as f:
                 f.write(text)

@@ -82,11 +82,14 @@ class Transport(ABC):
         """
         return self.dispatch_rows(spec.pack(tensors, src_X, holes=True), None, None, call_id=call_id)
 
-    def move_fields(self, moves: list, route, *, call_id: int) -> None:
+    def move_fields(self, moves: list, route, *, call_id: int, beside: tuple = ()) -> None:
         """Packed move of several fields (moves.py): for each `(src, out)`, send row x is `src[route.src_X[x]]`
         (or `src[x]`) and `out` ([route.num_recv, ...], same dtype and row shape) receives the rows grouped by
-        source rank. Both contiguous. The default sends each field through `dispatch_rows`.
+        source rank. Both contiguous. `beside`: local copies `(src, dst)` (`dst.copy_(src)`) the caller needs too,
+        which a transport may run while the rows travel. The default sends each field through `dispatch_rows`.
         """
+        for src, dst in beside:
+            dst.copy_(src)
         idx = route.send_index(self.device)
         for src, out in moves:
             send = as_words(src).index_select(0, idx)

@@ -43,8 +43,10 @@ class CollectiveTransport(Transport):
             return recv_XB.copy_(send_XB)
         return self._all_to_all(recv_XB, send_XB, recv_splits, send_splits, False, "row exchange", call_id)
 
-    def move_fields(self, moves: list, route, *, call_id: int) -> None:
+    def move_fields(self, moves: list, route, *, call_id: int, beside: tuple = ()) -> None:
         """One `all_to_all_single` per field, straight into its output (no records, no unpacking)."""
+        for src, dst in beside:
+            dst.copy_(src)
         for src, out in moves:
             words = as_words(src)
             send = words if route.src_X is None else words.index_select(0, route.src_X)

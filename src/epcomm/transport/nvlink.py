@@ -244,7 +244,7 @@ class NVLinkTransport(Transport):
             self._stage_calls += 1
         return stage
 
-    def move_fields(self, moves: list, route, *, call_id: int) -> None:
+    def move_fields(self, moves: list, route, *, call_id: int, beside: tuple = ()) -> None:
         """Pull (transport/pull.py): stage my rows for the peers, barrier, copy my rows out of the peers' areas.
 
         Args and result as `Transport.move_fields`; `route.matrix` (the split matrix) is required.
@@ -267,7 +267,8 @@ class NVLinkTransport(Transport):
             self._captured = True
         # The second stream overlaps the own-rows gather and the pulls with the staging: a gain in a graph, but
         # eager calls on this kind of host are bound by launch cost, and the stream costs three more event waits.
-        pull_fields(self, plan, moves, row_bytes, stage, capturing, self._stream("_side") if capturing else None)
+        pull_fields(self, plan, moves, row_bytes, stage, capturing, self._stream("_side") if capturing else None,
+                    beside)
 
     def return_fields(self, srcs: list, route, *, call_id: int, skip_own: bool = False) -> tuple:
         """The combine direction by a push (transport/push_back.py): my rows for each rank are one block of `srcs`,
