@@ -2,7 +2,9 @@
 
 Usage: python benchmarks/pull_primitives.py [--rows 4096] [--hidden 7168]
 Each line: median of 20 after 3 warm-up, CUDA events around the op, a device barrier before each; GB/s = bytes
-moved / time. Rows are BF16 `[rows, hidden]` (58.7 MB at the dsv3 size).
+moved / time. Rows are BF16 `[rows, hidden]` (58.7 MB at the dsv3 size). Both ranks run each op at once, so the
+link carries both directions, as in a dispatch. The "parallel" lines split one pull into parts that run at once on
+their own streams: copy-engine copies, or a copy-engine copy beside SMs that read the rest (`index_select`).
 """
 
 import argparse
@@ -17,7 +19,7 @@ import torch.multiprocessing as mp
 def run(rank, world, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29557", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     from epcomm.transport.symm import SymmetricRegion
 
     rows, hidden = args.rows, args.hidden
@@ -32,8 +34,27 @@ def run(rank, world, args):
     theirs_w = region.peer(peer, 0, (rows, hidden * 2 // 8), torch.int64)
     idx = torch.randperm(rows, device="cuda")
     words, out_w = local.view(torch.int64), out.view(torch.int64)
+    lanes = [torch.cuda.Stream() for _ in range(4)]
+
+    def parallel(*parts):
+        """Each part on its own stream, all after the current stream's work; the current stream waits for all."""
+        main = torch.cuda.current_stream()
+        for lane, part in zip(lanes, parts):
+            lane.wait_stream(main)
+            with torch.cuda.stream(lane):
+                part()
+        for lane in lanes[:len(parts)]:
+            main.wait_stream(lane)
+
+    def ce(lo, hi):
+        return lambda: out[lo:hi].copy_(theirs[lo:hi])
+
+    def sm(lo, hi):
+        ident = torch.arange(lo, hi, device="cuda")
+        return lambda: torch.index_select(theirs_w, 0, ident, out=out_w[lo:hi])
+    half, quarter = rows // 2, rows // 4
     ops = {
-        "symm barrier": (lambda: region.barrier(0), 0),
+        "symm barrier": (lambda: region.barrier(), 0),
         "CE pull (copy_ from peer view)": (lambda: out.copy_(theirs), nbytes),
         "CE push (copy_ into peer view)": (lambda: region.peer(peer, nbytes, (rows, hidden), torch.bfloat16)
                                            .copy_(local), nbytes),
@@ -44,6 +65,14 @@ def run(rank, world, args):
         "local gather index_select uint8": (lambda: torch.index_select(local.view(torch.uint8), 0, idx,
                                                                       out=out.view(torch.uint8)), nbytes),
         "local copy_ (D2D)": (lambda: out.copy_(local), nbytes),
+        "parallel: CE pull in 2 streams": (lambda: parallel(ce(0, half), ce(half, rows)), nbytes),
+        "parallel: CE pull in 4 streams": (lambda: parallel(*(ce(q * quarter, (q + 1) * quarter) for q in range(4))),
+                                           nbytes),
+        "parallel: CE pull 3/4 + SM pull 1/4": (lambda: parallel(ce(0, rows - quarter), sm(rows - quarter, rows)),
+                                                nbytes),
+        "parallel: CE pull 7/8 + SM pull 1/8": (lambda: parallel(ce(0, rows - rows // 8), sm(rows - rows // 8, rows)),
+                                                nbytes),
+        "parallel: CE pull 1/2 + SM pull 1/2": (lambda: parallel(ce(0, half), sm(half, rows)), nbytes),
     }
     lines = []
     for name, (fn, moved) in ops.items():
