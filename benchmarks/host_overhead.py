@@ -79,7 +79,7 @@ def run(rank, world, args):
         report.append(p.key_averages().table(sort_by="cuda_time_total", row_limit=20))
     if rank == 0:
         text = "\n".join(report)
-        print(text[:3000], flush=True)
+        print(text[:12000], flush=True)
         if args.out:
             with open(os.path.join(args.out, f"host_overhead_{args.transport}.txt"), "w") as f:
                 f.write(text)

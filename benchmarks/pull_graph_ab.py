@@ -28,8 +28,8 @@ def body(rank: int, world: int, port: int) -> None:
     sm_row_bytes, transport = pull._SM_PULL_ROW_BYTES, type(buf.transport)
     move_fields = transport.move_fields
 
-    def with_closing_barrier(self, moves, route, *, call_id):
-        move_fields(self, moves, route, call_id=call_id)
+    def with_closing_barrier(self, moves, route, *, call_id, beside=()):
+        move_fields(self, moves, route, call_id=call_id, beside=beside)
         if streams.capturing(self.device):
             self.barrier()
 

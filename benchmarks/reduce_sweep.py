@@ -6,7 +6,7 @@ rank) at random top-k positions out of 8. Median of 20 after 3 warm-up (CUDA eve
 and written once. Checked bitwise against the torch twin first.
 
 The second table is the chunked combine's shape: the own rows read in place (`own`), the tokens in 3 chunks of a
-random permutation, one launch per chunk, at a capped grid (`num_sms`), across tiles and warps.
+random permutation (ascending within a chunk), one launch per chunk, at a capped grid (`num_sms`), across tiles and warps.
 """
 
 import argparse
@@ -34,7 +34,7 @@ def main(args):
         ("packed", 0, 1, 1024, 4), ("packed", 0, 4, 1024, 8), ("packed", 0, 8, 512, 8), ("packed", 0, 8, 1024, 8),
         ("packed", 132, 8, 2048, 16), ("packed", 28, 4, 1024, 8), ("packed", 28, 8, 2048, 16),
         ("packed", 28, 16, 1024, 16), ("packed", 28, 16, 2048, 16), ("packed", 24, 8, 2048, 16),
-        ("packed", 24, 16, 2048, 16),
+        ("packed", 24, 16, 2048, 16), ("packed", 28, 8, 2048, 32), ("packed", 24, 8, 2048, 32),
     ]
     for cols, programs, bt, bh, warps in configs:
         items = item if cols == "8 cols" else packed
@@ -47,8 +47,9 @@ def main(args):
         print(f"{cols} programs {programs:4d} block_t {bt:2d} block_h {bh:5d} warps {warps:2d}: {med:8.1f} us "
               f"{moved / med / 1e3:7.0f} GB/s {'ok' if ok else 'MISMATCH'}", flush=True)
     print("chunked, own rows in place:")
-    tokens = torch.randperm(t, device="cuda")
     bounds = torch.tensor([0, t // 3, 2 * t // 3, t], device="cuda")
+    perm = torch.randperm(t, device="cuda")  # ascending within each chunk, as `pipeline._token_chunks` gives them
+    tokens = torch.cat([perm[a:b].sort().values for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())])
     own = rows[:t].clone()
     chunked = [(p, bt, bh, w) for p in (24, 28, 132) for bt, bh, w in (
         (16, 2048, 16), (16, 2048, 32), (8, 2048, 32), (8, 1024, 32), (8, 1024, 16), (4, 2048, 16), (32, 1024, 32))]

@@ -370,19 +370,29 @@ def transport_name(rank: int, world: int):
 
 def handle_recv_topk_idx(rank: int, world: int):
     """handle.recv_topk_idx equals the non-expand dispatch's recv_topk_idx, and the returned tensor is the caller's:
-    editing it in place (as a grouped GEMM's remap might) changes neither the handle nor the combine."""
+    editing it in place (as a grouped GEMM's remap might) changes neither the handle nor the combine. The same for a
+    cached dispatch's recv_topk_idx (in topk_idx's dtype, int64 and int32), whose copy the transport makes while
+    the rows travel (`Transport.move_fields(beside=...)`) for a CPU-synced handle."""
     gen = torch.Generator().manual_seed(rank)
-    idx, w = random_routing(gen, 11, 8, 3)
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=11, hidden=8)
-    for sync in (True, False):
-        x = torch.randn(11, 8, generator=gen)
-        recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=8, do_cpu_sync=sync)
-        assert torch.equal(handle.recv_topk_idx, recv_idx)
-        before = buf.combine(recv_x, handle, topk_weights=recv_w)[:2]
-        recv_idx.fill_(-1)
-        assert not torch.equal(handle.recv_topk_idx, recv_idx) or recv_idx.numel() == 0
-        after = buf.combine(recv_x, handle, topk_weights=recv_w)[:2]
-        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    for idx_dtype in (torch.int64, torch.int32):
+        idx, w = random_routing(gen, 11, 8, 3)
+        idx = idx.to(idx_dtype)
+        for sync in (True, False):
+            x = torch.randn(11, 8, generator=gen)
+            recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=8, do_cpu_sync=sync)
+            assert torch.equal(handle.recv_topk_idx, recv_idx)
+            before = buf.combine(recv_x, handle, topk_weights=recv_w)[:2]
+            recv_idx.fill_(-1)
+            assert not torch.equal(handle.recv_topk_idx, recv_idx) or recv_idx.numel() == 0
+            after = buf.combine(recv_x, handle, topk_weights=recv_w)[:2]
+            assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+            cached_idx = buf.dispatch(x, handle=handle)[1]
+            assert cached_idx.dtype == idx_dtype and torch.equal(cached_idx, handle.recv_topk_idx)
+            cached_idx.fill_(-1)
+            again = buf.dispatch(x, handle=handle)[1]
+            assert torch.equal(again, handle.recv_topk_idx) and again.data_ptr() != cached_idx.data_ptr()
+            assert not torch.equal(again, cached_idx) or again.numel() == 0
     return True
 
 
@@ -484,9 +494,9 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
     y_s = torch.empty(handle.num_recv_tokens, hidden, dtype=torch.bfloat16, device=device)
 
     def step():
-        c_x, _, c_w, _, _ = buf.dispatch(x_s, handle=handle, topk_weights=weights)
+        c_x, c_idx, c_w, _, _ = buf.dispatch(x_s, handle=handle, topk_weights=weights)
         comb_x, comb_w, _ = buf.combine(y_s, handle, topk_weights=c_w)
-        return c_x, c_w, comb_x, comb_w
+        return c_x, c_w, comb_x, comb_w, c_idx
 
     os.environ["EPCOMM_PULL_CHUNKS"] = pull_chunks
     try:
@@ -499,6 +509,7 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
         for static, new in zip(fields(x_s), fields(x)):
             static.copy_(new)
         y_s.copy_(y)
+        outs[4].fill_(-7)  # each replay writes the fresh recv_topk_idx again (a copy beside the last pull)
         graph.replay()
         # Eager calls between replays: a combine right after the replay writes into peers' staging areas; the
         # captured calls took the area of the next eager call, so it is the one the replay's combine was reduced in
@@ -506,8 +517,12 @@ def graph_replay_exact(rank: int, world: int, transport: str = "auto", replays: 
         eager_comb_x, eager_comb_w, _ = buf.combine(y, handle, topk_weights=outs[1])
         eager = buf.dispatch(x, handle=handle, topk_weights=weights)
         torch.cuda.synchronize()
-        c_x, c_w, comb_x, comb_w = outs
-        r_x, _, r_w, r_handle = ref.dispatch(x, topk_idx, weights, num_experts, num_max_tokens_per_rank=num_tokens)
+        c_x, c_w, comb_x, comb_w, c_idx = outs
+        r_x, r_idx, r_w, r_handle = ref.dispatch(x, topk_idx, weights, num_experts,
+                                                 num_max_tokens_per_rank=num_tokens)
+        assert_equal(c_idx, r_idx, f"replay {i}: cached recv_topk_idx")
+        assert_equal(eager[1], r_idx, f"replay {i}: eager cached recv_topk_idx after the replay")
+        assert c_idx.data_ptr() != handle._plan.recv.local_idx_MK.data_ptr(), "recv_topk_idx must be a fresh tensor"
         for j, (got, got_eager, want) in enumerate(zip(fields(c_x), fields(eager[0]), fields(r_x))):
             assert_equal(got, want, f"replay {i}: cached recv_x field {j}")
             assert_equal(got_eager, want, f"replay {i}: eager cached recv_x field {j} after the replay")

@@ -357,6 +357,44 @@ def test_one_row_sources_with_a_wide_stride():
     _run_ranks(num_ranks, rank_body, meet)
 
 
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("chunks", ["", "3"])
+@pytest.mark.parametrize("num_ranks", [1, 2, 3])
+def test_pull_makes_the_callers_beside_copies(num_ranks, chunks, captured, monkeypatch):
+    """`move_fields(beside=...)`: the caller's local copies (the cached dispatch's fresh `recv_topk_idx`) are done,
+    with dtype conversion, into fresh tensors, on every call, whatever the chunking and capture state; the pulled
+    rows are still right."""
+    from epcomm import streams as streams_mod
+
+    monkeypatch.setenv("EPCOMM_PULL_CHUNKS", chunks)
+    monkeypatch.setattr(streams_mod, "capturing", lambda device: captured)
+    pick, gen, num_tokens = random.Random(num_ranks), torch.Generator().manual_seed(num_ranks), 11
+    sends = [[sorted(pick.sample(range(num_tokens), pick.randint(0, num_tokens))) for _ in range(num_ranks)]
+             for _ in range(num_ranks)]
+    matrix = [[len(sends[s][d]) for d in range(num_ranks)] for s in range(num_ranks)]
+    xs = [torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16() for _ in range(num_ranks)]
+    meet = threading.Barrier(num_ranks)
+    region = FakeRegion([torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(num_ranks)], meet)
+
+    def rank_body(r: int) -> None:
+        tr = _transport(r, num_ranks, region)
+        tr._stream = lambda name: None  # a captured pull on CPU: every step on the one stream
+        src_X = torch.tensor([t for d in range(num_ranks) for t in sends[r][d]], dtype=torch.int64)
+        route = Route(matrix[r], [matrix[s][r] for s in range(num_ranks)], src_X, matrix)
+        want_x = torch.cat([xs[s][sends[s][r]] for s in range(num_ranks)])
+        local = torch.randint(-1, 4, (route.num_recv, 5), generator=torch.Generator().manual_seed(r))
+        for call in range(3):
+            out_x = torch.full((route.num_recv, HIDDEN), float("nan"), dtype=torch.bfloat16)
+            idx32 = torch.full((route.num_recv, 5), 99, dtype=torch.int32)
+            idx64 = torch.full((route.num_recv, 5), 99, dtype=torch.int64)
+            tr.move_fields([(xs[r], out_x)], route, call_id=call, beside=((local, idx32), (local, idx64)))
+            assert torch.equal(out_x, want_x), f"rank {r}, call {call}: pulled rows"
+            assert torch.equal(idx32, local.int()) and torch.equal(idx64, local), f"rank {r}, call {call}: beside"
+            meet.wait()
+
+    _run_ranks(num_ranks, rank_body, meet)
+
+
 def test_a_capture_does_not_flip_the_eager_alternation(monkeypatch):
     """Eager calls rely on alternating the two staging areas (one barrier per call proves peers finished the call
     before). A captured call takes the next eager call's area and leaves the alternation as it was, so the eager

@@ -6,7 +6,7 @@ layout, packs records, and places/reduces what arrives. Its data methods:
 | method | moves | host waits? |
 | --- | --- | --- |
 | `exchange_counts(send_RC)` | an int64 row per peer: counts + call header (or a failed call's messages) | if `wait` |
-| `move_fields(moves, route)` | each field of a CPU-synced dispatch straight into its output | on CPU only |
+| `move_fields(moves, route, beside)` | each field of a CPU-synced dispatch straight into its output (and the caller's local copies `beside`) | on CPU only |
 | `return_fields(srcs, route)` | the same, combine direction (nvlink: views, reduced in place) | on CPU only |
 | `push_rows(spec, tensors, src_X, cap)` | sync-free records into every peer's block of `cap` rows | on CPU only |
 | `dispatch_rows(buf, splits)` | packed records to their destination ranks | on CPU only |
@@ -85,8 +85,9 @@ class Transport(ABC):
     def move_fields(self, moves: list, route, *, call_id: int, beside: tuple = ()) -> None:
         """Packed move of several fields (moves.py): for each `(src, out)`, send row x is `src[route.src_X[x]]`
         (or `src[x]`) and `out` ([route.num_recv, ...], same dtype and row shape) receives the rows grouped by
-        source rank. Both contiguous. `beside`: local copies `(src, dst)` (`dst.copy_(src)`) the caller needs too,
-        which a transport may run while the rows travel. The default sends each field through `dispatch_rows`.
+        source rank. Both contiguous. `beside`: local copies `(src, dst)` (`dst.copy_(src)`) the caller needs too; every
+        one is done in the current stream's order when the call returns, and a transport may run them while rows
+        travel. The default sends each field through `dispatch_rows`.
         """
         for src, dst in beside:
             dst.copy_(src)

@@ -130,7 +130,8 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
                 side: Optional["torch.cuda.Stream"], beside: tuple = ()) -> None:
     """One pull over `tr` (the nvlink transport: `region`, `barrier`). `side`: the stream that runs the pulls
     beside the staging and the gather of my own rows (None on CPU: all in order). `beside`: the caller's local
-    copies `(src, dst)`, run after my own rows, while the last pull still travels."""
+    copies `(src, dst)`, run after my own rows on the first stream (with `side`, while the last pull still travels;
+    without, after it)."""
     chunks = plan.num_chunks(row_bytes, capturing)
     staged, pulled, every = plan.views(tr.region, stage, moves, row_bytes, chunks)
     lo, n_self = plan.recv_off[plan.me], plan.recv_splits[plan.me]
@@ -174,7 +175,7 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
         for out_row, n, views in every:
             for i in by_sms:
                 copy_by_sms(views[i], moves[i][1][out_row: out_row + n])
-    for src, dst in beside:  # in a graph, after the last pull they would cost a few us more (2x H200 timeline)
+    for src, dst in beside:  # in a graph, after the last pull they would cost a few us more (2x H200 A/B)
         dst.copy_(src)
     if side is not None:
         main.wait_stream(side)
