@@ -372,8 +372,7 @@ def cached_launch(buf, call: DispatchCall, call_id: int) -> dict:
     plan: Plan = call.handle._plan
     if plan.route is not None:
         # The fresh recv_topk_idx is copied while the rows travel (nvlink in a graph: ~2 us less than after them).
-        idx = None if call.do_expand else torch.empty(plan.recv.local_idx_MK.shape, dtype=call.topk_idx.dtype,
-                                                      device=plan.recv.local_idx_MK.device)
+        idx = None if call.do_expand else torch.empty_like(plan.recv.local_idx_MK, dtype=call.topk_idx.dtype)
         beside = () if idx is None else ((plan.recv.local_idx_MK, idx),)
         return dict(fields=_move_fields(buf.transport, _record_tensors(call.x, call.topk_weights), plan.route,
                                         call_id, beside), recv_topk_idx=idx)
