@@ -10,7 +10,8 @@ receive kernel. Kernels: `kernels/_lowlatency_triton.py`.
 Region of every rank, one per call shape (its own symmetric allocation, made collectively by the first
 low-latency call of that shape, after the ranks agree on the shape; `Layout`, `Area`):
 
-    [ flags | counts: 2 x R x L int32 | dispatch rows: 2 x R x N rows | combine rows: 2 x N*K rows ]
+    [ flags | counts: 2 x R x L int32 | arrivals: 2 x N x R int64 | dispatch rows: 2 x R x N rows
+      | combine rows: 2 x N*K rows ]
 
 Each area exists twice and calls alternate between the two by parity: call e of a kind reuses the area of call
 e - 2, so that call must have been received (its hook called) before call e is issued (checked on the host: two
@@ -37,6 +38,9 @@ _BLOCKS_PER_PROGRAM = 32
 # 2 beats 4 at 1 and 128 tokens (11.2 / 36.2 us against 13.8 / 41.2) and loses 4-8 us at 256 (67.5-72.1 against
 # 63.6).
 _ROWS_PER_PROGRAM = 2
+# Fused combine: programs per SM that send the rows for other ranks (the others copy this rank's rows and receive).
+# Few senders walking the token slots in order make tokens arrive in order, so receives overlap the link.
+_COMBINE_SENDERS_PER_SM = 2
 # Fused kernels: at most this many programs per SM, fewer when the compiled kernel does not fit them (measured on
 # 2x H200: 4 dispatch and 8 combine programs per SM beat 1 and 2 at 128-256 tokens).
 _FUSED_PROGRAMS_PER_SM = 8
@@ -81,8 +85,12 @@ class Layout:
     hdr_off = 4096  # after the flags: [kind 2][ready/freed 2][parity 2][R] int64
 
     @property
-    def rows_off(self) -> int:
+    def arr_off(self) -> int:  # the combine's arrival counts: [parity 2][N][R] int64
         return self.hdr_off + align(2 * self.num_ranks * self.num_local_experts * 4, 4096)
+
+    @property
+    def rows_off(self) -> int:
+        return self.arr_off + align(2 * self.num_max_tokens * self.num_ranks * 8, 4096)
 
     @property
     def comb_off(self) -> int:
@@ -103,8 +111,9 @@ class Area:
         state: [8] int64 (device) -- call counters (dispatch, combine) and the kernels' finish counters.
         issued, pending: host bookkeeping per kind (0 dispatch, 1 combine): calls issued, and the calls whose
             receive hook has not run (call e reuses the area of call e - 2, which must have been received).
-        send_items: per kind, the send items a rank does for each peer per call, fixed at the first call: a
-            receiver waits until a peer's `ready` count reaches (calls of this parity) x send_items.
+        send_items: per kind, the send items a rank does per call for each peer (dispatch) or for each token slot
+            of each rank (combine), fixed at the first call: a receiver waits until a peer's `ready` count (dispatch)
+            or a token's arrival count (combine) reaches (calls of this parity) x send_items.
     """
 
     def __init__(self, layout: Layout, local: Tensor, delta16: Tensor):
@@ -302,20 +311,22 @@ class LowLatencyNVLink:
         num_ch = triton.next_power_of_2(triton.cdiv(lay.hidden, send_block))
         kp = _ROWS_PER_PROGRAM
         num_kb = triton.cdiv(lay.num_topk, kp)
-        self._check_items(area, 1, lay.num_max_tokens * num_kb)
+        self._check_items(area, 1, num_kb)
         recv_block = min(1024, triton.next_power_of_2(lay.hidden))
         num_hc = triton.cdiv(lay.hidden, recv_block)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         weights = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
         num_tokens = topk.shape[0]
         status = self.status.data_ptr()
-        offsets = dict(comb_off=lay.comb_off, crow_bytes=lay.crow_bytes)
+        offsets = dict(comb_off=lay.comb_off, arr_off=lay.arr_off, crow_bytes=lay.crow_bytes)
         if not hook:
             num_items = max(self.num_ranks * lay.num_max_tokens * num_kb, num_tokens * num_hc)
             variant = ("combine", lay)
-            launched = k.combine_fused[(self._fused_grid(variant, num_items),)](
+            grid = self._fused_grid(variant, num_items)
+            senders = grid if self._props is None else _COMBINE_SENDERS_PER_SM * self._props.multi_processor_count
+            launched = k.combine_fused[(grid,)](
                 x, item_map, topk, weights, target, area.local, area.delta16, area.state, status, num_tokens,
-                topk.stride(0), weights.stride(0), target.stride(0), self.rank, self.timeout_ns, **offsets,
+                topk.stride(0), weights.stride(0), target.stride(0), self.rank, self.timeout_ns, senders, **offsets,
                 SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
                 num_warps=4, enable_fp_fusion=False, **self._common(lay))
             self._note_occupancy(variant, launched, 4)

@@ -95,6 +95,8 @@ def run(case: str) -> None:
         num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 6, 2200, 8, 3, [5, 3]  # 18 blocks: 2 per row
     elif case == "three-ranks":  # a partial last FP8 block, an empty rank, top-2
         num_ranks, n, hidden, num_experts, num_topk, tokens = 3, 4, 200, 6, 2, [4, 0, 2]
+    elif case == "fused-with-peers":  # rank 0 fused (its sends to peers, their arrivals), ranks 1 and 2 split
+        num_ranks, n, hidden, num_experts, num_topk, tokens = 3, 5, 300, 9, 4, [5, 2, 4]
     elif case == "one-rank-fused":
         num_ranks, n, hidden, num_experts, num_topk, tokens = 1, 5, 4200, 6, 3, [4]  # 33 blocks: 2 per row
     elif case == "timeout":
@@ -141,19 +143,23 @@ def run(case: str) -> None:
             lln._BLOCKS_PER_PROGRAM = saved
         assert areas[0].state[:6].tolist() == [6, 0, 0, 0, 0, 0], areas[0].state  # nothing ran
         return
-    hook = num_ranks > 1
+    # Split calls on several ranks; one rank runs fused (after the peers' send kernels it waits for). With
+    # "fused-with-peers", rank 0 runs fused among split peers: both count the same sends, so they mix.
+    fused = [num_ranks == 1 or (case == "fused-with-peers" and r == 0) for r in range(num_ranks)]
+    order = sorted(range(num_ranks), key=lambda r: fused[r])  # split senders first
     # Several calls in a row: both parities, counters past the first round, every scale format.
     for round_, (use_fp8, ue8m0, pow2) in enumerate([(False, False, False), (True, False, False), (True, True, True),
                                                      (True, False, True), (False, False, False)]):
         stats = [torch.zeros(num_local, dtype=torch.int32) for _ in range(num_ranks)]
-        pend = [eng[r].dispatch(areas[r], xs[r], idx[r], stats[r], use_fp8, pow2, ue8m0, hook=hook)
-                for r in range(num_ranks)]
-        for p in pend:
-            if hook:
-                assert not eng[0].received(areas[0], pend[0][3]) or p is not pend[0]
+        pend = [None] * num_ranks
+        for r in order:
+            pend[r] = eng[r].dispatch(areas[r], xs[r], idx[r], stats[r], use_fp8, pow2, ue8m0, hook=not fused[r])
+        for r, p in enumerate(pend):
+            if not fused[r]:
+                assert not eng[r].received(areas[r], p[3])
                 p[4]()
                 p[4]()  # a hook receives once; calling it again does nothing
-                assert eng[0].received(areas[0], pend[0][3]) or p is not pend[0]
+                assert eng[r].received(areas[r], p[3])
         check_dispatch(pend, xs, idx, num_local, use_fp8, pow2, ue8m0)
         for r in range(num_ranks):
             assert torch.equal(stats[r], pend[r][1]), (stats[r], pend[r][1])
@@ -166,10 +172,11 @@ def run(case: str) -> None:
                 torch.empty(t, 2 * hidden, dtype=torch.bfloat16)[:, ::2] for t in tokens]
         ys = [(pend[r][0].float() * (1 + torch.arange(num_local)).view(-1, 1, 1)).bfloat16()
               for r in range(num_ranks)]
-        receives = [eng[r].combine(areas[r], ys[r], idx[r], ws[r], pend[r][2], outs[r], hook=hook)
-                    for r in range(num_ranks)]
-        for f in receives:
-            if hook:
+        receives = [None] * num_ranks
+        for r in order:
+            receives[r] = eng[r].combine(areas[r], ys[r], idx[r], ws[r], pend[r][2], outs[r], hook=not fused[r])
+        for r, f in enumerate(receives):
+            if not fused[r]:
                 f()
         for r in range(num_ranks):
             acc = torch.zeros(tokens[r], hidden)
@@ -184,7 +191,7 @@ def run(case: str) -> None:
     # Call counters advanced once per call (5 dispatches, 2 combines); finish counters back at 0.
     for a in areas:
         assert a.state[:6].tolist() == [5, 2, 0, 0, 0, 0], a.state
-    if hook:  # a third call while the call two before is still unreceived raises before launching anything
+    if not fused[0]:  # a third call while the call two before is still unreceived raises before launching anything
         first = [eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=True) for _ in range(2)]
         try:
             eng[0].dispatch(areas[0], xs[0], idx[0], None, False, False, False, hook=True)

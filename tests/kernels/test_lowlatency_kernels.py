@@ -2,7 +2,7 @@
 
 Each case runs `lowlatency_sim.py` in a fresh interpreter (the interpreter flag must be set before triton is
 imported): several dispatches (BF16, FP8 with fp32 / power-of-two / UE8M0 scales) and combines in a row on
-simulated ranks (split kernels), on one rank (fused kernels), fused and split calls interleaved on one area (a
+simulated ranks (split kernels), on one rank (fused kernels), one rank fused among split peers, fused and split calls interleaved on one area (a
 fused call while a split call's receive is pending), then a receive whose peer never sent, which must end and name
 that rank. The GPU suite runs the
 same kernels on 2x H200 (tests/ll_cases.py).
@@ -13,7 +13,7 @@ import pytest
 from interpreter import run_sim
 
 
-@pytest.mark.parametrize("case", ["two-ranks", "three-ranks", "one-rank-fused", "mixed", "timeout", "cast"])
+@pytest.mark.parametrize("case", ["two-ranks", "three-ranks", "one-rank-fused", "fused-with-peers", "mixed", "timeout", "cast"])
 def test_lowlatency_kernels(case):
     out = run_sim("lowlatency_sim.py", case)
     if case == "timeout":

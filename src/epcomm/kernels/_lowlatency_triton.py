@@ -8,20 +8,25 @@ The region the kernels share is laid out by `lowlatency_nvlink.Layout`. The work
 * dispatch receive (source rank, token slot, block of channels): expand the row into the expert-major output
   (row = rows of lower source ranks + position: ascending token key) and record where each (token, top-k) item
   went, for the combine;
-* combine send (source rank, token slot, KP top-k positions): each expert output row back to its token's rank,
-  at slot (token, top-k position);
-* combine receive (token, block of channels): `sum_k w_k * y_k` in fp32, ascending k, one rounding to bf16.
+* combine send (destination rank, token slot, KP top-k positions): each expert output row back to its token's
+  rank, at slot (token, top-k position), then one release add to that slot's arrival count there;
+* combine receive (token, block of channels): once the token's arrivals are in, `sum_k w_k * y_k` in fp32,
+  ascending k, one rounding to bf16.
 
 A call runs as one fused kernel (`*_fused`: a persistent grid does the send items, signals, waits, does the
 receive items) or, with `return_recv_hook=True`, as a send kernel now and a receive kernel when the hook is called.
-Every program, as soon as its sends are done, adds the number of send items it did for rank r to rank r's `ready`
-count; the last program to finish the receives writes the counts and adds 1 to `freed` in every rank.
+Dispatch: every program, as soon as its sends are done, adds the number of send items it did for rank r to rank r's
+`ready` count, and the receives wait for every rank's count. Combine: every send item adds 1 to its token slot's
+arrival count from this rank (`_arrivals`), and a receive waits only for its own token, so in the fused kernel the
+tokens whose rows have landed are summed while later rows still travel. The last program to finish the receives
+(writes the counts and) adds 1 to `freed` in every rank.
 
 Flags are counters that only grow (fire-and-forget adds), so there is no cleaning pass. Two areas alternate by
-call parity. A call does the same number of send items for each peer every time (`send_items`, fixed per area by
-the host), so call `e` waits for `ready >= (e // 2 + 1) * send_items`; its senders first wait for
-`freed >= e // 2` (the call two before has been read), so no peer overwrites rows still being read, and no send
-item of a later call can count towards call e. Every wait is bounded (`_signal_triton._wait`): on timeout the
+call parity. A call does the same number of send items for each peer (dispatch), and for each token slot (combine),
+every time (`send_items`, fixed per area by the host), so dispatch call `e` waits for
+`ready >= (e // 2 + 1) * send_items` and a combine receive for `arrivals >= (e // 2 + 1) * KB`; the senders
+first wait for `freed >= e // 2` (the call two before has been read), so no peer overwrites rows still being read,
+and no send item of a later call can count towards call e. Every wait is bounded (`_signal_triton._wait`): on timeout the
 kernel prints the missing rank, records it in `status` and (on GPU) traps (docs/decisions.md, "Errors and
 timeouts").
 """
@@ -33,7 +38,8 @@ from ._signal_triton import _region, _wait, _wait_all
 
 # Integer arguments that change between calls or ranks: one compiled variant for all their values (the fused
 # kernels' grids come from the variant's occupancy, so a variant must not change under a new token count).
-_RUNTIME_INTS = ["num_tokens", "me", "timeout_ns", "stride_x", "stride_topk", "stride_w", "stride_out"]
+_RUNTIME_INTS = ["num_tokens", "me", "timeout_ns", "stride_x", "stride_topk", "stride_w", "stride_out",
+                 "send_programs"]
 
 # Flag slots: ((kind * 2 + what) * 2 + parity) * R + rank, int64 each.
 DISPATCH = tl.constexpr(0)
@@ -406,18 +412,20 @@ def dispatch_fused(
 # -- combine -------------------------------------------------------------------------------------------------------
 @triton.jit
 def _combine_send_item(
-    dst_rank, t, kb, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, timeout_ns, comb_off, crow_bytes,
-    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+    dst_rank, t, kb, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, me, timeout_ns, comb_off, arr_off,
+    crow_bytes, N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
     NUM_CH: tl.constexpr, KP: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
-    """Top-k positions kb*KP .. of token t of rank dst_rank: each expert output row back to slot (t, k) there."""
+    """Top-k positions kb*KP .. of token t of rank dst_rank: each expert output row back to slot (t, k) there, then
+    one release add to that token's arrival count there (`_arrivals`, this rank's column)."""
     dst_rank = _as_tensor(dst_rank)
     t = _as_tensor(t)
     kb = _as_tensor(kb)
     parity = epoch % 2
     _wait(_flag(local_ptr, COMBINE, FREED, parity, dst_rank, R), epoch // 2, dst_rank, timeout_ns, status_ptr,
           USE_TIMER)
-    area = _region(local_ptr, delta16_ptr, dst_rank) + comb_off + (parity * N * K).to(tl.int64) * crow_bytes
+    region = _region(local_ptr, delta16_ptr, dst_rank)
+    area = region + comb_off + (parity * N * K).to(tl.int64) * crow_bytes
     offs = tl.arange(0, NUM_CH)[:, None] * BLOCK_H + tl.arange(0, BLOCK_H)[None, :]
     for j in tl.static_range(KP):
         kj = kb * KP + j
@@ -426,15 +434,28 @@ def _combine_send_item(
             # The whole row in one load, then one store: every load is in flight before the first store.
             out = (area + (t * K + kj).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
             tl.store(out + offs, tl.load(x_ptr + item.to(tl.int64) * H + offs, mask=offs < H), mask=offs < H)
+    tl.debug_barrier()  # every thread's stores happen before the add below
+    tl.atomic_add(_arrivals(region, arr_off, parity, t, N, R) + me, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _arrivals(region, arr_off, parity, t, N: tl.constexpr, R: tl.constexpr):
+    """Pointer to token slot t's R arrival counts (one per source rank, int64) in `region` for this parity: each
+    send item for the slot adds 1, so a call of parity p finds (calls of parity p so far) x KB from every source."""
+    return (region + arr_off).to(tl.pointer_type(tl.int64)) + (parity * N + t) * R
 
 
 @triton.jit
 def _combine_recv_item(
-    t, hc, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk, stride_w, stride_out, comb_off, crow_bytes,
-    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
+    t, hc, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, status_ptr, stride_topk, stride_w, stride_out,
+    timeout_ns, comb_off, arr_off, crow_bytes, N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+    KB: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr, R_POW2: tl.constexpr,
 ):
-    """Channels hc*BLOCK_H .. of token t: sum_k w_k * y_k in fp32, ascending k, one rounding to bf16."""
+    """Channels hc*BLOCK_H .. of token t, once every rank's send items for the token have arrived:
+    sum_k w_k * y_k in fp32, ascending k, one rounding to bf16."""
     t = _as_tensor(t)
+    _wait_all(_arrivals(local_ptr, arr_off, epoch % 2, t, N, R), (epoch // 2 + 1) * KB, timeout_ns, status_ptr, R,
+              R_POW2, USE_TIMER)
     offs = hc * BLOCK_H + tl.arange(0, BLOCK_H)
     area = local_ptr + comb_off + ((epoch % 2) * N * K).to(tl.int64) * crow_bytes
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -460,35 +481,34 @@ def _combine_received(epoch, num_programs, local_ptr, delta16_ptr, state_ptr, me
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_send(
-    x_ptr, item_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, me, timeout_ns, comb_off, crow_bytes,
-    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, item_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, me, timeout_ns, comb_off, arr_off,
+    crow_bytes, N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
     NUM_CH: tl.constexpr, KP: tl.constexpr, USE_TIMER: tl.constexpr, R_POW2: tl.constexpr,
 ):
     """Grid (R * N, ceil(K / KP)); the receive kernel runs later (`return_recv_hook=True`)."""
     pid = tl.program_id(0)
-    kb = tl.program_id(1)
     epoch = _issue_ticket(COMBINE, state_ptr, ticket_ptr)
-    _combine_send_item(pid // N, pid % N, kb, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, timeout_ns,
-                       comb_off, crow_bytes, N, H, K, R, BLOCK_H, NUM_CH, KP, USE_TIMER)
-    one_hot = (tl.arange(0, R_POW2) == pid // N).to(tl.int64)  # this send item was for rank pid // N
-    _sent(COMBINE, epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, one_hot, R,
-          R_POW2, True)
+    _combine_send_item(pid // N, pid % N, tl.program_id(1), epoch, x_ptr, item_ptr, local_ptr, delta16_ptr,
+                       status_ptr, me, timeout_ns, comb_off, arr_off, crow_bytes, N, H, K, R, BLOCK_H, NUM_CH, KP,
+                       USE_TIMER)
+    if _last_to_finish(state_ptr + 2 + 2 * COMBINE, tl.num_programs(0) * tl.num_programs(1)):
+        _advance(COMBINE, epoch, state_ptr)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_recv(
     topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
-    num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, crow_bytes,
+    num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, arr_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
     USE_TIMER: tl.constexpr, KB: tl.constexpr, R_POW2: tl.constexpr,
 ):
-    """Grid (max(T, 1), channel blocks). A sender does N * KB send items for each rank."""
+    """Grid (max(T, 1), channel blocks): each program waits for its token's arrivals only."""
     t = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
-    _wait_ready(COMBINE, epoch, N * KB, local_ptr, status_ptr, timeout_ns, R, R_POW2, USE_TIMER)
     if t < num_tokens:
-        _combine_recv_item(t, tl.program_id(1), epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
-                           stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
+        _combine_recv_item(t, tl.program_id(1), epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, status_ptr,
+                           stride_topk, stride_w, stride_out, timeout_ns, comb_off, arr_off, crow_bytes, N, H, K, R,
+                           KB, BLOCK_H, USE_TIMER, R_POW2)
     _combine_received(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R,
                       R_POW2, False)
 
@@ -496,25 +516,34 @@ def combine_recv(
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_fused(
     x_ptr, item_ptr, topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, status_ptr,
-    num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, crow_bytes,
+    num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, send_programs, comb_off, arr_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, SEND_BLOCK_H: tl.constexpr,
     NUM_CH: tl.constexpr, KP: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr, HC: tl.constexpr,
     USE_TIMER: tl.constexpr, R_POW2: tl.constexpr,
 ):
-    """Send and receive in one launch (persistent grid, every program resident; see `dispatch_fused`)."""
+    """Send and receive in one launch (persistent grid, every program resident; see `dispatch_fused`).
+
+    The first `send_programs` programs send the rows for other ranks, token slot by token slot: the link is the
+    bottleneck, and few senders walking the slots in order make the tokens arrive in order, so the receives of
+    early tokens run while later rows travel. The other programs copy the rows for this rank (local, fast) and
+    then wait for tokens in ascending order, each as soon as its own arrivals are in."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     epoch = tl.load(state_ptr + COMBINE)
-    for item in range(pid, R * N * KB, grid):
-        _combine_send_item(item // (N * KB), (item // KB) % N, item % KB, epoch, x_ptr, item_ptr, local_ptr,
-                           delta16_ptr, status_ptr, timeout_ns, comb_off, crow_bytes, N, H, K, R, SEND_BLOCK_H,
-                           NUM_CH, KP, USE_TIMER)
-    # Send items this program did for rank r: items [r * N * KB, (r + 1) * N * KB) at pid, pid + grid, ...
-    first = tl.arange(0, R_POW2).to(tl.int64) * (N * KB)
-    done = tl.cdiv(tl.maximum(first + N * KB - pid, 0), grid) - tl.cdiv(tl.maximum(first - pid, 0), grid)
-    _sent(COMBINE, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, done, R, R_POW2, False)
-    _wait_ready(COMBINE, epoch, N * KB, local_ptr, status_ptr, timeout_ns, R, R_POW2, USE_TIMER)
-    for item in range(pid, num_tokens * HC, grid):
-        _combine_recv_item(item // HC, item % HC, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, stride_topk,
-                           stride_w, stride_out, comb_off, crow_bytes, N, H, K, BLOCK_H)
+    per_slot = (R - 1) * KB  # send items per token slot for other ranks
+    senders = tl.minimum(send_programs, grid)
+    if pid < senders:
+        for i in range(pid, N * per_slot, senders):
+            j = i % per_slot
+            _combine_send_item((me + 1 + j // KB) % R, i // per_slot, j % KB, epoch, x_ptr, item_ptr, local_ptr,
+                               delta16_ptr, status_ptr, me, timeout_ns, comb_off, arr_off, crow_bytes, N, H, K, R,
+                               SEND_BLOCK_H, NUM_CH, KP, USE_TIMER)
+    # Rows for this rank and the receives, from the last program down (the programs that send nothing first).
+    for i in range(grid - 1 - pid, N * KB, grid):
+        _combine_send_item(me, i // KB, i % KB, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, me,
+                           timeout_ns, comb_off, arr_off, crow_bytes, N, H, K, R, SEND_BLOCK_H, NUM_CH, KP, USE_TIMER)
+    for i in range(grid - 1 - pid, num_tokens * HC, grid):
+        _combine_recv_item(i // HC, i % HC, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, status_ptr,
+                           stride_topk, stride_w, stride_out, timeout_ns, comb_off, arr_off, crow_bytes, N, H, K, R,
+                           KB, BLOCK_H, USE_TIMER, R_POW2)
     _combine_received(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R, R_POW2, True)
