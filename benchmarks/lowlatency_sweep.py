@@ -4,7 +4,7 @@ shape, FP8 dispatch, BF16 combine).
 
 Run on a machine with 2 GPUs: `python benchmarks/lowlatency_sweep.py`. Each row sets the module constants of
 `epcomm.lowlatency_nvlink` (blocks of 128 channels per dispatch item, combine rows per item, fused programs per
-SM); the defaults there came from this sweep (benchmarks/results/decode-ll_2xH200-NV18_2026-11-30.md).
+SM, programs per SM that send the fused combine's rows for other ranks); the defaults there came from this sweep (benchmarks/results/decode-ll_2xH200-NV18_2026-11-30.md).
 """
 
 import os
@@ -15,7 +15,10 @@ import torch.multiprocessing as mp
 
 HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
 CALLS, REPLAYS, WARMUP = 8, 40, 5
-SHAPES = ((32, 2, 8), (32, 4, 8), (32, 4, 2), (16, 2, 2), (16, 4, 1))  # (blocks/item, rows/item, programs/SM)
+# (blocks/item, rows/item, programs/SM, combine senders/SM)
+SHAPES = ((32, 2, 8, 2), (32, 4, 8, 2), (32, 4, 2, 2), (16, 2, 2, 2), (16, 4, 1, 1))
+SENDERS = ((32, 2, 8, 1), (32, 2, 8, 2), (32, 2, 8, 4), (32, 2, 8, 8), (32, 4, 8, 2), (32, 1, 8, 2), (32, 4, 8, 4))
+SWEEPS = {"shapes": SHAPES, "senders": SENDERS, "default": SHAPES[:1]}  # EPCOMM_LL_SWEEP picks one
 
 
 def body(rank: int, world: int, port: int) -> None:
@@ -38,10 +41,11 @@ def body(rank: int, world: int, port: int) -> None:
         x = torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16().cuda()
         idx = torch.rand(num_tokens, NUM_EXPERTS, generator=gen).topk(NUM_TOPK, dim=1).indices.cuda()
         w = torch.rand(num_tokens, NUM_TOPK, generator=gen).cuda()
-        for blocks, rows, per_sm in SHAPES:
+        for blocks, rows, per_sm, senders in SWEEPS[os.environ.get("EPCOMM_LL_SWEEP", "shapes")]:
             lowlatency_nvlink._BLOCKS_PER_PROGRAM = blocks
             lowlatency_nvlink._ROWS_PER_PROGRAM = rows
             lowlatency_nvlink._FUSED_PROGRAMS_PER_SM = per_sm
+            lowlatency_nvlink._COMBINE_SENDERS_PER_SM = senders
             # A buffer per shape: the program shapes of a buffer's calls must not change while it lives.
             buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=HIDDEN, explicitly_destroy=True)
 
@@ -52,7 +56,8 @@ def body(rank: int, world: int, port: int) -> None:
             t = torch.tensor([per_call_us(dispatch), per_call_us(lambda: buf.low_latency_combine(y, idx, w, handle))],
                              device="cuda")
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            lines.append(f"T={num_tokens} blocks/item={blocks} rows/item={rows} programs/SM={per_sm}: dispatch "
+            lines.append(f"T={num_tokens} blocks/item={blocks} rows/item={rows} programs/SM={per_sm} "
+                         f"senders/SM={senders}: dispatch "
                          f"{t[0]:.1f} us, combine {t[1]:.1f} us (graph of {CALLS}, per call, p50, slowest rank)")
             buf.destroy()
     if rank == 0:
