@@ -435,7 +435,11 @@ def _combine_send_item(
             out = (area + (t * K + kj).to(tl.int64) * crow_bytes).to(tl.pointer_type(tl.bfloat16))
             tl.store(out + offs, tl.load(x_ptr + item.to(tl.int64) * H + offs, mask=offs < H), mask=offs < H)
     tl.debug_barrier()  # every thread's stores happen before the add below
-    tl.atomic_add(_arrivals(region, arr_off, parity, t, N, R) + me, 1, sem="release", scope="sys")
+    arrivals = _arrivals(region, arr_off, parity, t, N, R) + me
+    if dst_rank == me:  # read on this GPU: a GPU-scope release does not wait for this SM's NVLink stores
+        tl.atomic_add(arrivals, 1, sem="release", scope="gpu")
+    else:
+        tl.atomic_add(arrivals, 1, sem="release", scope="sys")
 
 
 @triton.jit
