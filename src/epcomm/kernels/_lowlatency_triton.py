@@ -527,10 +527,10 @@ def combine_fused(
 ):
     """Send and receive in one launch (persistent grid, every program resident; see `dispatch_fused`).
 
-    The first `send_programs` programs send the rows for other ranks, token slot by token slot: the link is the
-    bottleneck, and few senders walking the slots in order make the tokens arrive in order, so the receives of
-    early tokens run while later rows travel. The other programs copy the rows for this rank (local, fast) and
-    then wait for tokens in ascending order, each as soon as its own arrivals are in."""
+    The first `send_programs` programs send the rows for other ranks, token slot by token slot (the link is the
+    bottleneck: more senders do not move rows faster, and fewer, each with several items, spread the rows of a
+    token over fewer waits). The other programs copy the rows for this rank (local, fast) and then receive tokens
+    in ascending order, each as soon as its own arrivals are in, while the rows of other tokens still travel."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     epoch = tl.load(state_ptr + COMBINE)
