@@ -528,8 +528,7 @@ def combine_fused(
     """Send and receive in one launch (persistent grid, every program resident; see `dispatch_fused`).
 
     The first `send_programs` programs send the rows for other ranks, token slot by token slot (the link is the
-    bottleneck: more senders do not move rows faster, and fewer, each with several items, spread the rows of a
-    token over fewer waits). The other programs copy the rows for this rank (local, fast) and then receive tokens
+    bottleneck, so a few senders per SM keep it busy: `lowlatency_nvlink._COMBINE_SENDERS_PER_SM`). The other programs copy the rows for this rank (local, fast) and then receive tokens
     in ascending order, each as soon as its own arrivals are in, while the rows of other tokens still travel."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
