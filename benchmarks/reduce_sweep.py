@@ -35,6 +35,7 @@ def main(args):
         ("packed", 132, 8, 2048, 16), ("packed", 28, 4, 1024, 8), ("packed", 28, 8, 2048, 16),
         ("packed", 28, 16, 1024, 16), ("packed", 28, 16, 2048, 16), ("packed", 24, 8, 2048, 16),
         ("packed", 24, 16, 2048, 16), ("packed", 28, 8, 2048, 32), ("packed", 24, 8, 2048, 32),
+        ("packed", 28, 32, 1024, 32), ("packed", 24, 32, 1024, 32),
     ]
     for cols, programs, bt, bh, warps in configs:
         items = item if cols == "8 cols" else packed
