@@ -39,8 +39,8 @@ _BLOCKS_PER_PROGRAM = 32
 # 63.6).
 _ROWS_PER_PROGRAM = 2
 # Fused combine: programs per SM that send the rows for other ranks (the others copy this rank's rows and receive).
-# 2x H200, graph of 8 calls, p50 (lowlatency_sweep.py, scratch A/Bs of session 12): 2 per SM is best or tied at 1,
-# 128 and 256 tokens (256: 58 us against 62-67 us with 8 per SM, i.e. every program sending; 1 per SM: 69-71 us).
+# 2x H200, graph of 8 calls, p50 (lowlatency_sweep.py; benchmarks/results/decode-s12_*): 2 per SM is best or tied
+# at 128 and 256 tokens (256: 58 us against 62-67 us with 8 per SM, i.e. every program sending; 1 per SM: 67-69 us).
 _COMBINE_SENDERS_PER_SM = 2
 # Fused kernels: at most this many programs per SM, fewer when the compiled kernel does not fit them (measured on
 # 2x H200: 4 dispatch and 8 combine programs per SM beat 1 and 2 at 128-256 tokens).
