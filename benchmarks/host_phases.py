@@ -1,0 +1,101 @@
+"""Host time of an eager full and cached dispatch on 2 GPUs, by epcomm phase and by function, with no device
+synchronisation inside a call (unlike `EPCOMM_PHASE_TIMES`, which synchronises around each phase).
+
+Usage: python benchmarks/host_phases.py
+The dsv3 shape (4096 tokens, hidden 7168, 256 experts, top-8), BF16, nvlink. Each line: the median over 20 calls of
+the host time spent inside that range per call, in us, inclusive of what it calls; both ranks print. The ranges are
+`debug.phase`'s and a list of functions of the dispatch path (wrapped for the run). Host-bound calls
+(benchmarks/results/dsv3-s11_*) spend their time here: a range that costs much names the Python to cut.
+"""
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def body(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    import epcomm
+    import epcomm.debug as dbg
+    from epcomm import buffer as bufmod
+    from epcomm import exact_nvlink, pipeline, recv_plan, resolve
+    from epcomm.routing import make_routing
+    from epcomm.transport import nvlink, pull
+    acc = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(name):  # every module that imported `debug.phase` gets this one
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            acc["phase:" + name] += time.perf_counter() - t
+    for mname, m in list(sys.modules.items()):
+        if mname.startswith("epcomm") and getattr(m, "phase", None) is dbg.phase:
+            m.phase = phase
+    dbg.phase = phase
+
+    def wrap(owner, attr, label):
+        f = getattr(owner, attr)
+        @functools.wraps(f)
+        def g(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[label] += time.perf_counter() - t
+        setattr(owner, attr, g)
+    for owner, attr in [(exact_nvlink, "send_plan"), (exact_nvlink, "read_rows"), (exact_nvlink, "dispatch_launch"),
+                        (exact_nvlink, "dispatch_finish"), (recv_plan, "plan_rows"), (recv_plan, "outputs"),
+                        (recv_plan, "carve"), (pipeline, "_move_fields"), (pipeline, "cached_launch"),
+                        (pipeline, "cached_finish"), (pull, "pull_fields"), (pull.PullPlan, "__init__"),
+                        (pull.PullPlan, "views"), (pull, "gather_in_one_launch"),
+                        (nvlink.NVLinkTransport, "_host_wait"), (nvlink.NVLinkTransport, "publish_rows"),
+                        (nvlink.NVLinkTransport, "move_fields"), (nvlink.NVLinkTransport, "barrier"),
+                        (bufmod.EPBuffer, "_finish"), (bufmod.EPBuffer, "agree"), (resolve, "resolve_dispatch"),
+                        (bufmod.EPBuffer, "_exchange_header"), (bufmod.EPBuffer, "dispatch")]:
+        wrap(owner, attr, f"{owner.__name__}.{attr}")
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = make_routing("dsv3", 4096, generator=gen)
+    idx, w = idx.cuda(), w.cuda()
+    x = torch.randn(4096, 7168, device="cuda").bfloat16()
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4096, hidden=7168, num_topk=8)
+    handle = buf.dispatch(x, idx, w, num_experts=256)[3]
+    ops = {"full": lambda: buf.dispatch(x, idx, w, num_experts=256),
+           "cached": lambda: buf.dispatch(x, handle=handle, topk_weights=w)}
+    lines = []
+    for name, fn in ops.items():
+        for _ in range(5):
+            fn()
+        per = defaultdict(list)
+        walls = []
+        for _ in range(20):
+            dist.barrier()
+            torch.cuda.synchronize()
+            acc.clear()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            walls.append((t1 - t0) * 1e6)
+            for k, v in acc.items():
+                per[k].append(v * 1e6)
+        lines.append(f"== rank {rank} {name}: host {statistics.median(walls):.0f} us (call returns)")
+        for k, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
+            lines.append(f"   {statistics.median(v):8.1f} us  {k}")
+    print("\n".join(lines), flush=True)
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(body, args=(2, 29597), nprocs=2)
