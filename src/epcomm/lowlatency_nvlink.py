@@ -38,7 +38,8 @@ _BLOCKS_PER_PROGRAM = 32
 # 2 beats 4 at 1 and 128 tokens (11.2 / 36.2 us against 13.8 / 41.2) and loses 4-8 us at 256 (67.5-72.1 against
 # 63.6).
 _ROWS_PER_PROGRAM = 2
-# Fused combine: programs per SM that send the rows for other ranks (the others copy this rank's rows and receive).
+# Fused combine: programs per SM that send the rows for other ranks first (then, as every program, copy this rank's
+# rows and receive).
 # 2x H200, graph of 8 calls, p50 (lowlatency_sweep.py; benchmarks/results/decode-s12_*): 2 per SM is best or tied
 # at 128 and 256 tokens (256: 58 us against 62-67 us with 8 per SM, i.e. every program sending; 1 per SM: 67-69 us).
 _COMBINE_SENDERS_PER_SM = 2
@@ -186,12 +187,14 @@ class LowLatencyNVLink:
 
     @staticmethod
     def _check_items(area: Area, kind: int, items: int) -> None:
-        """The `ready` counts only add up if every call of an area does the same number of send items (fixed by the
-        layout and this module's program shapes, which must not change while the area lives)."""
+        """The `ready` counts (dispatch) and arrival counts (combine) only add up if every call of an area does the
+        same number of send items per peer (dispatch) or per token slot (combine), fixed by the layout and this
+        module's program shapes, which must not change while the area lives."""
         if area.send_items[kind] is None:
             area.send_items[kind] = items
         elif area.send_items[kind] != items:
-            raise RuntimeError(f"EPBuffer.{_KIND_NAMES[kind]}: this call would do {items} send items per peer where "
+            raise RuntimeError(f"EPBuffer.{_KIND_NAMES[kind]}: this call would do {items} send items per "
+                               f"{'peer' if kind == 0 else 'token slot'} where "
                                f"the earlier calls of this shape did {area.send_items[kind]}: the program shape "
                                "constants of epcomm.lowlatency_nvlink changed while the buffer was in use")
 

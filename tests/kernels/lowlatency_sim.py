@@ -3,8 +3,9 @@
 Every rank's region is a CPU tensor and the kernels address the others through the same 16-byte deltas as on
 GPU. With several ranks a call runs as split kernels (`return_recv_hook=True`): the send kernels of every rank
 before the receive kernels (the order the flags enforce on GPU), so the waits are satisfied; a receive whose
-peer never sent checks the bounded wait. A single rank runs the fused kernels (one program: the interpreter runs
-programs one after another, and a fused program waits for every program's sends). Run as a script:
+peer never sent checks the bounded wait. A fused kernel runs on a single rank, or on one rank after its split peers
+have sent (`fused-with-peers`), as one program: the interpreter runs programs one after another, and a fused
+program waits for other programs' sends. So the interleaving of many programs is left to the GPU tests. Run as a script:
 `python lowlatency_sim.py CASE` (the test sets TRITON_INTERPRET=1, which must precede the triton import).
 """
 
@@ -87,10 +88,145 @@ def check_cast() -> None:
     assert bad.numel() == 0, [(float(v[i]), int(out[i]), int(want[i])) for i in bad[:5, 0]]
 
 
+class Combines:
+    """Two ranks (or one) with dispatched rows, for combine calls one by one: expert e of a rank scales its rows by
+    `scale + e`, and `expected` is the weighted sum in ascending top-k position (every selection live)."""
+
+    def __init__(self, num_ranks=2, tokens=(4, 3), timeout_s=0.05, n=4, hidden=256, num_experts=4, num_topk=3):
+        gen = torch.Generator().manual_seed(sum(tokens) + num_ranks)
+        self.num_local = num_experts // num_ranks
+        self.layout = Layout(num_ranks, n, hidden, num_topk, self.num_local)
+        self.eng, self.areas = engines(num_ranks, self.layout, timeout_s)
+        self.xs = [torch.randn(t, hidden, generator=gen).bfloat16() for t in tokens]
+        self.idx = [torch.stack([torch.randperm(num_experts, generator=gen)[:num_topk] for _ in range(t)]) if t
+                    else torch.empty(0, num_topk, dtype=torch.int64) for t in tokens]
+        self.ws = [torch.rand(t, num_topk, generator=gen) for t in tokens]
+        self.items = None
+
+    def dispatch(self):  # split on every rank: the combine's item maps
+        pend = [e.dispatch(a, x, i, None, False, False, False, hook=True)
+                for e, a, x, i in zip(self.eng, self.areas, self.xs, self.idx)]
+        for p in pend:
+            p[4]()
+        self.pend = pend
+
+    def combine(self, r, scale, fused=False):
+        """Rank r's combine (split unless `fused`): `(out, receive hook or None)`."""
+        y = (self.pend[r][0].float() * (scale + torch.arange(self.num_local)).view(-1, 1, 1)).bfloat16()
+        out = torch.empty(self.xs[r].shape[0], self.layout.hidden, dtype=torch.bfloat16)
+        return out, self.eng[r].combine(self.areas[r], y, self.idx[r], self.ws[r], self.pend[r][2], out,
+                                        hook=not fused)
+
+    def expected(self, r, scale):
+        acc = torch.zeros(self.xs[r].shape[0], self.layout.hidden)
+        for j in range(self.idx[r].shape[1]):
+            for t in range(self.xs[r].shape[0]):
+                e = int(self.idx[r][t, j])
+                y = (self.xs[r][t].float() * (scale + e % self.num_local)).bfloat16().float()
+                acc[t] = acc[t] + self.ws[r][t, j] * y
+        return acc.bfloat16()
+
+    def arrivals(self, r):
+        """[2 parities, N, R] int64: rank r's arrival counts."""
+        lay = self.layout
+        return self.areas[r].local[lay.arr_off:].view(torch.int64)[:2 * lay.num_max_tokens * lay.num_ranks].view(
+            2, lay.num_max_tokens, lay.num_ranks)
+
+
+def check_combine_waits() -> None:
+    """A combine receive waits for exactly its token's rows: it times out, naming the rank, when that rank sent
+    nothing this call (also after two complete calls: the counts of the call two before do not satisfy it), or
+    when one send item for the token has not been counted yet, split or fused. A sender two calls ahead waits for
+    the receiver to free the area (and names it when it does not)."""
+    c = Combines()
+    c.dispatch()
+    c.combine(0, 1)[1]()  # rank 1 never sends
+    assert int(c.eng[0].status[0]) == 2, c.eng[0].status
+
+    c = Combines()
+    for call in range(2):  # two complete calls (both parities), then rank 1 is silent in call 2
+        c.dispatch()
+        got = [c.combine(r, 1 + call) for r in range(2)]
+        for r, (out, hook) in enumerate(got):
+            hook()
+            assert torch.equal(out, c.expected(r, 1 + call)), (call, r)
+    assert int(c.eng[0].status[0]) == 0
+    c.dispatch()
+    c.combine(0, 7)[1]()
+    assert int(c.eng[0].status[0]) == 2, c.eng[0].status
+
+    c = Combines()  # rank 1 two calls ahead of rank 0's receives: its sends wait for rank 0 to free the area
+    c.dispatch()
+    first = c.combine(0, 1)  # rank 0's receives of calls 0 and 1 stay pending
+    c.combine(1, 1)[1]()
+    c.combine(0, 2)
+    c.combine(1, 2)[1]()
+    c.combine(1, 3)  # call 2 reuses call 0's area, which rank 0 has not read: the wait names rank 0
+    assert int(c.eng[1].status[0]) == 1 and int(c.eng[0].status[0]) == 0, (c.eng[0].status, c.eng[1].status)
+    assert first[1] is not None
+
+    for fused in (False, True):  # one item of token 1 from rank 1 not counted yet
+        c = Combines()
+        c.dispatch()
+        c.combine(1, 1)
+        c.arrivals(0)[0, 1, 1] -= 1
+        out, hook = c.combine(0, 1, fused=fused)
+        if hook is not None:
+            hook()
+        assert int(c.eng[0].status[0]) == 2, (fused, c.eng[0].status)
+
+
+def check_combine_mixed() -> None:
+    """Fused and split combines mix on one area: a fused call while a split call's receive is pending, on one rank
+    and beside a split peer, and ranks with different token counts (0 included). Every result exact; every
+    arrival count ends at (calls of its parity) x items per slot."""
+    c = Combines(num_ranks=1, tokens=(3,), timeout_s=5.0)
+    for splits in [(True, False), (False, True), (True, True), (False, False)]:
+        c.dispatch()
+        got = [c.combine(0, 1 + j, fused=not split) for j, split in enumerate(splits)]
+        for j, (out, hook) in enumerate(got):
+            if hook is not None:
+                hook()
+        for j, (out, _) in enumerate(got):
+            assert torch.equal(out, c.expected(0, 1 + j)), (splits, j)
+    c = Combines(tokens=(4, 2), timeout_s=5.0)
+    for _ in range(2):  # rank 0: split call e (receive pending), fused call e + 1, then the hook of e
+        c.dispatch()
+        peer = [c.combine(1, 1 + j) for j in range(2)]
+        first = c.combine(0, 1)
+        second = c.combine(0, 2, fused=True)
+        first[1]()
+        for _, hook in peer:
+            hook()
+        for j, (r, out) in enumerate([(0, first[0]), (0, second[0]), (1, peer[0][0]), (1, peer[1][0])]):
+            assert torch.equal(out, c.expected(r, 1 + j % 2)), (r, j)
+    for tokens in [(0, 3), (3, 0), (4, 1)]:
+        for fused0 in (False, True):
+            c = Combines(tokens=tokens, timeout_s=5.0)
+            for call in range(3):
+                c.dispatch()
+                got = [None, None]
+                for r in (1, 0):  # the split peer sends first (a fused call waits for it)
+                    got[r] = c.combine(r, 1 + call, fused=fused0 and r == 0)
+                for r, (out, hook) in enumerate(got):
+                    if hook is not None:
+                        hook()
+                    assert torch.equal(out, c.expected(r, 1 + call)), (tokens, fused0, call, r)
+            kb = -(-c.layout.num_topk // 2)
+            for r in range(2):
+                assert (c.arrivals(r)[0] == 2 * kb).all() and (c.arrivals(r)[1] == kb).all(), (tokens, r)
+    for e in c.eng:
+        assert int(e.status[0]) == 0
+
+
 def run(case: str) -> None:
     gen = torch.Generator().manual_seed(len(case))
     if case == "cast":
         return check_cast()
+    if case == "combine-waits":
+        return check_combine_waits()
+    if case == "combine-mixed":
+        return check_combine_mixed()
     if case == "two-ranks":
         num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 6, 2200, 8, 3, [5, 3]  # 18 blocks: 2 per row
     elif case == "three-ranks":  # a partial last FP8 block, an empty rank, top-2

@@ -26,9 +26,9 @@ call parity. A call does the same number of send items for each peer (dispatch),
 every time (`send_items`, fixed per area by the host), so dispatch call `e` waits for
 `ready >= (e // 2 + 1) * send_items` and a combine receive for `arrivals >= (e // 2 + 1) * KB`; the senders
 first wait for `freed >= e // 2` (the call two before has been read), so no peer overwrites rows still being read,
-and no send item of a later call can count towards call e. Every wait is bounded (`_signal_triton._wait`): on timeout the
-kernel prints the missing rank, records it in `status` and (on GPU) traps (docs/decisions.md, "Errors and
-timeouts").
+and no send item of a later call can count towards call e. Every wait is bounded (`_signal_triton._wait`): on
+timeout the kernel prints the missing rank, records it in `status` and (on GPU) traps (docs/decisions.md, "Errors
+and timeouts").
 """
 
 import triton
@@ -528,8 +528,10 @@ def combine_fused(
     """Send and receive in one launch (persistent grid, every program resident; see `dispatch_fused`).
 
     The first `send_programs` programs send the rows for other ranks, token slot by token slot (the link is the
-    bottleneck, so a few senders per SM keep it busy: `lowlatency_nvlink._COMBINE_SENDERS_PER_SM`). The other programs copy the rows for this rank (local, fast) and then receive tokens
-    in ascending order, each as soon as its own arrivals are in, while the rows of other tokens still travel."""
+    bottleneck, so a few senders per SM keep it busy: `lowlatency_nvlink._COMBINE_SENDERS_PER_SM`; at a variant's
+    first launch, one program per SM, every program sends). Then every program copies rows for this rank and
+    receives tokens, the programs that send nothing first: a token is summed as soon as its own arrivals are in,
+    while the rows of other tokens still travel."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     epoch = tl.load(state_ptr + COMBINE)
