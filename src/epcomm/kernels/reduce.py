@@ -153,11 +153,14 @@ def _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms) -> tu
         num_sms = 0  # a cap at every SM binds nothing: one program per tile is faster (90 vs 106 us below)
     # Tiles measured on H200 (benchmarks/reduce_sweep.py, dsv3 combine shape, items left-packed): 4 tokens x 1024
     # channels x 8 warps with one program per tile (90 us); a capped grid needs more loads in flight per SM:
-    # 32 x 1024 x 32 warps. Graph combine on 2x H200, 8 calls per graph: 274-278 / 249 us at 24 / 28 SMs, against
+    # 32 x 1024 x 32 warps for BF16. Graph combine on 2x H200, 8 calls per graph: 274-278 / 249 us at 24 / 28 SMs, against
     # 300-303 / 265 us for 8 x 2048 x 32 warps and 308-320 / 280-291 us for 32 x 1024 x 16 warps (session 11 had
     # 8 x 2048 x 32 against 16 x 2048 x 16: 290 / 262 against 328-339 / 299 us; loading the next tile's items ahead,
     # or the own rows by a second masked load, was slower).
-    tile = dict(block_t=32, block_h=1024, num_warps=32) if num_sms > 0 else dict(block_t=4, block_h=1024, num_warps=8)
+    # Wider rows take fewer tokens per tile, so every dtype keeps 64 bytes of loaded rows per thread (32 bf16 values;
+    # 32 fp32 or fp64 values would spill registers at 1024 threads).
+    capped = dict(block_t=64 // rows.element_size(), block_h=1024, num_warps=32)
+    tile = capped if num_sms > 0 else dict(block_t=4, block_h=1024, num_warps=8)
     return rows, item_row_TP.contiguous(), bias_0, bias_1, out, num_sms, tile
 
 
