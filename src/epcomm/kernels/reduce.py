@@ -157,9 +157,9 @@ def _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms) -> tu
     # 300-303 / 265 us for 8 x 2048 x 32 warps and 308-320 / 280-291 us for 32 x 1024 x 16 warps (session 11 had
     # 8 x 2048 x 32 against 16 x 2048 x 16: 290 / 262 against 328-339 / 299 us; loading the next tile's items ahead,
     # or the own rows by a second masked load, was slower).
-    # Wider rows take fewer tokens per tile, so every dtype keeps 64 bytes of loaded rows per thread (32 bf16 values;
-    # 32 fp32 or fp64 values would spill registers at 1024 threads).
-    capped = dict(block_t=64 // rows.element_size(), block_h=1024, num_warps=32)
+    # fp64 rows: 16 tokens (one launch on one H200 at 28 / 24 programs: 328 / 352 us, against 479 / 551 us with 32
+    # and 506 / 562 us with 8); fp32 rows keep 32 (178 / 213 us, against 221 / 261 us with 16).
+    capped = dict(block_t=16 if rows.element_size() == 8 else 32, block_h=1024, num_warps=32)
     tile = capped if num_sms > 0 else dict(block_t=4, block_h=1024, num_warps=8)
     return rows, item_row_TP.contiguous(), bias_0, bias_1, out, num_sms, tile
 
