@@ -277,3 +277,48 @@ def low_latency_more_errors(rank: int, world: int):
     buf.destroy()
     expect(lambda: buf.low_latency_combine(recv_x, idx, w, handle))
     return msgs
+
+
+def low_latency_hook_order(rank: int, world: int):
+    """Two calls of a shape and kind may be in flight on every transport (DeepEP V1's rule, which the nvlink areas
+    need): a third call while the receive hook of the call two before is uncalled raises, and so does a combine of
+    a dispatch whose hook is uncalled; on CPU every rank raises (rank 1 alone forgets a hook where marked). Returns
+    the messages in order."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = random_routing(gen, 4, 4, 2, masked_ratio=0.0)
+    x = torch.randn(4, 128, generator=gen).bfloat16()
+    msgs = []
+
+    def expect(call):
+        try:
+            call()
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("no error")
+
+    def dispatch():
+        return buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, return_recv_hook=True)
+
+    first, second = dispatch(), dispatch()
+    expect(dispatch)  # every rank: the hook of the call two before is uncalled
+    if rank == 0:
+        first[4]()
+    expect(dispatch)  # rank 1 alone
+    if rank == 1:
+        first[4]()
+    third = dispatch()  # calls 1 and 2 in flight
+    y = second[0] * 2
+    expect(lambda: buf.low_latency_combine(y, idx, w, second[2]))  # its dispatch is not received yet
+    second[4]()
+    second[4]()  # a hook receives once; calling it again does nothing
+    combines = [buf.low_latency_combine(y, idx, w, second[2], return_recv_hook=True) for _ in range(2)]
+    expect(lambda: buf.low_latency_combine(y, idx, w, second[2]))
+    combines[0][2]()
+    got, _, hook = buf.low_latency_combine(y, idx, w, second[2], return_recv_hook=True)
+    hook()
+    assert torch.equal(got, combines[1][0])
+    assert third[4] is not None
+    buf.destroy()
+    return msgs

@@ -33,6 +33,16 @@ def test_low_latency_unsupported_options_raise(run_ranks):
             assert "group rank 1 rejected the call" in msgs[0] and "group rank 1 rejected the call" in msgs[2]
 
 
+def test_low_latency_hook_order_is_checked_on_every_transport(run_ranks):
+    hook_msg, recv_msg = "receive hook of the call two calls before this one", "has not been received"
+    for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_hook_order)):
+        assert len(msgs) == 4, msgs
+        assert hook_msg in msgs[0] and f"rank {rank}" in msgs[0], msgs[0]
+        assert (hook_msg if rank == 1 else "group rank 1 rejected the call") in msgs[1], msgs[1]
+        assert recv_msg in msgs[2], msgs[2]
+        assert hook_msg in msgs[3] and "low_latency_combine" in msgs[3], msgs[3]
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("use_fp8", [True, False])

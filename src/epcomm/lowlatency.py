@@ -24,7 +24,7 @@ from . import pipeline, sizing
 from .events import EventHandle, EventOverlap
 from .fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
 from .kernels import weighted_reduce_torch
-from .lowlatency_nvlink import Layout, LowLatencyNVLink
+from .lowlatency_nvlink import CallBook, Layout, LowLatencyNVLink
 from .streams import capturing
 from .handle import EPHandle
 from .validate import TOPK_IDX_DTYPES, Checker, check_topk_idx, check_topk_values
@@ -52,8 +52,9 @@ class LowLatencyHandle:
             top-k position), -1 for none.
         buffer_uid: the id of the buffer that made it; topk_idx_version: `topk_idx`'s version counter at the
             dispatch (None for inference tensors), so an in-place edit before the combine is caught.
-        area, call_index: nvlink path: the `lowlatency_nvlink.Area` of the call's shape, and the call's index
-            there (the combine checks that the dispatch has been received).
+        area: nvlink path: the `lowlatency_nvlink.Area` of the call's shape.
+        calls, call_index: the `CallBook` of the call's shape and the dispatch's index there (the combine checks
+            that the dispatch has been received).
     """
 
     handle: object
@@ -67,6 +68,7 @@ class LowLatencyHandle:
     row_in_expert_S: Optional[Tensor] = None
     item_map: Optional[Tensor] = None
     area: object = None
+    calls: Optional[CallBook] = None
     call_index: int = -1
 
 
@@ -101,6 +103,12 @@ class LowLatencyMixin:
         per_pair = num_ranks * n * min(sizing.MAX_TOPK, max(1, num_experts // num_ranks)) * sizing.align(hidden * 2, 64)
         return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
                             sizing.ALLOCATION_ALIGNMENT)
+
+    def _low_latency_calls(self, layout: Layout) -> CallBook:
+        """The `CallBook` of a call shape on the portable path (nvlink keeps one in each shape's area)."""
+        if getattr(self, "_ll_calls", None) is None:
+            self._ll_calls = {}
+        return self._ll_calls.setdefault(layout, CallBook())
 
     def _low_latency_nvlink(self) -> Optional[LowLatencyNVLink]:
         """The nvlink fast path of this buffer (made at first use), or None on other transports."""
@@ -225,6 +233,10 @@ class LowLatencyMixin:
             fast = self._low_latency_nvlink()
             if fast is not None:
                 fast.check_status(name)
+            else:  # nvlink checks this when it launches; here every rank raises together on CPU
+                calls = self._low_latency_calls(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1],
+                                                       num_experts // self.num_ranks))
+                call_index = calls.next_call(0, self.rank)
         except (TypeError, ValueError) as e:
             self._reject(name, e)
         num_local = num_experts // self.num_ranks
@@ -235,7 +247,7 @@ class LowLatencyMixin:
                 area, x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0,
                 hook=return_recv_hook)
             ll_handle = LowLatencyHandle(None, n, x.shape[1], num_local, topk_idx, self.uid, version,
-                                         item_map=item_map, area=area, call_index=call_index)
+                                         item_map=item_map, area=area, calls=area.calls, call_index=call_index)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
             return recv_x, recv_count, ll_handle, event, receive
         if use_fp8:
@@ -276,11 +288,12 @@ class LowLatencyMixin:
             recv_x = (expert_major(recv[0]), scales_LRP)
         else:
             recv_x = expert_major(recv)
-        ll_handle = LowLatencyHandle(handle, n, x.shape[1], num_local, topk_idx, self.uid, version, expert_S, row_S)
+        ll_handle = LowLatencyHandle(handle, n, x.shape[1], num_local, topk_idx, self.uid, version, expert_S, row_S,
+                                     calls=calls, call_index=call_index)
         recv_count = handle.num_unaligned_recv_tokens_per_expert.clone()
         event = EventOverlap(EventHandle(self.device) if async_finish else None)
-        hook: Optional[Callable] = (lambda: None) if return_recv_hook else None
-        return recv_x, recv_count, ll_handle, event, hook
+        received = calls.book(0, call_index, return_recv_hook)  # the data is complete: the hook only books it
+        return recv_x, recv_count, ll_handle, event, (received if return_recv_hook else None)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -306,8 +319,8 @@ class LowLatencyMixin:
 
         Raises:
             TypeError / ValueError: bad arguments, unsupported options, a handle of another buffer, a routing
-                edited in place since the dispatch, a dispatch whose receive hook has not been called, or (nvlink)
-                the hook of the combine two calls back not yet called. Where each raises: as
+                edited in place since the dispatch, a dispatch whose receive hook has not been called, or the
+                hook of the combine two calls back not yet called. Where each raises: as
                 `low_latency_dispatch`.
             TimeoutError: an earlier low-latency call of this buffer timed out on the GPU (nvlink; names the rank).
 
@@ -349,11 +362,13 @@ class LowLatencyMixin:
                 c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
                 c.require(out.shape[0] <= 1 or out.stride(0) >= out.shape[1] * out.stride(1),
                           f"out must not have overlapping rows, got strides {tuple(out.stride())}")
+            c.require(handle.calls.received(handle.call_index), "the low_latency_dispatch that made the handle has "
+                      "not been received; call its receive hook before combining")
             if handle.area is not None:
                 fast = self._low_latency_nvlink()
                 fast.check_status(name)
-                c.require(fast.received(handle.area, handle.call_index), "the low_latency_dispatch that made the "
-                          "handle has not been received; call its receive hook before combining")
+            else:  # nvlink checks this when it launches; here every rank raises together on CPU
+                call_index = handle.calls.next_call(1, self.rank)
         except (TypeError, ValueError) as e:
             self._reject(name, e)
         if fast is not None:
@@ -380,5 +395,6 @@ class LowLatencyMixin:
             out.copy_(combined)
             combined = out
         event = EventOverlap(EventHandle(self.device) if async_finish else None)
-        return combined, event, ((lambda: None) if return_recv_hook else None)
+        received = handle.calls.book(1, call_index, return_recv_hook)  # the sum is complete: the hook only books it
+        return combined, event, (received if return_recv_hook else None)
 

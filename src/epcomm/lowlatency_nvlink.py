@@ -103,6 +103,45 @@ class Layout:
         return align(self.comb_off + 2 * self.num_max_tokens * self.num_topk * self.crow_bytes, 1 << 21)
 
 
+_KIND_NAMES = ("low_latency_dispatch", "low_latency_combine")
+
+
+class CallBook:
+    """The low-latency calls of one call shape: how many of each kind (0 dispatch, 1 combine) were issued, and which
+    have a receive hook not yet called. Call e of a kind reuses what call e - 2 used (the nvlink area), so that call
+    must have been received before call e is issued: two calls of a shape and kind may be in flight, as in DeepEP
+    V1. Every transport keeps this rule, so code that runs on CPU runs on nvlink."""
+
+    def __init__(self):
+        self.issued = [0, 0]
+        self.pending: list = [set(), set()]
+
+    def next_call(self, kind: int, rank: int) -> int:
+        """The index of the next call of `kind` (booked by `book` once it is launched).
+
+        Raises:
+            ValueError: the call two before has not been received (its hook was not called): on nvlink its rows
+                would be overwritten, and the call would wait for it until the device timeout.
+        """
+        e = self.issued[kind]
+        if e - 2 in self.pending[kind]:
+            raise ValueError(f"EPBuffer.{_KIND_NAMES[kind]}: rank {rank}: the receive hook of the call two calls "
+                             "before this one (same shape) has not been called; call it first (two calls of a shape "
+                             "and kind may be in flight: call e reuses the area of call e - 2)")
+        return e
+
+    def book(self, kind: int, e: int, hook: bool) -> Callable:
+        """Record launched call `e`; returns `received()`, which its receive calls (once or more)."""
+        self.issued[kind] = e + 1
+        if hook:
+            self.pending[kind].add(e)
+        return lambda: self.pending[kind].discard(e)
+
+    def received(self, e: int) -> bool:
+        """Whether dispatch call `e` has been received (its hook called, or it had none)."""
+        return e not in self.pending[0]
+
+
 class Area:
     """One call shape's region and its call state (a buffer keeps one per shape it has seen).
 
@@ -111,8 +150,7 @@ class Area:
         local: [nbytes] uint8 -- this rank's region; delta16: [R] int64 -- every region's base relative to it, in
             16-byte units.
         state: [8] int64 (device) -- call counters (dispatch, combine) and the kernels' finish counters.
-        issued, pending: host bookkeeping per kind (0 dispatch, 1 combine): calls issued, and the calls whose
-            receive hook has not run (call e reuses the area of call e - 2, which must have been received).
+        calls: the `CallBook` of this shape (calls issued, hooks not yet called).
         send_items: per kind, the send items a rank does per call for each peer (dispatch) or for each token slot
             of each rank (combine), fixed at the first call: a receiver waits until a peer's `ready` count (dispatch)
             or a token's arrival count (combine) reaches (calls of this parity) x send_items.
@@ -122,11 +160,7 @@ class Area:
         self.layout, self.local, self.delta16 = layout, local, delta16
         self.send_items = [None, None]
         self.state = torch.zeros(8, dtype=torch.int64, device=local.device)
-        self.issued = [0, 0]
-        self.pending: list = [set(), set()]
-
-
-_KIND_NAMES = ("low_latency_dispatch", "low_latency_combine")
+        self.calls = CallBook()
 
 
 class LowLatencyNVLink:
@@ -171,20 +205,6 @@ class LowLatencyNVLink:
         self.areas[layout] = area
         return area
 
-    def _next_call(self, area: Area, kind: int) -> int:
-        """The index of the next call of `kind` on `area` (booked by `_book` once its kernel is launched).
-
-        Raises:
-            ValueError: the call two before on this area has not been received (its hook was not called): its rows
-                would be overwritten, and the call would wait for it until the device timeout.
-        """
-        e = area.issued[kind]
-        if e - 2 in area.pending[kind]:
-            raise ValueError(f"EPBuffer.{_KIND_NAMES[kind]}: rank {self.rank}: the receive hook of the call two "
-                             "calls before this one (same shape) has not been called; call it first (two calls of a "
-                             "shape and kind may be in flight: call e reuses the area of call e - 2)")
-        return e
-
     @staticmethod
     def _check_items(area: Area, kind: int, items: int) -> None:
         """The `ready` counts (dispatch) and arrival counts (combine) only add up if every call of an area does the
@@ -197,18 +217,6 @@ class LowLatencyNVLink:
                                f"{'peer' if kind == 0 else 'token slot'} where "
                                f"the earlier calls of this shape did {area.send_items[kind]}: the program shape "
                                "constants of epcomm.lowlatency_nvlink changed while the buffer was in use")
-
-    @staticmethod
-    def _book(area: Area, kind: int, e: int, hook: bool) -> Callable:
-        """Record launched call `e`; returns `received()`, which its receive calls once."""
-        area.issued[kind] = e + 1
-        if hook:
-            area.pending[kind].add(e)
-        return lambda: area.pending[kind].discard(e)
-
-    def received(self, area: Area, e: int) -> bool:
-        """Whether dispatch call `e` on `area` has been received (its hook called, or it had none)."""
-        return e not in area.pending[0]
 
     def _once(self, launch: Callable, received: Callable) -> Callable:
         """The receive hook: launches the receive kernel at its first call; later calls do nothing.
@@ -239,12 +247,12 @@ class LowLatencyNVLink:
         does everything and `receive` is None; with it, the send kernel runs now and `receive()` launches the receive
         kernel. The receive fills recv_x, recv_count, the stats and item_map ([R * N * K] int32: the output row
         `e * R * N + row` of each (source rank, token, top-k) item, -1 for none); `call` is the call's index on
-        the area (`received(area, call)`)."""
+        the area (`area.calls.received(call)`)."""
         from .kernels import _lowlatency_triton as k
 
         import triton
 
-        e = self._next_call(area, 0)
+        e = area.calls.next_call(0, self.rank)
         lay = area.layout
         n, h, num_local, r = lay.num_max_tokens, lay.hidden, lay.num_local_experts, self.num_ranks
         rows = r * n
@@ -282,14 +290,14 @@ class LowLatencyNVLink:
                 x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
                 POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, HW_FP8=self.hw_fp8, **recv_opts, **shape)
             self._note_occupancy(variant, launched, 4)
-            self._book(area, 0, e, hook)
+            area.calls.book(0, e, hook)
             return recv_x, count, item_map, e, None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         k.dispatch_send[(n, num_c)](
             x, topk, area.local, area.delta16, area.state, ticket, status, x.shape[0], x.stride(0), topk.stride(0),
             self.rank, self.timeout_ns, **offsets, POW2_SCALES=pow2_scales, CHUNK=_CHUNK, HW_FP8=self.hw_fp8, **shape)
-        received = self._book(area, 0, e, hook)
+        received = area.calls.book(0, e, hook)
 
         def launch() -> None:
             k.dispatch_recv[(rows, num_c)](
@@ -307,7 +315,7 @@ class LowLatencyNVLink:
 
         import triton
 
-        e = self._next_call(area, 1)
+        e = area.calls.next_call(1, self.rank)
         lay = area.layout
         x = x if x.is_contiguous() else x.contiguous()
         target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
@@ -334,7 +342,7 @@ class LowLatencyNVLink:
                 SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
                 num_warps=4, enable_fp_fusion=False, **self._common(lay))
             self._note_occupancy(variant, launched, 4)
-            self._book(area, 1, e, hook)
+            area.calls.book(1, e, hook)
             if target is not out:
                 out.copy_(target)
             return None
@@ -343,7 +351,7 @@ class LowLatencyNVLink:
         k.combine_send[(self.num_ranks * lay.num_max_tokens, num_kb)](
             x, item_map, area.local, area.delta16, area.state, ticket, status, self.rank, self.timeout_ns, **offsets,
             BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, num_warps=4, **self._common(lay))
-        received = self._book(area, 1, e, hook)
+        received = area.calls.book(1, e, hook)
 
         def launch() -> None:
             k.combine_recv[(max(num_tokens, 1), num_hc)](
