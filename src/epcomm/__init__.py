@@ -11,10 +11,11 @@ from .buffer import EPBuffer
 from .engram import EngramBuffer
 from .events import EventHandle, EventOverlap
 from .handle import EPHandle
+from .lowlatency import LowLatencyHandle
 from .pp import PPBuffer
 
 topk_idx_t = torch.int64
 
 __all__ = ["BucketBuffer", "BucketSession", "BufferAllocator", "EPBuffer", "EPHandle", "EngramBuffer",
-           "EventHandle", "EventOverlap", "PPBuffer", "TokenDispatcher", "__version__", "comm", "eplb",
+           "EventHandle", "EventOverlap", "LowLatencyHandle", "PPBuffer", "TokenDispatcher", "__version__", "comm", "eplb",
            "topk_idx_t"]

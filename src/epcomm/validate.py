@@ -37,8 +37,8 @@ class Checker:
         if t.dim() != ndim:
             self.fail(ValueError, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
         if t.dtype not in dtypes:
-            names = ", ".join(str(d) for d in dtypes)
-            self.fail(TypeError, f"{name} must have dtype in ({names}), got {t.dtype}")
+            want = str(dtypes[0]) if len(dtypes) == 1 else "in (" + ", ".join(str(d) for d in dtypes) + ")"
+            self.fail(TypeError, f"{name} must have dtype {want}, got {t.dtype}")
         if t.device.type != self.device.type or (self.device.index is not None and t.device != self.device):
             self.fail(ValueError, f"{name} is on {t.device} but the buffer lives on {self.device}; move it there")
         if shape is not None:
