@@ -27,7 +27,7 @@ EXPECTED = {
     "combine_x_sparse": (TypeError, r"x must be a dense \(strided\) tensor, got layout torch\.sparse_coo"),
     "too_many_tokens": (ValueError, r"x has 17 tokens but num_max_tokens_per_rank is 16"),
     "topk_idx_float": (TypeError, r"topk_idx must have dtype in \(torch\.int64, torch\.int32\), got torch\.float32"),
-    "topk_idx_rows": (ValueError, r"topk_idx must have shape \[6, \*\], got \(5, 2\)"),
+    "topk_idx_rows": (ValueError, r"topk_idx must have shape \[6, \*\] \(a row per token of x\), got \(5, 2\)"),
     "topk_33": (ValueError, r"topk_idx has 33 columns; num_topk must be in \[1, 32\]"),
     "topk_id_too_large": (ValueError, r"topk_idx holds 8 \(token 0\); ids must be in \[-1, num_experts=8\)"),
     "topk_id_below_minus_one": (ValueError, r"topk_idx holds -2"),

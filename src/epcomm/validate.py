@@ -111,7 +111,9 @@ def weights_dtype(x_dtype: torch.dtype) -> torch.dtype:
 
 
 def check_topk_idx(c: Checker, topk_idx, num_tokens: int) -> Tensor:
-    t = c.tensor("topk_idx", topk_idx, ndim=2, dtypes=TOPK_IDX_DTYPES, shape=(num_tokens, None))
+    t = c.tensor("topk_idx", topk_idx, ndim=2, dtypes=TOPK_IDX_DTYPES)
+    c.require(t.shape[0] == num_tokens, f"topk_idx must have shape [{num_tokens}, *] (a row per token of x), got "
+              f"{tuple(t.shape)}")
     c.require(1 <= t.shape[1] <= sizing.MAX_TOPK, f"topk_idx has {t.shape[1]} columns; num_topk must be in [1, 32]")
     return t
 
