@@ -136,6 +136,9 @@ def check(
                 shown = values
             desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
             fix = {"op": "make the same call at the same point",
+                   "hidden": "pass x with the same hidden size (x.shape[1])",
+                   "num_topk": "pass topk_idx with the same number of columns (topk_idx.shape[1])",
+                   "dtype": "pass x in the same dtype",
                    "fused_exact": "set EPCOMM_FUSED_EXACT the same (the nvlink CPU-synced dispatch's path)",
                    "buffer": "make the call on the same buffer (one EPBuffer object per group, used in the same "
                              "order on every rank)"}.get(name, f"pass the same {name}")
