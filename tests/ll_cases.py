@@ -239,16 +239,16 @@ def low_latency_shape_disagreement(rank: int, world: int):
     return msg
 
 
-def low_latency_more_errors(rank: int, world: int):
-    """Malformed arguments raise TypeError/ValueError naming the low-latency call on every rank (rank 1 alone is
-    wrong where marked), never a foreign exception on one rank and a hang on the other."""
+def _small_call(rank: int) -> tuple:
+    """`(buffer, topk_idx, topk_weights, x)`: 4 tokens of hidden 128, 4 experts, top-2, for the error cases."""
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
-    other = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
     gen = torch.Generator().manual_seed(rank)
     idx, w = random_routing(gen, 4, 4, 2, masked_ratio=0.0)
-    x = torch.randn(4, 128, generator=gen).bfloat16()
-    msgs = []
+    return buf, idx, w, torch.randn(4, 128, generator=gen).bfloat16()
 
+
+def _expecter(msgs: list):
+    """`expect(call)`: runs call and appends its TypeError/ValueError message to msgs, or "no error"."""
     def expect(call):
         try:
             call()
@@ -256,7 +256,16 @@ def low_latency_more_errors(rank: int, world: int):
             msgs.append(str(e))
         else:
             msgs.append("no error")
+    return expect
 
+
+def low_latency_more_errors(rank: int, world: int):
+    """Malformed arguments raise TypeError/ValueError naming the low-latency call on every rank (rank 1 alone is
+    wrong where marked), never a foreign exception on one rank and a hang on the other."""
+    buf, idx, w, x = _small_call(rank)
+    other = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
+    msgs = []
+    expect = _expecter(msgs)
     one = rank == 1
     expect(lambda: buf.low_latency_dispatch(torch.tensor(1.0).bfloat16() if one else x, idx, 4, 4))
     expect(lambda: buf.low_latency_dispatch(x.view(4, 2, 64) if one else x, idx, 4, 4, use_fp8=True))
@@ -284,19 +293,9 @@ def low_latency_hook_order(rank: int, world: int):
     need): a third call while the receive hook of the call two before is uncalled raises, and so does a combine of
     a dispatch whose hook is uncalled; on CPU every rank raises (rank 1 alone forgets a hook where marked). Returns
     the messages in order."""
-    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
-    gen = torch.Generator().manual_seed(rank)
-    idx, w = random_routing(gen, 4, 4, 2, masked_ratio=0.0)
-    x = torch.randn(4, 128, generator=gen).bfloat16()
+    buf, idx, w, x = _small_call(rank)
     msgs = []
-
-    def expect(call):
-        try:
-            call()
-        except ValueError as e:
-            msgs.append(str(e))
-        else:
-            msgs.append("no error")
+    expect = _expecter(msgs)
 
     def dispatch():
         return buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, return_recv_hook=True)
