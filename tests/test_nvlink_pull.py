@@ -435,3 +435,30 @@ def test_staged_pieces_cover_every_staged_row_in_order():
                 for idx, first in pieces:
                     assert first == row and idx.shape[0] > 0, (me, a, b, pieces)
                     row += idx.shape[0]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_every_piece_is_each_peers_whole_block(chunks):
+    """`PullPlan.views`' `every` (what the SMs read in a graph): one piece per peer that sends here, at its output
+    rows, viewing exactly that peer's staged rows for me, one view per field, whatever the chunking (one chunk
+    reuses its pulled pieces)."""
+    from epcomm.transport.pull import PullPlan, aligned
+
+    regions = [torch.zeros(HEAD + 3 * CAP, dtype=torch.uint8) for _ in range(3)]
+    region = FakeRegion(regions, threading.Barrier(1))
+    fields = [torch.zeros(0, HIDDEN, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.float32)]
+    row_bytes = [HIDDEN * 2, 8]
+    for me, matrix in ((0, [[3, 2, 4], [1, 1, 1], [2, 0, 5]]), (1, [[3, 2, 4], [4, 3, 2], [2, 0, 5]]),
+                       (2, [[1, 1, 1], [1, 1, 1], [2, 3, 4]])):
+        route = Route(matrix[me], [row[me] for row in matrix], torch.arange(sum(matrix[me])), matrix)
+        plan = PullPlan(route, me, 3, torch.device("cpu"))
+        moves = [(f, None) for f in fields]
+        _, _, every = plan.views(region, HEAD, moves, row_bytes, chunks)
+        want = [s for s in range(3) if s != me and matrix[s][me]]
+        assert [piece[:2] for piece in every] == [(plan.recv_off[s], matrix[s][me]) for s in want], (me, every)
+        for s, (_, n, views) in zip(want, every):
+            off = HEAD
+            for f, b, view in zip(fields, row_bytes, views):
+                want_view = region.peer(s, off + plan.first_row_at[s] * b, (n,) + tuple(f.shape[1:]), f.dtype)
+                assert view.data_ptr() == want_view.data_ptr() and view.shape == want_view.shape, (me, s)
+                off += aligned(plan.staged_rows[s] * b)

@@ -153,8 +153,8 @@ def _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms) -> tu
         num_sms = 0  # a cap at every SM binds nothing: one program per tile is faster (90 vs 106 us below)
     # Tiles measured on H200 (benchmarks/reduce_sweep.py, dsv3 combine shape, items left-packed): 4 tokens x 1024
     # channels x 8 warps with one program per tile (90 us); a capped grid needs more loads in flight per SM:
-    # 32 x 1024 x 32 warps for BF16. Graph combine on 2x H200, 8 calls per graph: 274-278 / 249 us at 24 / 28 SMs, against
-    # 300-303 / 265 us for 8 x 2048 x 32 warps and 308-320 / 280-291 us for 32 x 1024 x 16 warps (session 11 had
+    # 32 x 1024 x 32 warps for BF16. Graph combine on 2x H200, 8 calls per graph: 274-278 / 249 us at 24 / 28 SMs,
+    # against 300-303 / 265 us for 8 x 2048 x 32 warps and 308-320 / 280-291 us for 32 x 1024 x 16 warps (session 11 had
     # 8 x 2048 x 32 against 16 x 2048 x 16: 290 / 262 against 328-339 / 299 us; loading the next tile's items ahead,
     # or the own rows by a second masked load, was slower).
     # fp64 rows: 16 tokens (one launch on one H200 at 28 / 24 programs: 328 / 352 us, against 479 / 551 us with 32

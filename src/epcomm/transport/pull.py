@@ -120,8 +120,10 @@ class PullPlan:
                     out_row = self.recv_off[s] + lo - self.first_row_at[s]
                     pieces.append((out_row, hi - lo, field_views(s, lo, hi - lo)))
             pulled.append(pieces)
-        every = [(self.recv_off[s], self.recv_splits[s], field_views(s, self.first_row_at[s], self.recv_splits[s]))
-                 for s in range(self.num_ranks) if s != self.me and self.recv_splits[s]]
+        # One chunk: its pieces are already one per peer, each whole (eager calls: no second set of peer views).
+        every = pulled[0] if chunks == 1 else [
+            (self.recv_off[s], self.recv_splits[s], field_views(s, self.first_row_at[s], self.recv_splits[s]))
+            for s in range(self.num_ranks) if s != self.me and self.recv_splits[s]]
         got = self._views[key] = (staged, pulled, every)
         return got
 
