@@ -189,6 +189,10 @@ def check_mode(
     bias = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
     per_pair = do_expand and not allow_multiple_reduction
     combine_w = None if per_pair else recv_w
+    if combine_w is not None and not do_expand:
+        # Noise in the columns of experts a rank does not own: combine returns only the owners' values (§11.4).
+        noise = torch.rand(combine_w.shape, generator=gen, dtype=torch.float64).to(combine_w.dtype).to(device)
+        combine_w = torch.where(recv_idx >= 0, combine_w, noise + 1)
     if defer:
         event = buf.combine(y, handle, topk_weights=combine_w, bias=bias, async_with_compute_stream=True,
                             defer_epilogue=True)

@@ -45,13 +45,15 @@ _phase_times: dict = {}
 
 
 _NO_RANGE = contextlib.nullcontext()
+# Read once, at import: a call enters a dozen phases, and each read of the environment costs host time.
+_PHASE_TIMES = envs.phase_times_enabled()
 
 
 def phase(name: str):
     """A profiler range (only while a profiler records: a range costs host time on every call); with
-    `EPCOMM_PHASE_TIMES=1` also the phase's wall time (device synchronised at both ends) accumulated in
-    `phase_times()` -- a diagnostic that serialises the GPU, never for production."""
-    if envs.phase_times_enabled():
+    `EPCOMM_PHASE_TIMES=1` (read when epcomm is imported) also the phase's wall time (device synchronised at both
+    ends) accumulated in `phase_times()` -- a diagnostic that serialises the GPU, never for production."""
+    if _PHASE_TIMES:
         return _timed_phase(name)
     if torch.autograd._profiler_enabled():
         return torch.profiler.record_function(f"epcomm::{name}")

@@ -445,8 +445,7 @@ def combine_launch(buf, call: CombineCall, call_id: int, defer: bool = False) ->
         else:
             y_MH = call.x
             w_MK = call.topk_weights
-        if w_MK is not None:
-            w_MK = w_MK.masked_fill(_memo(plan, "nonlocal_MK", lambda: local_MK < 0), 0)
+        # Weights travel back as given: the origin reads only each owner's columns (combine_finish, reference §11.4).
         if plan.route is not None:
             back = _memo(plan, "route_back", plan.route.back)
             return _return_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id, skip_own=not defer)
@@ -562,11 +561,13 @@ def combine_finish(buf, call: CombineCall, launched: dict) -> tuple:
         w_XK = fields["w"] if fields is not None else launched["spec"].view(launched["recv_XB"], "w")
         if own is not None:  # a few bytes per row: fill my rows in (my part of the area is mine alone)
             w_XK[own[0]: own[0] + own[1]["w"].shape[0]].copy_(own[1]["w"])
-        combined_w = torch.zeros(num_tokens, num_topk, dtype=w_XK.dtype, device=buf.device)
         if w_XK.shape[0]:
-            # Flat index of (row of the token's rank, position) in the returned weights; -1 positions read 0.
+            # Flat index of (row of the token's rank, position) in the returned weights: the owner's column only;
+            # -1 positions read 0.
             flat_TK = _memo(plan, ("w_flat", num_topk), lambda: (
                 plan.send_row_TR.gather(1, dest_TK.clamp(min=0)).clamp(min=0) * num_topk
                 + torch.arange(num_topk, device=buf.device)))
-            combined_w = w_XK.reshape(-1)[flat_TK].masked_fill(dest_TK < 0, 0)
+            combined_w = w_XK.reshape(-1)[flat_TK].masked_fill(_memo(plan, "unrouted_TK", lambda: dest_TK < 0), 0)
+        else:
+            combined_w = torch.zeros(num_tokens, num_topk, dtype=w_XK.dtype, device=buf.device)
     return combined_x, combined_w
