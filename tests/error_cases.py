@@ -256,7 +256,9 @@ def construct_one_bad(rank: int, world: int, kind: str):
                        "timeout_type": dict(num_cpu_timeout_secs="5"), "dtype": dict(dtype=torch.int8),
                        "transport": dict(transport="collective"),
                        "tokens": dict(num_max_tokens_per_rank=N + 1),
-                       "size": dict(num_bytes=4 << 20)}.get(kind, {}))
+                       "size": dict(num_bytes=4 << 20), "hidden": dict(hidden=2 * H), "topk": dict(num_topk=4),
+                       "half": dict(dtype=torch.float16), "fp8": dict(use_fp8_dispatch=True),
+                       "reduction": dict(allow_multiple_reduction=False)}.get(kind, {}))
     if rank == 0 and kind == "transport":
         kwargs["transport"] = "auto"
     env, value = {"env": ("EPCOMM_FUSED_SYNC_FREE_ROWS", "4k"), "env_return": ("EPCOMM_NVLINK_RETURN", "fetch"),

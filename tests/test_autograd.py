@@ -222,6 +222,15 @@ def _invalid_combination(rank, world_size):
     with _buffer((4, 4)) as buffer:
         with pytest.raises(ValueError, match=r"num_experts=5 must be a positive multiple of the group size 2"):
             TokenDispatcher(buffer, 5)
+    # FP8 (data, scales) on every rank: the dispatch runs, then every rank raises (no rank is left waiting).
+    from epcomm.fp8 import per_token_cast_to_fp8
+    idx = torch.tensor([[0, 3], [1, 4], [2, 5], [5, 0]])
+    x = torch.randn(4, 128).bfloat16()
+    with EPBuffer(None, num_max_tokens_per_rank=4, hidden=128, num_cpu_timeout_secs=TIMEOUT_S) as buffer:
+        with pytest.raises(TypeError, match=rf"TokenDispatcher.dispatch: rank {rank}: x must be a bf16/fp16/fp32/fp64 "
+                                            r"tensor, got tuple; FP8 \(data, scales\) input has no gradient"):
+            TokenDispatcher(buffer, NUM_EXPERTS).dispatch(per_token_cast_to_fp8(x.float()), idx)
+        assert buffer.dispatch(x, idx, num_experts=NUM_EXPERTS)[0].shape[1] == 128  # still in step
         with pytest.raises(ValueError, match=r"expert_alignment must be >= 1, got 0"):
             TokenDispatcher(buffer, NUM_EXPERTS, expert_alignment=0)
         with pytest.raises(TypeError, match=r"do_expand must be a bool, got int"):

@@ -186,11 +186,19 @@ def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind, exc, p
     assert re.search(pattern, out[0][1]) and out[0][2] < 10, out[0]  # promptly, not after the timeout
 
 
-@pytest.mark.parametrize("kind,field", [("tokens", "num_max_tokens_per_rank"), ("size", "num_bytes")])
-def test_constructor_shape_disagreement(run_ranks, kind, field):
-    """One region size and one default capacity per buffer: ranks that differ raise at construction."""
+@pytest.mark.parametrize("kind,field,values", [
+    ("tokens", "num_max_tokens_per_rank", "rank 0: 16, rank 1: 17"), ("size", "num_bytes", None),
+    ("hidden", "hidden", "rank 0: 32, rank 1: 64"), ("topk", "num_topk", "rank 0: 0, rank 1: 4"),
+    ("half", "dtype", "rank 0: torch.bfloat16, rank 1: torch.float16"),
+    ("fp8", "use_fp8_dispatch", "rank 0: False, rank 1: True"),
+    ("reduction", "allow_multiple_reduction", "rank 0: True, rank 1: False"),
+])
+def test_constructor_shape_disagreement(run_ranks, kind, field, values):
+    """One region size, one default capacity and one combine layout per buffer: ranks that differ raise at
+    construction, naming the argument the caller passed rather than the size it implies."""
     for name, msg, elapsed in run_ranks(2, error_cases.construct_one_bad, kind):
         assert name == "ValueError" and f"ranks disagree on {field}" in msg and elapsed < 10, msg
+        assert values is None or f"({values})" in msg, msg
 
 
 def test_constructor_transport_disagreement(run_ranks):

@@ -29,7 +29,7 @@ HEADER_LEN = 2 + len(SIGNATURE_FIELDS)
 _BOOL_FIELDS = ("do_expand", "fp8", "has_topk_weights", "do_cpu_sync", "fused_exact")
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4, torch.float8_e4m3fn: 5,
                 torch.int32: 6}
-_DTYPE_NAMES = {v: str(k) for k, v in _DTYPE_CODES.items()}
+DTYPE_NAMES = {v: str(k) for k, v in _DTYPE_CODES.items()}
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -129,13 +129,14 @@ def check(
             if name == "op":
                 shown = [OPS.get(v, "?") for v in values]
             elif name in ("dtype", "sf_dtype"):
-                shown = [_DTYPE_NAMES.get(v, "?") for v in values]
+                shown = [DTYPE_NAMES.get(v, "?") for v in values]
             elif name in _BOOL_FIELDS:
                 shown = [bool(v) for v in values]
             else:
                 shown = values
             desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
-            fix = {"op": "make the same call at the same point",
+            fix = {"op": "make the same call at the same point (in training: every rank runs the backward of every "
+                         "TokenDispatcher call; a rank whose output needs no gradient skips it)",
                    "hidden": "pass x with the same hidden size (x.shape[1])",
                    "num_topk": "pass topk_idx with the same number of columns (topk_idx.shape[1])",
                    "dtype": "pass x in the same dtype",

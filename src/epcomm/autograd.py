@@ -53,6 +53,10 @@ class _DispatchFunction(torch.autograd.Function):
         recv_x, _, recv_w, handle, _ = buffer.dispatch(
             x, topk_idx, topk_weights, num_experts=num_experts, expert_alignment=expert_alignment,
             do_expand=do_expand)
+        if not isinstance(x, Tensor):  # the buffer checked that every rank passed (data, scales): all raise here
+            raise TypeError(f"TokenDispatcher.dispatch: rank {buffer.rank}: x must be a bf16/fp16/fp32/fp64 tensor, "
+                            f"got {type(x).__name__}; FP8 (data, scales) input has no gradient: use "
+                            "EPBuffer.dispatch for it")
         ctx.set_materialize_grads(False)
         ctx.buffer, ctx.handle = buffer, handle
         # Shapes and dtypes only: backward builds zeros from them when a gradient is undefined.

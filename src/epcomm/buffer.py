@@ -33,6 +33,11 @@ from .validate import Checker, check_event_options, check_topk_values
 
 DEFAULT_DTYPE = torch.bfloat16
 _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
+# Construction arguments every rank must pass alike, checked in this order: the MoE shape and options the caller
+# passed, then the region size they imply (a caller who passed none sees the argument that differs, not num_bytes).
+_AGREED_OPTIONS = ("num_max_tokens_per_rank", "hidden", "num_topk", "dtype", "use_fp8_dispatch",
+                   "allow_multiple_reduction", "num_bytes")
+_FLAGS = ("use_fp8_dispatch", "allow_multiple_reduction")
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
@@ -151,6 +156,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
+        self.num_topk = num_topk
+        self.use_fp8_dispatch = use_fp8_dispatch
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         # Collective construction: agree on a buffer id, learn which ranks share a host and whether every rank
         # can reach every other over NVLink, then pick the transport (every rank decides from the same rows).
@@ -200,12 +207,13 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         dev = self.device.index if self.device.type == "cuda" else -1
         status = agreement.status_of(err)
         ready = int(err is None and _nvlink_ready(self.device))
-        shape = [v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in
-                 (self.num_bytes, self.num_max_tokens_per_rank, self.hidden)] if err is None else [0, 0, 0]
-        mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code, *shape],
+        options = [int(v) if isinstance(v, int) else 0 for v in self._agreed_options().values()] if err is None \
+            else [0] * len(_AGREED_OPTIONS)
+        mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code, *options],
                             dtype=torch.int64, device=self.device)
         try:
-            rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 9).contiguous(), wait=True, call_id=0)
+            rows = self.transport.exchange_counts(mine.expand(self.num_ranks, mine.numel()).contiguous(), wait=True,
+                                                  call_id=0)
         except TimeoutError as e:  # name the call: the transport's message starts with its own step
             raise type(e)(f"EPBuffer construction: {e}") from None
         rows = rows.tolist()
@@ -220,11 +228,13 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             exc = TypeError if rows[failed[0]][4] == agreement.STATUS_TYPE else ValueError
             raise exc(f"EPBuffer: rank {self.rank}: group rank {failed[0]} rejected the construction: "
                       f"{messages[failed[0]]}")
-        for col, name in ((6, "num_bytes"), (7, "num_max_tokens_per_rank"), (8, "hidden")):
+        for col, name in enumerate(_AGREED_OPTIONS, start=6):  # the arguments first, the size they imply last
             values = [row[col] for row in rows]
-            if len(set(values)) > 1:  # one region size and one default capacity per buffer
+            if len(set(values)) > 1:  # one region size, one default capacity, one combine layout per buffer
                 self._destroyed = True
-                desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(values))
+                shown = [agreement.DTYPE_NAMES.get(v, '?') if name == "dtype" else bool(v) if name in _FLAGS else v
+                         for v in values]
+                desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
                 raise ValueError(f"EPBuffer: rank {self.rank}: ranks disagree on {name} ({desc}); every rank must "
                                  f"construct the buffer with the same {name}")
         asked = [row[5] for row in rows]
@@ -235,6 +245,13 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             raise ValueError(f"EPBuffer: rank {self.rank}: ranks disagree on transport ({desc}); every rank must "
                              "pass the same transport")
         return rows[0][0], rows
+
+    def _agreed_options(self) -> dict:
+        """The construction arguments every rank must pass alike (`_AGREED_OPTIONS`, in that order), as ints."""
+        values = dict(num_max_tokens_per_rank=self.num_max_tokens_per_rank, hidden=self.hidden, num_topk=self.num_topk,
+                      dtype=agreement.dtype_code(self.dtype), use_fp8_dispatch=int(bool(self.use_fp8_dispatch)),
+                      allow_multiple_reduction=int(bool(self.allow_multiple_reduction)), num_bytes=self.num_bytes)
+        return {name: values[name] for name in _AGREED_OPTIONS}
 
     # -- sizing and hints ----------------------------------------------------------------------------
     @staticmethod

@@ -79,9 +79,20 @@ class EventOverlap:
         Raises:
             ValueError: the event is None (the call was synchronous; there is nothing to wait for).
         """
+        return self._wait("current_stream_wait", release_handle)
+
+    def wait(self) -> Any:
+        """Same as `current_stream_wait()`.
+
+        Raises:
+            ValueError: the event is None (the call was synchronous; there is nothing to wait for).
+        """
+        return self._wait("wait", False)
+
+    def _wait(self, method: str, release_handle: bool) -> Any:
         if self.event is None:
             raise ValueError(
-                "EventOverlap.current_stream_wait: event is None (the call was synchronous); "
+                f"EventOverlap.{method}: event is None (the call was synchronous); "
                 "pass async_with_compute_stream=True to get an event to wait on"
             )
         self.event.current_stream_wait()
@@ -90,10 +101,6 @@ class EventOverlap:
         if release_handle:
             self.event = None
         return result
-
-    def wait(self) -> Any:
-        """Same as `current_stream_wait()`."""
-        return self.current_stream_wait()
 
     def __call__(self, release_handle: bool = False) -> "EventOverlap":
         self._release_on_exit = release_handle
