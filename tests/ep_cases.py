@@ -193,6 +193,7 @@ def check_mode(
         # Noise in the columns of experts a rank does not own: combine returns only the owners' values (§11.4).
         noise = torch.rand(combine_w.shape, generator=gen, dtype=torch.float64).to(combine_w.dtype).to(device)
         combine_w = torch.where(recv_idx >= 0, combine_w, noise + 1)
+        combine_w = torch.cat([combine_w, noise], 1)[:, :noise.shape[1]]  # a strided view: rows not contiguous
     if defer:
         event = buf.combine(y, handle, topk_weights=combine_w, bias=bias, async_with_compute_stream=True,
                             defer_epilogue=True)

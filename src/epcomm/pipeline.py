@@ -445,7 +445,10 @@ def combine_launch(buf, call: CombineCall, call_id: int, defer: bool = False) ->
         else:
             y_MH = call.x
             w_MK = call.topk_weights
-        # Weights travel back as given: the origin reads only each owner's columns (combine_finish, reference §11.4).
+        # Weights travel back as given (rows of whole, contiguous columns): the origin reads only each owner's
+        # columns (combine_finish, reference §11.4).
+        if w_MK is not None:
+            w_MK = w_MK.contiguous()
         if plan.route is not None:
             back = _memo(plan, "route_back", plan.route.back)
             return _return_fields(buf.transport, {"x": y_MH, "w": w_MK}, back, call_id, skip_own=not defer)
