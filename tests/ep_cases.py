@@ -362,6 +362,19 @@ def gpu_streams(rank: int, world: int, transport: str = "auto"):
         combined = ev[0]
         ev[2].current_stream_wait()
         assert combined.shape == x.shape
+    # A synchronous call (run on the current stream) between asynchronous ones keeps their order on the comm stream:
+    # after an async call left unwaited, and before a later one whose previous_event was taken before it.
+    ref_combined = buf.combine(ref_x, handle)[0]
+    for _ in range(3):
+        prev = epcomm.EPBuffer.capture()
+        first = buf.dispatch(x, handle=handle, async_with_compute_stream=True)
+        middle = buf.dispatch(x, handle=handle)
+        last = buf.combine(middle[0], handle, previous_event=prev, allocate_on_comm_stream=True,
+                           async_with_compute_stream=True)
+        last[2].current_stream_wait()
+        first[4].current_stream_wait()
+        assert torch.equal(first[0], ref_x) and torch.equal(middle[0], ref_x)
+        assert torch.equal(last[0], ref_combined)
     torch.cuda.synchronize()
     buf.destroy()
     return True
