@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import layout, pipeline
+from . import layout, pipeline, sizing
 from .handle import EPHandle
 from .validate import Checker, check_capacity, check_topk_idx, check_topk_values, check_x, weights_dtype
 
@@ -107,9 +107,9 @@ def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, n
         if num_sms:
             buf._warn_once("num_sms", "epcomm: num_sms has no effect on CPU; it is ignored")
         return num_sms or buf.get_theoretical_num_sms(num_experts, num_topk)
-    device_sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
     if num_sms == 0:
         return buf.get_theoretical_num_sms(num_experts, num_topk)
+    device_sms = sizing.device_sms(buf.device)
     c.require(0 < num_sms <= device_sms, f"num_sms={num_sms} must be in [1, {device_sms}] on {buf.device}")
     return num_sms + num_sms % 2
 

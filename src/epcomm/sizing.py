@@ -17,6 +17,19 @@ MAX_TOPK = 32
 MAX_CHANNELS = 1280
 
 
+def device_sms(device: torch.device) -> int:
+    """The SM count of a CUDA device, read once per device (a `get_device_properties` call costs ~10 us of host
+    time, and calls read it on every launch)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _DEVICE_SMS.get(index)
+    if sms is None:
+        sms = _DEVICE_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms
+
+
+_DEVICE_SMS: dict = {}
+
+
 def align(x: int, a: int) -> int:
     """Round `x` up to a multiple of `a` (a >= 1)."""
     return (x + a - 1) // a * a

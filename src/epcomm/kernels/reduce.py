@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import sizing
+
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp64 for fp64 rows, fp32 for every other float type."""
@@ -149,7 +151,7 @@ def _kernel_args(rows_XH, item_row_TP, bias_0, bias_1, out_dtype, num_sms) -> tu
     bias_0 = None if bias_0 is None else bias_0.contiguous()
     bias_1 = None if bias_1 is None else bias_1.contiguous()
     out = torch.empty(item_row_TP.shape[0], rows.shape[1], dtype=out_dtype or rows.dtype, device=rows.device)
-    if num_sms and rows.is_cuda and num_sms >= torch.cuda.get_device_properties(rows.device).multi_processor_count:
+    if num_sms and rows.is_cuda and num_sms >= sizing.device_sms(rows.device):
         num_sms = 0  # a cap at every SM binds nothing: one program per tile is faster (90 vs 106 us below)
     # Tiles measured on H200 (benchmarks/reduce_sweep.py, dsv3 combine shape, items left-packed): 4 tokens x 1024
     # channels x 8 warps with one program per tile (90 us); a capped grid needs more loads in flight per SM:
