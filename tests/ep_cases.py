@@ -367,7 +367,10 @@ def gpu_streams(rank: int, world: int, transport: str = "auto"):
     ref_combined = buf.combine(ref_x, handle)[0]
     for _ in range(3):
         prev = epcomm.EPBuffer.capture()
+        with torch.cuda.stream(buf.get_comm_stream()):
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the async call starts late, so a missing wait shows
         first = buf.dispatch(x, handle=handle, async_with_compute_stream=True)
+        torch.cuda._sleep(20_000_000)  # and the current stream is busy when the synchronous call comes
         middle = buf.dispatch(x, handle=handle)
         last = buf.combine(middle[0], handle, previous_event=prev, allocate_on_comm_stream=True,
                            async_with_compute_stream=True)
