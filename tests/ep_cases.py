@@ -378,6 +378,20 @@ def gpu_streams(rank: int, world: int, transport: str = "auto"):
         first[4].current_stream_wait()
         assert torch.equal(first[0], ref_x) and torch.equal(middle[0], ref_x)
         assert torch.equal(last[0], ref_combined)
+    # A barrier without the comm stream's order (wait_comm_stream=False) beside an asynchronous combine in flight:
+    # rank 0 reaches the barrier first, rank 1 the combine's transfers. The barrier's exchange runs after the
+    # combine in the comm stream's order on both ranks; on one stream of its own, each rank's device barriers would
+    # pair with the other's combine barriers.
+    for _ in range(2):
+        if rank == 0:
+            with torch.cuda.stream(buf.get_comm_stream()):
+                torch.cuda._sleep(20_000_000)
+        pending = buf.combine(ref_x, handle, async_with_compute_stream=True)
+        if rank == 1:
+            torch.cuda._sleep(20_000_000)
+        buf.barrier(wait_comm_stream=False)
+        pending[2].current_stream_wait()
+        assert torch.equal(pending[0], ref_combined)
     torch.cuda.synchronize()
     buf.destroy()
     return True

@@ -10,6 +10,7 @@ file is over the ~500-line guide only because dispatch and combine document ever
 
 from __future__ import annotations
 
+import operator
 import random
 import socket
 import warnings
@@ -207,8 +208,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         dev = self.device.index if self.device.type == "cuda" else -1
         status = agreement.status_of(err)
         ready = int(err is None and _nvlink_ready(self.device))
-        options = [int(v) if isinstance(v, int) else 0 for v in self._agreed_options().values()] if err is None \
-            else [0] * len(_AGREED_OPTIONS)
+        options = [_as_int(v) for v in self._agreed_options().values()] if err is None else [0] * len(_AGREED_OPTIONS)
         mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code, *options],
                             dtype=torch.int64, device=self.device)
         try:
@@ -376,8 +376,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         call_id = self._next_call_id()
         head = agreement.header(agreement.STATUS_OK, call_id, {"op": op}, self.uid)
         try:
-            recv = self.transport.exchange_counts(agreement.pack(head, None, self.num_ranks, self.device),
-                                                  wait=True, call_id=call_id)
+            recv = streams.ordered_exchange(self.transport, self._comm_stream, self.device,
+                                            agreement.pack(head, None, self.num_ranks, self.device), call_id)
         except TimeoutError as e:
             self._mark_broken(name, e)
         self.agree(name, recv.tolist(), None)
@@ -700,6 +700,14 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 self._pending_deferred = False
                 return inner()
         return streams.finish(self.device, self._comm_stream, epilogue, inputs, async_op, defer)
+
+
+def _as_int(value) -> int:
+    """An option as an int for the construction exchange (numpy ints too); -1 for a value that has none."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return -1
 
 
 def _nvlink_ready(device: torch.device) -> bool:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, lb_nvlink, lb_sum, sizing
+from . import agreement, lb_nvlink, lb_sum, sizing, streams
 from .allocator import BufferAllocator
 from .events import EventHandle, EventOverlap
 from .validate import Checker
@@ -363,15 +363,16 @@ class LoadBalancingMixin:
         offsets = [region.offset_of(t) for t in call.redundant] if call is not None and region is not None else []
         offsets += [-1] * (MAX_LB_PAYLOADS - len(offsets))
         row = torch.tensor([status, call_id] + sig + offsets, dtype=torch.int64, device=self.device)
-        recv = self.transport.exchange_counts(row.expand(self.num_ranks, row.numel()).contiguous(), wait=True,
-                                              call_id=call_id).tolist()
+        comm = getattr(self, "_comm_stream", None)
+        recv = streams.ordered_exchange(self.transport, comm, self.device,
+                                        row.expand(self.num_ranks, row.numel()).contiguous(), call_id).tolist()
         if hasattr(self, "_call_id"):
             self._call_id = max(self._call_id, max(r[1] for r in recv))
         failed = [s for s, r in enumerate(recv) if r[0] != 0]
         if failed:
             msg_call = self._next_call_id() if hasattr(self, "_next_call_id") else call_id + 1  # keys of its own
             messages = agreement.gather_messages(
-                lambda t: self.transport.exchange_counts(t, wait=True, call_id=msg_call, what="error messages"),
+                lambda t: streams.ordered_exchange(self.transport, comm, self.device, t, msg_call, "error messages"),
                 str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import pipeline, sizing
+from . import pipeline, sizing, streams
 from .events import EventHandle, EventOverlap
 from .fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
 from .kernels import weighted_reduce_torch
@@ -124,8 +124,9 @@ class LowLatencyMixin:
                 # shape, so the host wait costs nothing per call), so ranks that disagree raise instead of hanging.
                 shape = [layout.num_max_tokens, layout.hidden, layout.num_topk, layout.num_local_experts]
                 mine = torch.tensor(shape, dtype=torch.int64, device=self.device)
-                rows = self.transport.exchange_counts(mine.expand(self.num_ranks, 4).contiguous(), wait=True,
-                                                      call_id=self._next_call_id()).tolist()
+                rows = streams.ordered_exchange(self.transport, self._comm_stream, self.device,
+                                                mine.expand(self.num_ranks, 4).contiguous(),
+                                                self._next_call_id()).tolist()
                 if any(row != shape for row in rows):
                     names = ("num_max_dispatch_tokens_per_rank", "hidden", "num_topk", "num_local_experts")
                     diff = "; ".join(f"{name}: " + ", ".join(f"rank {s}={row[i]}" for s, row in enumerate(rows))

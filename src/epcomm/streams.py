@@ -51,6 +51,20 @@ def on_comm_stream(device: torch.device, comm: Optional["torch.cuda.Stream"], pr
         yield
 
 
+def ordered_exchange(transport, comm: Optional["torch.cuda.Stream"], device: torch.device, send_RC: Tensor,
+                     call_id: int, what: str = "count exchange") -> Tensor:
+    """`transport.exchange_counts(send_RC, wait=True, ...)` for a call that does not run on the comm stream (the
+    buffer's barrier, load-balancing headers, a low-latency shape's first call): on the comm stream, after the
+    current stream's work. The nvlink transport's device barriers count calls in its region, so they must run in
+    one order with the barriers of calls on the comm stream, where an asynchronous call may still be running.
+    Under capture, on the current stream as before (a host wait cannot be captured anyway)."""
+    if device.type != "cuda" or comm is None or capturing(device):
+        return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what)
+    comm.wait_stream(torch.cuda.current_stream(device.index))
+    with switched_to(comm):
+        return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what)
+
+
 @contextmanager
 def switched_to(stream: "torch.cuda.Stream"):
     """`with torch.cuda.stream(stream)` at a third of its host cost (~3 us against ~9 us per use on 2x H200 hosts,
