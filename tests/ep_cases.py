@@ -362,7 +362,7 @@ def gpu_streams(rank: int, world: int, transport: str = "auto"):
         combined = ev[0]
         ev[2].current_stream_wait()
         assert combined.shape == x.shape
-    # A synchronous call (run on the current stream) between asynchronous ones keeps their order on the comm stream:
+    # A synchronous call between asynchronous ones keeps their order on the comm stream:
     # after an async call left unwaited, and before a later one whose previous_event was taken before it.
     ref_combined = buf.combine(ref_x, handle)[0]
     for _ in range(3):
