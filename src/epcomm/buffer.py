@@ -316,7 +316,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             raise ValueError(f"EPBuffer.get_theoretical_num_sms: num_scaleout_topk must be 0, got {num_scaleout_topk}")
         key = (num_experts, num_topk, nvlink_gbs, sm_read_gbs, sm_write_gbs)
         if key not in self._num_sms_cache:
-            device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            device_sms = sizing.device_sms(self.device) \
                 if self.device.type == "cuda" else 132
             gbs = nvlink_gbs or sizing.default_nvlink_gbs(self.device) or 0.9 * 18 * 26.5625
             self._num_sms_cache[key] = sizing.theoretical_num_sms(

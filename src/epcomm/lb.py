@@ -168,7 +168,7 @@ class LoadBalancingMixin:
             gbs = sizing.default_nvlink_gbs(self.device) or 0.9 * 18 * 26.5625
             cached = sizing.align(math.ceil(max(gbs / 180.0, gbs / 45.0)), 2)
             if self.device.type == "cuda":
-                cached = min(cached, torch.cuda.get_device_properties(self.device).multi_processor_count // 2 * 2)
+                cached = min(cached, sizing.device_sms(self.device) // 2 * 2)
             self._lb_num_sms = cached
         return cached
 
@@ -289,7 +289,7 @@ class LoadBalancingMixin:
         if isinstance(num_sms, bool) or not isinstance(num_sms, int):
             c.fail(TypeError, f"num_sms must be an int, got {type(num_sms).__name__}")
         if self.device.type == "cuda":
-            device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            device_sms = sizing.device_sms(self.device)
             c.require(0 <= num_sms <= device_sms, f"num_sms={num_sms} must be in [0, {device_sms}] on {self.device} "
                                                   "(0 = lb_get_theoretical_num_sms())")
         elif num_sms:

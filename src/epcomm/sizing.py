@@ -7,6 +7,7 @@ decision 4), so only the direct-mode branch of the formula applies.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -18,16 +19,14 @@ MAX_CHANNELS = 1280
 
 
 def device_sms(device: torch.device) -> int:
-    """The SM count of a CUDA device, read once per device (a `get_device_properties` call costs ~10 us of host
-    time, and calls read it on every launch)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _DEVICE_SMS.get(index)
-    if sms is None:
-        sms = _DEVICE_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms
+    """The number of SMs of CUDA `device` (its index, or the current device when it has none), read once per device:
+    a `get_device_properties` call costs ~10 us of host time, and calls read it on every launch."""
+    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_DEVICE_SMS: dict = {}
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def align(x: int, a: int) -> int:

@@ -57,7 +57,18 @@ def ordered_exchange(transport, comm: Optional["torch.cuda.Stream"], device: tor
     buffer's barrier, load-balancing headers, a low-latency shape's first call): on the comm stream, after the
     current stream's work. The nvlink transport's device barriers count calls in its region, so they must run in
     one order with the barriers of calls on the comm stream, where an asynchronous call may still be running.
-    Under capture, on the current stream as before (a host wait cannot be captured anyway)."""
+    Under capture, on the current stream as before (a host wait cannot be captured anyway).
+
+    Args:
+        transport: the buffer's transport; comm: its comm stream (None on CPU); device: the buffer's device.
+        send_RC: [R, C] int64 on `device` -- row p goes to rank p; call_id, what: as `exchange_counts`.
+
+    Returns:
+        [R, C] int64 on `device`: row s from rank s, complete (the host has waited for it).
+
+    Raises:
+        TimeoutError: a peer did not arrive within the transport's timeout (`exchange_counts`).
+    """
     if device.type != "cuda" or comm is None or capturing(device):
         return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what)
     comm.wait_stream(torch.cuda.current_stream(device.index))

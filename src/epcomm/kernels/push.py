@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import sizing
 from ..records import RecordSpec
 
 
@@ -75,7 +76,7 @@ def push_rows(local: Tensor, delta16: Tensor, area_offset: int, spec: RecordSpec
         return
     data, small, data_bytes = split_record(spec, tensors, num_tokens, src_X.device)
     if num_programs <= 0:
-        num_programs = 4 * torch.cuda.get_device_properties(src_X.device).multi_processor_count \
+        num_programs = 4 * sizing.device_sms(src_X.device) \
             if src_X.is_cuda else 4
     _push_triton.launch(local, delta16, area_offset, spec.nbytes, data, small, data_bytes, src_X, cap, rank,
                         num_programs, block, num_warps)

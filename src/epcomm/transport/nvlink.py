@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import envs, streams
+from .. import envs, sizing, streams
 from ..debug import phase
 from ..kernels import push
 from ..kernels.launch import launch
@@ -73,7 +73,7 @@ class NVLinkTransport(Transport):
         super().__init__(group, device, timeout_s, uid)
         # NOTE: 4 programs per SM keep enough rows in flight to saturate NVLink with 4-byte stores (a first guess,
         # to be tuned on 2x H200); `num_sms` of a call does not change it yet.
-        self.num_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        self.num_programs = 4 * sizing.device_sms(device)
         num_bytes = max(num_bytes, min_rows_bytes)
         r = self.num_ranks
         self._headers_off = 0
