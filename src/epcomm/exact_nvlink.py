@@ -7,14 +7,19 @@ dsv3 4096 tokens on 2x H200 (eager), where a cached dispatch on its handle takes
 (benchmarks/results/dsv3-s8_2xH200-NV18_2026-11-30.md). This module does the same
 call as:
 
-    send_plan (layout, routing field, counts, value flags) -> barrier -> publish_rows -> barrier -> host read
-        -> pull of the fields (transport/pull.py, as the generic path) -> dispatch_plan_rows -> dispatch_plan_experts
+    send_plan (layout, routing field, counts, value flags) -> publish_rows (barrier, rows into the peers, barrier,
+        the received rows into pinned host memory) -> host read -> pull of the data, scales and routing fields
+        (transport/pull.py, as the generic path) -> dispatch_plan_rows -> dispatch_plan_experts
         (-> dispatch_place with expand)
 
 with the kernels of `kernels/_exact_triton.py` and the receive-side plan kernels the fused sync-free path uses
 (`kernels/_syncfree_triton.py`, here on rows packed by source). The row each rank publishes to a peer carries the
 call header, its counts to every rank, its (token, expert) pairs for each of the peer's local experts and two
-value flags. So the one host read gives every size (rows from each rank, per-expert counts, expanded rows) and
+value flags; the routing field carries each token's top-k ids, key and weights. The table the rows are published
+from stays on the device between calls (the transport's `exact_table`, zeroed by the publish kernel), the header
+comes from a device copy made once per signature, and the plan kernels read the counts where the peers wrote them,
+so that the host makes no copy of its own (eager calls on the H200 hosts are bound by host time). So the one host
+read gives every size (rows from each rank, per-expert counts, expanded rows) and
 every error: a bad `topk_idx` value raises the generic path's ValueError on the rank that holds it, and the
 peers' calls raise naming it, before any row moves. Outputs, handle and plan are the generic path's, value for
 value; tests/kernels/exact_sim.py checks every field under the interpreter and the GPU tests compare both paths.
@@ -28,13 +33,18 @@ rows, S expanded rows.
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import torch
+from torch import Tensor
 
 from . import agreement, envs, epilogue, pipeline, recv_plan
 from .debug import phase
 from .kernels.launch import launch
 from .layout import SendLayout
 from .moves import Route
+from .sizing import ceil_div, next_pow2
 from .validate import Checker, check_topk_values
 
 _TOKEN_ELEMS = 4096  # [tokens, top-k, max(top-k, ranks)] elements of a send_plan program's own chunk
@@ -74,44 +84,64 @@ def call_header(call: pipeline.DispatchCall, call_id: int, buffer_uid: int) -> l
     return agreement.header(agreement.STATUS_OK, call_id, call.signature(1) | {"fused_exact": 1}, buffer_uid)
 
 
-def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, head: list) -> dict:
-    """Launch `send_plan`: the sender-side layout and the rows to publish (`ex`, [R, C] int64, header `head`)."""
+_HEADS: dict = {}  # (device index, header) -> the header on that device (header_row)
+
+
+def header_row(call: pipeline.DispatchCall, buffer_uid: int, device: torch.device) -> Tensor:
+    """[HEADER_LEN] int64 on `device`: `call_header` with call id 0 (send_plan writes the call's id), copied to the
+    device once per signature rather than once per call."""
+    head = call_header(call, 0, buffer_uid)
+    key = (device.index, tuple(head))
+    row = _HEADS.get(key)
+    if row is None:
+        if len(_HEADS) >= 256:  # a bound for programs that try many shapes
+            _HEADS.clear()
+        row = _HEADS[key] = torch.tensor(head, dtype=torch.int64, device=device)
+    return row
+
+
+def routing_cols(num_topk: int, weights: Optional[Tensor]) -> int:
+    """int64 columns of a routing row: top-k ids, token key, then the weights' bits (fp32 pairs or fp64)."""
+    return num_topk + 1 + (0 if weights is None else ceil_div(num_topk * weights.element_size(), 8))
+
+
+def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, call_id: int, head: Tensor,
+              ex: Tensor) -> dict:
+    """Launch `send_plan`: the sender-side layout, the routing field, and the rows to publish in `ex` ([R, C'] int64,
+    zero, C' >= `_cols`), headed by `head` (`header_row`) with `call_id`."""
     from .kernels import _exact_triton as k
 
-    import triton
-
     topk = call.topk_idx if call.topk_idx.stride(1) == 1 else call.topk_idx.contiguous()
+    w = call.topk_weights
+    if w is not None and w.stride(1) != 1:
+        w = w.contiguous()
     num_tokens, num_topk = topk.shape
     num_local, device = call.num_experts // num_ranks, topk.device
-    cols = _cols(num_ranks, num_local)
-    # From pinned memory (a copy from pageable memory would wait for the device), filled through numpy (cheaper
-    # than a tensor from nested lists).
-    host = torch.empty(num_ranks, cols, dtype=torch.int64, pin_memory=device.type == "cuda")
-    rows = host.numpy()
-    rows[:, len(head):] = 0
-    rows[:, :len(head)] = head
-    ex = host.to(device, non_blocking=True)
-    # send_src: the first `sum(counts)` rows are the send rows; routing: top-k ids and token key, for the receivers.
-    token_slot_TR, last_pos_TR, send_row_TR, send_src, routing_TK1 = recv_plan.carve(
+    # send_src: the first `sum(counts)` rows are the send rows; routing: top-k ids, token key and weights.
+    token_slot_TR, last_pos_TR, send_row_TR, send_src, routing, counts_R = recv_plan.carve(
         torch.int64, device, (num_tokens, num_ranks), (num_tokens, num_ranks), (num_tokens, num_ranks),
-        (num_tokens * num_ranks,), (num_tokens, num_topk + 1))
+        (num_tokens * num_ranks,), (num_tokens, routing_cols(num_topk, w)), (num_ranks,))
     dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
-    k_pow2, r_pow2 = triton.next_power_of_2(num_topk), triton.next_power_of_2(num_ranks)
+    k_pow2, r_pow2 = next_pow2(num_topk), next_pow2(num_ranks)
     tc = max(16, min(128, _TOKEN_ELEMS // (k_pow2 * max(k_pow2, r_pow2))))  # powers of 2 throughout
     tl_ = max(tc, min(1024, _COUNT_ELEMS // (k_pow2 * r_pow2)))  # tokens per step of the count loop
-    if num_tokens:  # no tokens: every count is the zero `ex` already holds
-        launch(k.send_plan, (triton.cdiv(num_tokens, tc),),
-            topk, token_slot_TR, last_pos_TR, send_row_TR, send_src, dst_slot_TK, routing_TK1, ex,
-            num_tokens, topk.stride(0), rank, N=call.n, K=num_topk, R=num_ranks, L=num_local, EX_COLS=cols,
-            CNT_COL=agreement.HEADER_LEN, K_POW2=k_pow2, R_POW2=r_pow2, TC=tc, TL=tl_, num_warps=4)
-    send = SendLayout(num_tokens_per_rank_R=ex[0, agreement.HEADER_LEN: agreement.HEADER_LEN + num_ranks],
-                      token_slot_TR=token_slot_TR, last_pos_TR=last_pos_TR)
-    return dict(ex=ex, send=send, send_row_TR=send_row_TR, send_src=send_src, dst_slot_TK=dst_slot_TK,
-                routing=routing_TK1)
+    if num_tokens:
+        launch(k.send_plan, (ceil_div(num_tokens, tc),),
+            topk, topk if w is None else recv_plan.as_bits(w), token_slot_TR, last_pos_TR, send_row_TR, send_src,
+            dst_slot_TK, routing, ex, head, counts_R, num_tokens, topk.stride(0), 0 if w is None else w.stride(0),
+            rank, call_id, N=call.n, K=num_topk, R=num_ranks, L=num_local, EX_STRIDE=ex.shape[1],
+            CNT_COL=agreement.HEADER_LEN, RT_COLS=routing.shape[1], HAS_W=w is not None, K_POW2=k_pow2, R_POW2=r_pow2,
+            H_POW2=next_pow2(agreement.HEADER_LEN), TC=tc, TL=tl_, num_warps=4)
+    else:  # no tokens: the header, and zero counts and pairs (`ex` is zero)
+        ex[:, :agreement.HEADER_LEN] = head
+        ex[:, 1] = call_id
+        counts_R.zero_()
+    send = SendLayout(num_tokens_per_rank_R=counts_R, token_slot_TR=token_slot_TR, last_pos_TR=last_pos_TR)
+    return dict(send=send, send_row_TR=send_row_TR, send_src=send_src, dst_slot_TK=dst_slot_TK, routing=routing)
 
 
-def read_rows(buf, call: pipeline.DispatchCall, host_RC: list) -> dict:
-    """The published rows (host lists, row s from rank s) to sizes, raising on every rank as the generic path
+def read_rows(buf, call: pipeline.DispatchCall, host_RC: np.ndarray) -> dict:
+    """The published rows ([R, C] int64, row s from rank s) to sizes, raising on every rank as the generic path
     would: bad `topk_idx` values (the flags; the rank that holds them re-runs the host check for its message), a
     failed or disagreeing rank (`agreement.check`).
 
@@ -122,14 +152,14 @@ def read_rows(buf, call: pipeline.DispatchCall, host_RC: list) -> dict:
     num_local = call.num_experts // num_ranks
     cnt = agreement.HEADER_LEN
     flag = cnt + num_ranks + num_local
-    rows = [list(row[:cnt + num_ranks]) for row in host_RC]
+    rows = host_RC[:, :cnt + num_ranks].tolist()
     local_error = None
     # Flags count only when every row is of this call and path (else the columns may be stale), a rule every rank
     # applies to the same rows: all ranks then gather the messages together, or none does.
-    same_call = all(row[1:cnt] == host_RC[0][1:cnt] for row in host_RC)
-    for s, row in enumerate(host_RC):
-        if same_call and rows[s][0] == agreement.STATUS_OK and any(row[flag: flag + _NUM_FLAGS]):
-            rows[s][0] = agreement.STATUS_VALUE
+    if (host_RC[:, 1:cnt] == host_RC[0, 1:cnt]).all():
+        for s in np.flatnonzero(host_RC[:, flag: flag + _NUM_FLAGS].any(axis=1)).tolist():
+            if rows[s][0] == agreement.STATUS_OK:
+                rows[s][0] = agreement.STATUS_VALUE
     if rows[rank][0] != agreement.STATUS_OK:
         try:
             check_topk_values(Checker("EPBuffer.dispatch", rank, buf.device), call.topk_idx, call.num_experts)
@@ -140,7 +170,7 @@ def read_rows(buf, call: pipeline.DispatchCall, host_RC: list) -> dict:
     matrix = [row[cnt:] for row in rows]  # [src][dst] rows
     per_expert = cnt + num_ranks  # each rank's (token, expert) pairs for my local experts
     return dict(matrix=matrix, send_splits=list(matrix[rank]), recv_splits=[row[rank] for row in matrix],
-                num_unaligned=[sum(col) for col in zip(*(row[per_expert: per_expert + num_local] for row in host_RC))])
+                num_unaligned=host_RC[:, per_expert: per_expert + num_local].sum(axis=0).tolist())
 
 
 def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
@@ -150,19 +180,20 @@ def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
         ValueError: bad `topk_idx` values on any rank, ranks that disagree, or rows that exceed the staging area.
         TimeoutError: a peer did not arrive.
     """
-    tr = buf.transport
-    head = call_header(call, call_id, buf.uid)
+    tr, num_ranks = buf.transport, buf.num_ranks
     with phase("layout"):
-        launched = send_plan(call, buf.rank, buf.num_ranks, head)
+        launched = send_plan(call, buf.rank, num_ranks, call_id, header_row(call, buf.uid, buf.device),
+                             tr.exact_table())
     with phase("exchange_counts"):
-        recv_RC, host_RC = tr.publish_rows(launched.pop("ex"), call_id=call_id)
+        host_RC = tr.publish_rows(_cols(num_ranks, call.num_experts // num_ranks), call_id=call_id)
         sizes = read_rows(buf, call, host_RC)
     num_send = sum(sizes["send_splits"])
     route = Route(sizes["send_splits"], sizes["recv_splits"], launched.pop("send_src")[:num_send], sizes["matrix"])
-    tensors = dict(x=call.x.data, sf=call.x.sf, w=call.topk_weights, routing=launched["routing"])
+    tensors = dict(x=call.x.data, sf=call.x.sf, routing=launched["routing"])
     fields = pipeline._move_fields(tr, tensors, route, call_id)
-    return dict(launched, recv_RC=recv_RC, route=route, fields=fields, num_unaligned=sizes["num_unaligned"],
-                send_splits=route.send_splits, recv_splits=route.recv_splits, fused=True)
+    return dict(launched, counts=tr.received_headers(), route=route, fields=fields,
+                num_unaligned=sizes["num_unaligned"], send_splits=route.send_splits, recv_splits=route.recv_splits,
+                fused=True)
 
 
 def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
@@ -171,14 +202,14 @@ def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
     route, fields = launched["route"], launched["fields"]
     a = call.expert_alignment
     aligned = [(n + a - 1) // a * a for n in launched["num_unaligned"]]  # sizing.align, inline: L calls per call
-    routing, recv_RC = fields["routing"].view(torch.uint8), launched["recv_RC"]
-    w = fields.get("w")
+    routing = fields["routing"]
+    row_bytes, routing = routing.shape[1] * 8, routing.view(torch.uint8)
+    headers, header_cols = launched["counts"]
     p = recv_plan.plan_rows(
         call, rank, num_ranks, num_rows=route.num_recv, num_expanded=sum(aligned) if call.do_expand else 0,
-        blocked=False,
-        counts=(recv_RC.view(torch.uint8), (agreement.HEADER_LEN + rank) * 8, recv_RC.shape[1]),
-        routing=(routing, 0, (num_topk + 1) * 8, 0, num_topk * 8),
-        weights=(routing, 0, 0) if w is None else (w.view(torch.uint8), 0, num_topk * w.element_size()))
+        blocked=False, counts=(headers, (agreement.HEADER_LEN + rank) * 8, header_cols),
+        routing=(routing, 0, row_bytes, 0, num_topk * 8),
+        weights=(routing, 0, 0) if call.topk_weights is None else (routing, (num_topk + 1) * 8, row_bytes))
     plan = pipeline.Plan(exact=True, blocked=False, send_splits=route.send_splits, recv_splits=route.recv_splits,
                          send_row_TR=launched["send_row_TR"], send_src_X=route.src_X, out_src_M=p["out_src_M"],
                          buf_out_X=p["buf_out_X"], src_rank_M=p["src_rank_M"], valid_M=p["valid_M"], recv=p["recv"],

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .sizing import align
+from .sizing import align, ceil_div, next_pow2
 from .streams import capturing
 
 _CHUNK = 1024  # (token, k) items compared per step when the send kernel ranks its items
@@ -250,15 +250,13 @@ class LowLatencyNVLink:
         the area (`area.calls.received(call)`)."""
         from .kernels import _lowlatency_triton as k
 
-        import triton
-
         e = area.calls.next_call(0, self.rank)
         lay = area.layout
         n, h, num_local, r = lay.num_max_tokens, lay.hidden, lay.num_local_experts, self.num_ranks
         rows = r * n
         nb = lay.num_blocks
-        nbc = min(_BLOCKS_PER_PROGRAM, max(4, triton.next_power_of_2(nb)))  # blocks of 128 channels per item
-        num_c = triton.cdiv(nb, nbc)
+        nbc = min(_BLOCKS_PER_PROGRAM, max(4, next_pow2(nb)))  # blocks of 128 channels per item
+        num_c = ceil_div(nb, nbc)
         self._check_items(area, 0, n * num_c)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         x = x if x.stride(1) == 1 else x.contiguous()
@@ -279,10 +277,10 @@ class LowLatencyNVLink:
         status = self.status.data_ptr()
         offsets = dict(hdr_off=lay.hdr_off, rows_off=lay.rows_off, row_bytes=lay.row_bytes,
                        scale_off=lay.scale_off, meta_off=lay.meta_off)
-        shape = dict(L=num_local, USE_FP8=use_fp8, NBC=nbc, K_POW2=triton.next_power_of_2(lay.num_topk), num_warps=4,
+        shape = dict(L=num_local, USE_FP8=use_fp8, NBC=nbc, K_POW2=next_pow2(lay.num_topk), num_warps=4,
                      **self._common(lay))
         recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
-                         L_POW2=triton.next_power_of_2(num_local), SCALE_COLS=cols)
+                         L_POW2=next_pow2(num_local), SCALE_COLS=cols)
         if not hook:
             variant = ("dispatch", lay, use_fp8, pow2_scales, use_ue8m0, stats is not None)
             launched = k.dispatch_fused[(self._fused_grid(variant, rows * num_c),)](
@@ -313,19 +311,17 @@ class LowLatencyNVLink:
         weighted sums land in `out` ([T, H] bf16). Returns `receive` or None."""
         from .kernels import _lowlatency_triton as k
 
-        import triton
-
         e = area.calls.next_call(1, self.rank)
         lay = area.layout
         x = x if x.is_contiguous() else x.contiguous()
         target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
-        send_block = min(2048, triton.next_power_of_2(lay.hidden))
-        num_ch = triton.next_power_of_2(triton.cdiv(lay.hidden, send_block))
+        send_block = min(2048, next_pow2(lay.hidden))
+        num_ch = next_pow2(ceil_div(lay.hidden, send_block))
         kp = _ROWS_PER_PROGRAM
-        num_kb = triton.cdiv(lay.num_topk, kp)
+        num_kb = ceil_div(lay.num_topk, kp)
         self._check_items(area, 1, num_kb)
-        recv_block = min(1024, triton.next_power_of_2(lay.hidden))
-        num_hc = triton.cdiv(lay.hidden, recv_block)
+        recv_block = min(1024, next_pow2(lay.hidden))
+        num_hc = ceil_div(lay.hidden, recv_block)
         topk = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         weights = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
         num_tokens = topk.shape[0]

@@ -27,6 +27,7 @@ from .kernels.launch import launch
 from .kernels.reduce import canonical_reduce_chunks
 from .moves import Route, return_weights, row_bytes
 from .records import Field, RecordSpec, scatter_index
+from .sizing import ceil_div, next_pow2
 from .validate import XSpec
 
 
@@ -516,8 +517,6 @@ def _token_chunks(item_TP: Tensor, rows_R: Tensor, weights: tuple) -> tuple:
     """
     from .kernels import _token_chunks_triton as k
 
-    import triton
-
     chunks, num_tokens = len(weights), item_TP.shape[0]
     earlier = weights[0] if chunks > 1 else 1
     assert tuple(weights) == (earlier,) * (chunks - 1) + (1,), f"not a return push's chunk weights: {weights}"
@@ -527,10 +526,10 @@ def _token_chunks(item_TP: Tensor, rows_R: Tensor, weights: tuple) -> tuple:
     tokens_T = torch.empty(num_tokens, dtype=torch.int64, device=device)
     bounds_C = torch.empty(chunks + 1, dtype=torch.int64, device=device)
     block_t = 128
-    launch(k.token_chunk, (max(1, triton.cdiv(num_tokens, block_t)),), item_TP, rows_R, chunk_T, num_tokens,
+    launch(k.token_chunk, (max(1, ceil_div(num_tokens, block_t)),), item_TP, rows_R, chunk_T, num_tokens,
            item_TP.stride(0), item_TP.shape[1], rows_R.shape[0], chunks, earlier, BLOCK_T=block_t,
-           P_POW2=triton.next_power_of_2(max(item_TP.shape[1], 1)), num_warps=4)
-    c_pow2 = triton.next_power_of_2(chunks)
+           P_POW2=next_pow2(max(item_TP.shape[1], 1)), num_warps=4)
+    c_pow2 = next_pow2(chunks)
     launch(k.group_by_chunk, (1,), chunk_T, tokens_T, bounds_C, num_tokens, chunks,
            BLOCK=max(16, min(1024, 4096 // c_pow2)), C_POW2=c_pow2, num_warps=4)
     return tokens_T, bounds_C

@@ -21,7 +21,7 @@ from . import epilogue, layout, pipeline
 from .debug import phase
 from .kernels.launch import launch
 from .moves import row_bytes
-from .sizing import align
+from .sizing import align, ceil_div, next_pow2
 
 WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
 _FILL = 1024  # expanded rows initialised per step by the plan kernel
@@ -53,11 +53,9 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
     """
     from .kernels import _syncfree_triton as k
 
-    import triton
-
     num_topk, num_local = call.topk_idx.shape[1], call.num_experts // num_ranks
     m, s, device = num_rows, num_expanded, call.topk_idx.device
-    l_pow2 = triton.next_power_of_2(num_local)
+    l_pow2 = next_pow2(num_local)
     rows_per_block, chunk_rows, num_chunks = plan_chunks(m, l_pow2)
     expand, ids = call.do_expand, call.emit_expert_ids
     # Two allocations carved into the int64 and int32 tensors (an allocation costs host time on every call).
@@ -79,7 +77,7 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
                   w_out_ptr=as_bits(out["w_out"]) if w is not None else meta)
     w_rec = dict(wr_ptr=weights[0], wr_off=weights[1], wr_stride=weights[2])
     shape = dict(K=num_topk, L=num_local, EXPAND=call.do_expand, HAS_W=w is not None,
-                 EMIT_IDS=out["expert_ids"] is not None, K_POW2=triton.next_power_of_2(num_topk), L_POW2=l_pow2,
+                 EMIT_IDS=out["expert_ids"] is not None, K_POW2=next_pow2(num_topk), L_POW2=l_pow2,
                  MC=rows_per_block, num_warps=_PLAN_WARPS)
     common = dict(local_idx_ptr=out["local_idx_MK"], meta_ptr=meta, chunk_counts_ptr=chunk_counts,
                   pair_ptr=ptr_or(out["pair_S"], meta), expert_ids_ptr=ptr_or(out["expert_ids"], meta), num_rows=m,
@@ -92,7 +90,7 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
             psum_rank_ptr=out["psum_rank"], recv_idx_ptr=ptr_or(recv_idx, meta), WRITE_IDX=recv_idx is not None,
             me=rank, num_expanded=s, cnt_off=counts[1], rt_off=routing[1],
             rt_stride=routing[2], topk_off=routing[3], g_off=routing[4], N=call.n, R=num_ranks, HDR_COLS=counts[2],
-            BLOCKED=blocked, R_POW2=triton.next_power_of_2(num_ranks), FILL=_FILL, **common, **w_rec, **w_bits,
+            BLOCKED=blocked, R_POW2=next_pow2(num_ranks), FILL=_FILL, **common, **w_rec, **w_bits,
             **shape)
         launch(k.dispatch_plan_experts, (num_chunks if call.do_expand else 1,),
             out_src_ptr=out["out_src_M"], unaligned_ptr=out["unaligned_L"], start_ptr=out["start_L"],
@@ -122,16 +120,28 @@ def plan_chunks(num_rows: int, l_pow2: int) -> tuple:
 
 
 def carve(dtype: torch.dtype, device: torch.device, *shapes) -> list:
-    """Fresh tensors of `shapes` (None: no tensor) as views of one allocation, each starting on 16 bytes: one
-    allocation and one split, since every torch call costs host time on every call."""
+    """Fresh contiguous tensors of `shapes` (None: no tensor) as views of one allocation, each starting on 16 bytes:
+    one allocation and one `as_strided` per tensor, since every torch call costs host time on every call."""
     per16 = 16 // dtype.itemsize
-    pieces = []  # each tensor, then its padding to 16 bytes
+    starts, total = [], 0
     for shape in shapes:
-        n = 0 if shape is None else math.prod(shape)
-        pieces += [n, align(n, per16) - n]
-    parts = torch.empty(sum(pieces), dtype=dtype, device=device).split_with_sizes(pieces)
-    return [None if shape is None else parts[2 * i] if len(shape) == 1 else parts[2 * i].view(shape)
-            for i, shape in enumerate(shapes)]
+        starts.append(total)
+        total += 0 if shape is None else align(math.prod(shape), per16)
+    base = torch.empty(total, dtype=dtype, device=device)
+    return [None if shape is None else base.as_strided(shape, _contiguous_strides(shape), start)
+            for shape, start in zip(shapes, starts)]
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    if len(shape) == 1:
+        return (1,)
+    if len(shape) == 2:
+        return (shape[1], 1)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def ptr_or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:
@@ -152,8 +162,6 @@ def place(call: pipeline.DispatchCall, plan: pipeline.Plan, sources: dict, with_
     `offset + b * stride` bytes of the tensor ("x", "sf", "w")."""
     from .kernels import _syncfree_triton as k
 
-    import triton
-
     x, num_topk = call.x, call.topk_idx.shape[1]
     rows = plan.pair_S.shape[0] if call.do_expand else plan.out_src_M.shape[0]
     device = plan.out_src_M.device
@@ -168,13 +176,13 @@ def place(call: pipeline.DispatchCall, plan: pipeline.Plan, sources: dict, with_
     if rows:
         (x_src, x_off, x_stride), (sf_src, sf_off, sf_stride), (w_src, w_off, w_stride) = (
             sources.get(name, sources["x"]) for name in ("x", "sf", "w"))
-        launch(k.dispatch_place, (rows, triton.cdiv(words, WORDS_PER_PROGRAM)),
+        launch(k.dispatch_place, (rows, ceil_div(words, WORDS_PER_PROGRAM)),
             x_src, sf_src, w_src, plan.out_src_M, ptr_or(plan.pair_S, plan.out_src_M),
             out.view(torch.uint8).view(torch.int32), sf_out.view(torch.int32) if sf_out is not None else out,
             as_bits(w_out) if w_out is not None else out, plan.recv.local_idx_MK,
             x_off, x_stride, sf_off, sf_stride, w_off, w_stride,
             X_WORDS=words, P=num_packs, K=num_topk, EXPAND=call.do_expand, HAS_SF=x.is_fp8, HAS_W=w_out is not None,
-            K_POW2=triton.next_power_of_2(num_topk), P_POW2=triton.next_power_of_2(num_packs),
+            K_POW2=next_pow2(num_topk), P_POW2=next_pow2(num_packs),
             BLOCK_W=WORDS_PER_PROGRAM, num_warps=4)
     recv_x = out if sf_out is None else (out, epilogue.place_sf(sf_out, call.col_major_sf))
     return recv_x, w_out

@@ -38,6 +38,12 @@ def ceil_div(x: int, a: int) -> int:
     return (x + a - 1) // a
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for 0), as `triton.next_power_of_2`. Host code calls this one: Triton's is a
+    constexpr function since Triton 3.5, and a call from Python costs ~3-5 us of host time (an H200 host)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def record_bytes(hidden_bytes: int, sf_bytes: int, num_topk: int, with_metadata: bool) -> int:
     """Bytes of one token record: `[hidden | SF | metadata]`, each part padded to 32 B, record to 64 B (§4.2)."""
     meta = num_topk * 8 + (1 + num_topk) * 4 if with_metadata else num_topk * 8

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from . import envs, epilogue, layout, pipeline
+from .sizing import ceil_div, next_pow2
 from .debug import phase
 from .recv_plan import WORDS_PER_PROGRAM, as_bits, outputs, place, plan_rows, ptr_or
 
@@ -100,8 +101,6 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, s
     it goes to, and the sender-side layout. Returns the tensors `finish` needs."""
     from .kernels import _syncfree_triton as k
 
-    import triton
-
     topk = call.topk_idx
     num_tokens, num_topk = topk.shape
     n, device = call.n, areas.local.device
@@ -114,7 +113,7 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, s
     dst_slot_TK = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
     counts_R = torch.empty(num_ranks, dtype=torch.int64, device=device)
     num_packs = sf.shape[1] if sf is not None else 1
-    k.dispatch_send[(n, triton.cdiv(data.shape[1], WORDS_PER_PROGRAM))](
+    k.dispatch_send[(n, ceil_div(data.shape[1], WORDS_PER_PROGRAM))](
         data, sf_arg if sf is not None else data, topk_arg, w_arg if w is not None else data, areas.local,
         areas.delta16, token_slot_TR, last_pos_TR, send_row_TR, send_src_X, dst_slot_TK, counts_R,
         num_tokens, data.stride(0), sf.stride(0) if sf is not None else 0, sf.stride(1) if sf is not None else 0,
@@ -123,8 +122,8 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, s
         spec.offsets["g"], spec.offsets.get("w", 0),
         N=n, X_WORDS=data.shape[1], P=num_packs, K=num_topk, R=num_ranks, L=call.num_experts // num_ranks,
         HDR_COLS=areas.hdr_cols, HAS_SF=sf is not None, HAS_W=w is not None,
-        K_POW2=triton.next_power_of_2(num_topk), R_POW2=triton.next_power_of_2(num_ranks),
-        P_POW2=triton.next_power_of_2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=WORDS_PER_PROGRAM,
+        K_POW2=next_pow2(num_topk), R_POW2=next_pow2(num_ranks),
+        P_POW2=next_pow2(num_packs), TC=_TOKEN_CHUNK, BLOCK_W=WORDS_PER_PROGRAM,
         USE_TRAP=device.type == "cuda", num_warps=4)
     send_layout = layout.SendLayout(num_tokens_per_rank_R=counts_R, token_slot_TR=token_slot_TR,
                                     last_pos_TR=last_pos_TR)
@@ -173,8 +172,6 @@ def combine_send(areas: Areas, call: pipeline.CombineCall, rank: int, num_ranks:
     its origin's receive area, with its weights, as records of layout `spec` (`pipeline.combine_record_spec`)."""
     from .kernels import _syncfree_triton as k
 
-    import triton
-
     h, plan = call.handle, call.handle._plan
     n, num_topk = h.num_max_tokens_per_rank, h.num_topk
     y = epilogue.expert_partials(call.x, plan.recv.row_ptr_MK) if h.do_expand else call.x
@@ -182,11 +179,11 @@ def combine_send(areas: Areas, call: pipeline.CombineCall, rank: int, num_ranks:
     w = call.topk_weights
     w_arg = as_bits(w.contiguous()) if w is not None else y_words
     if num_ranks * n:
-        k.combine_send[(num_ranks * n, triton.cdiv(y_words.shape[1], WORDS_PER_PROGRAM))](
+        k.combine_send[(num_ranks * n, ceil_div(y_words.shape[1], WORDS_PER_PROGRAM))](
             y_words, w_arg, ptr_or(plan.recv.row_ptr_MK, plan.buf_out_X), plan.recv.local_idx_MK, plan.buf_out_X,
             areas.local, areas.delta16, y_words.stride(0), rank, areas.rows_off, spec.nbytes, spec.offsets.get("w", 0),
             N=n, K=num_topk, Y_WORDS=y_words.shape[1], EXPAND=h.do_expand, HAS_W=w is not None,
-            K_POW2=triton.next_power_of_2(num_topk), BLOCK_W=WORDS_PER_PROGRAM, num_warps=4)
+            K_POW2=next_pow2(num_topk), BLOCK_W=WORDS_PER_PROGRAM, num_warps=4)
 
 
 def cached_applies(buf, call: pipeline.DispatchCall) -> bool:
@@ -200,19 +197,17 @@ def cached_send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks:
     `pipeline.cached_launch`'s)."""
     from .kernels import _syncfree_triton as k
 
-    import triton
-
     n, num_topk = call.n, call.topk_idx.shape[1]
     data, sf, sf_arg, w, w_arg = _send_inputs(call)
     num_packs = sf.shape[1] if sf is not None else 1
     if num_ranks * n:
-        k.cached_send[(num_ranks * n, triton.cdiv(data.shape[1], WORDS_PER_PROGRAM))](
+        k.cached_send[(num_ranks * n, ceil_div(data.shape[1], WORDS_PER_PROGRAM))](
             data, sf_arg if sf is not None else data, w_arg if w is not None else data, call.handle._plan.send_src_X,
             areas.local, areas.delta16, data.stride(0), sf.stride(0) if sf is not None else 0,
             sf.stride(1) if sf is not None else 0, w_arg.stride(0) if w is not None else 0, rank, areas.rows_off,
             spec.nbytes, spec.offsets.get("sf", 0), spec.offsets.get("w", 0), N=n, X_WORDS=data.shape[1], P=num_packs,
-            K=num_topk, HAS_SF=sf is not None, HAS_W=w is not None, K_POW2=triton.next_power_of_2(num_topk),
-            P_POW2=triton.next_power_of_2(num_packs), BLOCK_W=WORDS_PER_PROGRAM, num_warps=4)
+            K=num_topk, HAS_SF=sf is not None, HAS_W=w is not None, K_POW2=next_pow2(num_topk),
+            P_POW2=next_pow2(num_packs), BLOCK_W=WORDS_PER_PROGRAM, num_warps=4)
 
 
 def cached_finish(areas: Areas, call: pipeline.DispatchCall, spec) -> tuple:

@@ -18,6 +18,7 @@ import torch
 
 from epcomm import agreement, exact_nvlink, layout, pipeline, recv_plan
 from epcomm.moves import Route, offsets
+from epcomm.sizing import next_pow2
 from syncfree_sim import CASES as SYNC_FREE_CASES
 from syncfree_sim import clone_call, make_call, same, want_stats
 
@@ -72,32 +73,55 @@ def generic(calls, num_ranks, n):
     return out
 
 
+FLAGS_OFF = 0  # set by sim_regions: the barrier's flags follow the header area, as in SymmetricRegion
+
+
 def sim_regions(num_ranks):
-    size = num_ranks * HDR_COLS * 8
+    """Every rank's region: header area, then the barrier's flags (zero); the header area starts as garbage."""
+    global FLAGS_OFF
+    FLAGS_OFF = num_ranks * HDR_COLS * 8
+    size = FLAGS_OFF + 128
     whole = torch.full((num_ranks * size,), 0xAB, dtype=torch.uint8)
+    for r in range(num_ranks):
+        whole[r * size + FLAGS_OFF: (r + 1) * size] = 0
     return [types.SimpleNamespace(local=whole[r * size:(r + 1) * size], delta16=torch.tensor(
         [(s - r) * size // 16 for s in range(num_ranks)], dtype=torch.int64)) for r in range(num_ranks)]
 
 
+CALL_ID = 5
+
+
 def exchange(calls, num_ranks):
-    """Every rank's send_plan and publish_rows; returns (launched per rank, (recv tensor, host rows) per rank)."""
+    """Every rank's send_plan, then the publish kernel stage by stage over all ranks (the interpreter runs one rank
+    at a time); returns (launched per rank, (header bytes, host rows [R, C] numpy) per rank). Checks that the
+    publish kernel leaves every rank's table zero for the next call."""
     from epcomm.kernels import _exact_triton as k
 
-    import triton
-
     regions = sim_regions(num_ranks)
-    launched = []
+    launched, tables = [], []
     for r, call in enumerate(calls):
-        head = exact_nvlink.call_header(call, 0, 7)
-        launched.append(exact_nvlink.send_plan(call, r, num_ranks, head))
-    cols = [lr["ex"].shape[1] for lr in launched]  # ranks that disagree on num_experts publish other widths
-    for r, lr in enumerate(launched):
-        k.publish_rows[(num_ranks,)](lr.pop("ex"), regions[r].local, regions[r].delta16, 0, r, EX_COLS=cols[r],
-                                     HDR_COLS=HDR_COLS, C_POW2=triton.next_power_of_2(cols[r]))
+        tables.append(torch.zeros(num_ranks, HDR_COLS, dtype=torch.int64))
+        head = exact_nvlink.header_row(call, 7, torch.device("cpu"))
+        launched.append(exact_nvlink.send_plan(call, r, num_ranks, CALL_ID, head, tables[r]))
+    # ranks that disagree on num_experts publish other widths
+    cols = [exact_nvlink._cols(num_ranks, call.num_experts // num_ranks) for call in calls]
+    hosts = [torch.full((num_ranks * cols[r],), -7, dtype=torch.int64) for r in range(num_ranks)]
+    status = [torch.zeros(1, dtype=torch.int64) for _ in range(num_ranks)]
+    for stage in (1, 2, 4):
+        for r in range(num_ranks):
+            k.publish_rows[(1,)](tables[r], hosts[r].data_ptr(), regions[r].local, regions[r].delta16,
+                                 status[r].data_ptr(), r, 10 ** 10, FLAGS_OFF, 0, R=num_ranks,
+                                 R_POW2=next_pow2(num_ranks), EX_COLS=cols[r], HDR_COLS=HDR_COLS,
+                                 C_POW2=next_pow2(cols[r]), STAGES=stage, USE_TIMER=False)
     recv = []
     for r in range(num_ranks):
-        rows = regions[r].local.view(torch.int64).view(num_ranks, HDR_COLS)[:, :cols[r]].clone()
-        recv.append((rows, rows.tolist()))
+        assert not tables[r].any(), f"rank {r}: the publish kernel left its table non-zero"
+        assert int(status[r][0]) == 0
+        rows = hosts[r].view(num_ranks, cols[r]).numpy()
+        assert (rows[:, 1] == CALL_ID).all(), rows[:, 1]
+        mine = regions[r].local[:num_ranks * HDR_COLS * 8]
+        assert (mine.view(torch.int64).view(num_ranks, HDR_COLS)[:, :cols[r]].numpy() == rows).all()
+        recv.append((mine, rows))
     return launched, recv
 
 
@@ -108,8 +132,8 @@ def fused(calls, num_ranks):
         sizes = exact_nvlink.read_rows(fake_buf(r, num_ranks), call, recv[r][1])
         src = launched[r].pop("send_src")[:sum(sizes["send_splits"])]
         routes.append(Route(sizes["send_splits"], sizes["recv_splits"], src, sizes["matrix"]))
-        launched[r].update(recv_RC=recv[r][0], num_unaligned=sizes["num_unaligned"])
-        tensors.append(dict(x=call.x.data, sf=call.x.sf, w=call.topk_weights, routing=launched[r]["routing"]))
+        launched[r].update(counts=(recv[r][0], HDR_COLS), num_unaligned=sizes["num_unaligned"])
+        tensors.append(dict(x=call.x.data, sf=call.x.sf, routing=launched[r]["routing"]))
     out = []
     for r, call in enumerate(calls):
         launched[r].update(route=routes[r], fields=twin_move(tensors, routes, r))
@@ -233,10 +257,10 @@ def check_generic_peer():
     gen = torch.Generator().manual_seed(2)
     calls = [exact(make_call(gen, 6, c, r)) for r in range(2)]
     _, recv = exchange(calls, 2)
-    rows = [list(row) for row in recv[0][1]]
-    generic = agreement.header(agreement.STATUS_OK, 0, calls[1].signature(1), 7)
-    rows[1][:len(generic)] = generic
-    rows[1][-2:] = [1, 1]
+    rows = recv[0][1].copy()
+    generic = agreement.header(agreement.STATUS_OK, CALL_ID, calls[1].signature(1), 7)
+    rows[1, :len(generic)] = generic
+    rows[1, -2:] = [1, 1]
     try:
         exact_nvlink.read_rows(fake_buf(0, 2), calls[0], rows)
     except ValueError as e:

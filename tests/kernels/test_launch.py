@@ -28,7 +28,7 @@ class FakeKernel:
 
         class Compiled:
             def __getitem__(self, grid3):
-                return lambda *values: kernel.launches.append((variant, grid3, values))
+                return lambda *values, stream: kernel.launches.append((variant, grid3, values))
         return Compiled()
 
     def __getitem__(self, grid):
@@ -43,7 +43,8 @@ def fresh(monkeypatch):
 
 
 def test_key_separates_what_triton_specialises(fresh, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_device_index", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 0)
     k = FakeKernel()
     buf = torch.zeros(64)
     aligned, misaligned = buf[:8], buf[1:9]  # 0 and 4 bytes past a 16-byte boundary (a fresh tensor is aligned)
@@ -73,7 +74,8 @@ def test_key_separates_what_triton_specialises(fresh, monkeypatch):
 def test_key_separates_constexpr_types_and_float_signs_and_tuples(fresh, monkeypatch):
     """True, 1 and 1.0 (one dict key) and 0.0 / -0.0 are different constexprs to Triton; tuples are keyed element
     by element (not by the identity of the tensors they hold)."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_device_index", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 0)
     k = FakeKernel()
     a = torch.zeros(8)
     for b, variant in ((1, 1), (True, 2), (1.0, 3), (0.0, 4), (-0.0, 5), (1, 1), (-0.0, 5)):
@@ -88,7 +90,8 @@ def test_key_separates_constexpr_types_and_float_signs_and_tuples(fresh, monkeyp
 def test_a_variant_still_compiling_launches_the_usual_way(fresh, monkeypatch):
     """Triton's asynchronous compile mode: warmup returns a future whose type has no `__getitem__` (though
     `hasattr` through its `__getattr__` says it has): launch the usual way, cache nothing, mark nothing."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_device_index", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 0)
 
     class Future:
         def __getattr__(self, name):
@@ -97,7 +100,7 @@ def test_a_variant_still_compiling_launches_the_usual_way(fresh, monkeypatch):
     k = FakeKernel()
     monkeypatch.setattr(k, "warmup", lambda *args, grid, **kwargs: Future())
     launch_mod.launch(k, (2,), torch.zeros(4), 3, B=1)
-    assert len(k.usual) == 1 and not launch_mod._compiled and k not in launch_mod._usual_way
+    assert len(k.usual) == 1 and not launch_mod._compiled and id(k) not in launch_mod._usual_way
 
 
 def test_cpu_launches_go_the_usual_way(fresh):
@@ -109,7 +112,7 @@ def test_cpu_launches_go_the_usual_way(fresh):
     launch_mod.launch(k, (3,), torch.zeros(2), 5, B=1)
     got = [(grid, args[1:], kwargs) for grid, args, kwargs in k.usual]
     assert got == [((3,), (4,), {"B": 1}), ((3,), (5,), {"B": 1})]
-    assert k in launch_mod._usual_way and not k.compiles
+    assert id(k) in launch_mod._usual_way and not k.compiles
 
 
 @pytest.mark.gpu
@@ -126,6 +129,6 @@ def test_direct_launch_on_gpu_matches_torch():
         item = torch.randint(-1, 64, (24, 5), generator=gen).cuda()
         bias = torch.randn(24, 300, generator=gen).cuda()
         assert torch.equal(canonical_reduce(rows, item, bias), canonical_reduce_torch(rows, item, bias))
-    assert kernel not in launch_mod._usual_way
-    rows_keys = {key[3][0] for key in launch_mod._compiled if key[0] is kernel}  # (dtype, aligned) of `rows`
+    assert id(kernel) not in launch_mod._usual_way
+    rows_keys = {key[3][0] for key in launch_mod._compiled if key[0] == id(kernel)}  # (dtype, aligned) of `rows`
     assert rows_keys == {(torch.float32, True), (torch.float32, False)}, rows_keys

@@ -2,11 +2,13 @@
 
 * `send_plan` (program: a chunk of TC tokens): the sender-side layout of layout.py and pipeline.send_rows in one
   launch (rank dedup; the slot of a token among the tokens sent to a rank = the tokens before it that go there;
-  packed send rows `offset[r] + slot`), `dst_buffer_slot_idx`, the routing field every receiver needs (top-k ids
-  and token key), and the row this rank publishes to each peer: its count of rows for every rank, the count of
-  its (token, expert) pairs for each of the peer's local experts, and two flags for bad values (an id outside
-  [-1, num_experts), an expert twice in a token), which the host turns into the generic path's errors;
-* `publish_rows` (program p): row p of that table into row `me` of rank p's header area.
+  packed send rows `offset[r] + slot`), `dst_buffer_slot_idx`, the routing field every receiver needs (top-k ids,
+  token key and the weights, so that the pull moves one narrow field rather than two), and the row this rank
+  publishes to each peer: the call header, its count of rows for every rank, the count of its (token, expert)
+  pairs for each of the peer's local experts, and two flags for bad values (an id outside [-1, num_experts), an
+  expert twice in a token), which the host turns into the generic path's errors;
+* `publish_rows` (one program): a barrier, row p of that table into row `me` of rank p's header area, a barrier,
+  then the rows every rank published here into pinned host memory: the host reads them without a copy of its own.
 
 Each program counts the tokens of the chunks before its own (a two-level scan in one launch: no host round trip),
 so the work grows as T^2 / TC, a few us at 4096 tokens.
@@ -15,21 +17,25 @@ so the work grows as T^2 / TC, a few us at 4096 tokens.
 import triton
 import triton.language as tl
 
-from ._signal_triton import _region
+from ._signal_triton import _region, group_barrier
 from ._syncfree_triton import tokens_sent
 
 
-@triton.jit(do_not_specialize=["num_tokens", "stride_topk", "me"])
+@triton.jit(do_not_specialize=["num_tokens", "stride_topk", "stride_w", "me", "call_id"])
 def send_plan(
-    topk_ptr, token_slot_ptr, last_pos_ptr, send_row_ptr, send_src_ptr, dst_slot_ptr, rt_ptr, ex_ptr,
-    num_tokens, stride_topk, me,
-    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, EX_COLS: tl.constexpr, CNT_COL: tl.constexpr,
-    K_POW2: tl.constexpr, R_POW2: tl.constexpr, TC: tl.constexpr, TL: tl.constexpr,
+    topk_ptr, w_ptr, token_slot_ptr, last_pos_ptr, send_row_ptr, send_src_ptr, dst_slot_ptr, rt_ptr, ex_ptr, hdr_ptr,
+    counts_ptr, num_tokens, stride_topk, stride_w, me, call_id,
+    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, EX_STRIDE: tl.constexpr,
+    CNT_COL: tl.constexpr, RT_COLS: tl.constexpr, HAS_W: tl.constexpr, K_POW2: tl.constexpr, R_POW2: tl.constexpr,
+    H_POW2: tl.constexpr, TC: tl.constexpr, TL: tl.constexpr,
 ):
     """Program g: tokens g*TC .. ; it first counts every rank's tokens, TL at a time (those before its chunk, and the
-    totals). `ex` is [R, EX_COLS] int64, zero past column CNT_COL: the program adds its pairs
-    to `ex[d, CNT_COL + R + l]` (expert l of rank d) and raises the flags `ex[:, CNT_COL + R + L]` (bad id) and
-    `ex[:, CNT_COL + R + L + 1]` (an expert twice); program 0 writes the counts `ex[:, CNT_COL + r]`."""
+    totals). `ex` is [R, EX_STRIDE] int64, zero (the previous call's `publish_rows` left it so): program 0 writes
+    the header (`hdr`, CNT_COL int64, with `call_id` in column 1) and the counts `ex[:, CNT_COL + r]` (and into
+    `counts` [R]); every program adds its pairs to `ex[d, CNT_COL + R + l]` (expert l of rank d) and raises the
+    flags `ex[:, CNT_COL + R + L]` (bad id) and `ex[:, CNT_COL + R + L + 1]` (an expert twice). The routing field
+    `rt` ([T, RT_COLS] int64) gets each token's top-k ids, its key and, with `HAS_W`, its weights' bits (`w`, the
+    int32 or int64 view of fp32 or fp64 weights) from column K + 1."""
     g_id = tl.program_id(0)
     kk = tl.arange(0, K_POW2)
     rr = tl.arange(0, R_POW2)
@@ -61,34 +67,69 @@ def send_plan(
     slot_k = tl.sum(tl.where(hit, slot[:, None, :], 0), axis=2)
     dst = tl.where((dest >= 0) & (dest < R) & (last_k == kk[None, :]), dest * N + slot_k, -1)
     tl.store(dst_slot_ptr + tt[:, None] * K + kk[None, :], dst.to(tl.int32), mask=in_tk)
-    # The routing field: top-k ids (int64) and the token key g = me * N + t.
-    tl.store(rt_ptr + tt[:, None] * (K + 1) + kk[None, :], ids.to(tl.int64), mask=in_tk)
-    tl.store(rt_ptr + tt * (K + 1) + K, (me * N + tt).to(tl.int64), mask=in_t)
+    # The routing field: top-k ids (int64), the token key g = me * N + t, the weights' bits.
+    rt_row = rt_ptr + tt.to(tl.int64) * RT_COLS
+    tl.store(rt_row[:, None] + kk[None, :], ids.to(tl.int64), mask=in_tk)
+    tl.store(rt_row + K, (me * N + tt).to(tl.int64), mask=in_t)
+    if HAS_W:
+        w = tl.load(w_ptr + tt[:, None].to(tl.int64) * stride_w + kk[None, :], mask=in_tk)
+        tl.store((rt_row + K + 1).to(w_ptr.dtype)[:, None] + kk[None, :], w, mask=in_tk)
 
     if g_id == 0:
-        tl.store(ex_ptr + rr[:, None] * EX_COLS + CNT_COL + rr[None, :], count_r[None, :].to(tl.int64)
+        hh = tl.arange(0, H_POW2)
+        head = tl.load(hdr_ptr + hh, mask=hh < CNT_COL)
+        head = tl.where(hh == 1, call_id, head)
+        tl.store(ex_ptr + rr[:, None] * EX_STRIDE + hh[None, :], head[None, :] + tl.zeros([R_POW2, H_POW2], tl.int64),
+                 mask=(rr[:, None] < R) & (hh[None, :] < CNT_COL))
+        tl.store(ex_ptr + rr[:, None] * EX_STRIDE + CNT_COL + rr[None, :], count_r[None, :].to(tl.int64)
                  + tl.zeros([R_POW2, R_POW2], tl.int64), mask=(rr[:, None] < R) & (rr[None, :] < R))
+        tl.store(counts_ptr + rr, count_r.to(tl.int64), mask=rr < R)
     ok = in_tk & (ids >= 0) & (ids < R * L)
     safe = tl.where(ok, ids, 0)
-    tl.atomic_add(ex_ptr + (safe // L) * EX_COLS + CNT_COL + R + safe % L, tl.full([TC, K_POW2], 1, tl.int64),
+    tl.atomic_add(ex_ptr + (safe // L) * EX_STRIDE + CNT_COL + R + safe % L, tl.full([TC, K_POW2], 1, tl.int64),
                   mask=ok)
     bad = tl.sum(tl.sum((in_tk & ((ids < -1) | (ids >= R * L))).to(tl.int32), axis=1), axis=0)
     twice = (ids[:, :, None] == ids[:, None, :]) & (kk[None, :, None] < kk[None, None, :]) & ok[:, :, None]
     dup = tl.sum(tl.sum(tl.sum(twice.to(tl.int32), axis=2), axis=1), axis=0)
     flag_col = CNT_COL + R + L
     if bad > 0:
-        tl.atomic_max(ex_ptr + rr * EX_COLS + flag_col, tl.full([R_POW2], 1, tl.int64), mask=rr < R)
+        tl.atomic_max(ex_ptr + rr * EX_STRIDE + flag_col, tl.full([R_POW2], 1, tl.int64), mask=rr < R)
     if dup > 0:
-        tl.atomic_max(ex_ptr + rr * EX_COLS + flag_col + 1, tl.full([R_POW2], 1, tl.int64), mask=rr < R)
+        tl.atomic_max(ex_ptr + rr * EX_STRIDE + flag_col + 1, tl.full([R_POW2], 1, tl.int64), mask=rr < R)
 
 
-@triton.jit
-def publish_rows(ex_ptr, local_ptr, delta16_ptr, hdr_off, me, EX_COLS: tl.constexpr, HDR_COLS: tl.constexpr,
-                 C_POW2: tl.constexpr):
-    """Program p: row p of `ex` ([R, EX_COLS] int64) into row `me` of rank p's header area (R rows of HDR_COLS
-    int64 at byte `hdr_off` of every region). A device barrier after it publishes the rows."""
-    p = tl.program_id(0)
+@triton.jit(do_not_specialize=["me", "timeout_ns", "flags_off", "hdr_off"])
+def publish_rows(ex_ptr, host_ptr, local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, hdr_off,
+                 R: tl.constexpr, R_POW2: tl.constexpr, EX_COLS: tl.constexpr, HDR_COLS: tl.constexpr,
+                 C_POW2: tl.constexpr, STAGES: tl.constexpr, USE_TIMER: tl.constexpr):
+    """One program, between two barriers of the region: row p of `ex` ([R, HDR_COLS] int64, EX_COLS used) into
+    row `me` of rank p's header area (R rows of HDR_COLS int64 at byte `hdr_off` of every region), then `ex`'s rows
+    back to zero for the next call's `send_plan`; after the second barrier, this rank's [R, EX_COLS] headers (row s
+    from rank s) into `host_ptr` (pinned host memory, rows of EX_COLS), which the host reads once the kernel is done.
+
+    `STAGES` (bits) splits the kernel where a rank waits for the others, for the CPU simulation of several ranks
+    (the interpreter runs one rank at a time): 1 = arrive at the first barrier; 2 = wait for it, publish, arrive at
+    the second; 4 = wait for it, copy the headers out. On GPU all three (7)."""
     cc = tl.arange(0, C_POW2)
-    v = tl.load(ex_ptr + p * EX_COLS + cc, mask=cc < EX_COLS)
-    dst = (_region(local_ptr, delta16_ptr, p) + hdr_off).to(tl.pointer_type(tl.int64)) + me * HDR_COLS
-    tl.store(dst + cc, v, mask=cc < EX_COLS)
+    in_c = cc < EX_COLS
+    if STAGES & 1:
+        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, True, False,
+                      USE_TIMER)  # every peer has read the previous call's headers once all have arrived
+    if STAGES & 2:
+        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, False, True,
+                      USE_TIMER)
+        for p in tl.static_range(R):
+            v = tl.load(ex_ptr + p * HDR_COLS + cc, mask=in_c)
+            dst = (_region(local_ptr, delta16_ptr, p) + hdr_off).to(tl.pointer_type(tl.int64)) + me * HDR_COLS
+            tl.store(dst + cc, v, mask=in_c)
+            tl.store(ex_ptr + p * HDR_COLS + cc, tl.zeros([C_POW2], tl.int64), mask=in_c)
+        tl.debug_barrier()  # every thread's rows are written before the release adds of the barrier
+        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, True, False,
+                      USE_TIMER)
+    if STAGES & 4:
+        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, False, True,
+                      USE_TIMER)
+        mine = (local_ptr + hdr_off).to(tl.pointer_type(tl.int64))
+        host = host_ptr.to(tl.int64).to(tl.pointer_type(tl.int64))
+        for s in tl.static_range(R):
+            tl.store(host + s * EX_COLS + cc, tl.load(mine + s * HDR_COLS + cc, mask=in_c), mask=in_c)

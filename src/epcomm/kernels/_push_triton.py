@@ -4,6 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..sizing import next_pow2
+
 
 @triton.jit(do_not_specialize=["rank", "num_rows", "cap"])
 def _push_rows_kernel(
@@ -48,6 +50,6 @@ def launch(local, delta16, area_offset, rec_bytes, data, small, data_bytes, src_
         data_w, data_w.stride(0), data_w.shape[1],
         small_w, small_w.stride(0), small_words, data_bytes // 4,
         src_X, num_rows, cap, rank,
-        BLOCK=block, SMALL_BLOCK=triton.next_power_of_2(max(small_words, 1)),
+        BLOCK=block, SMALL_BLOCK=next_pow2(max(small_words, 1)),
         num_warps=num_warps,
     )

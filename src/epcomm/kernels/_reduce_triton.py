@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from ..sizing import ceil_div, next_pow2
+
 from .launch import launch as launch_direct
 
 
@@ -78,8 +80,8 @@ def launch(rows, item, bias0, bias1, out, num_programs: int = 0, block_t: int = 
     tokens, and its programs loop over the rest."""
     num_tokens, num_pos = item.shape
     hidden = rows.shape[1]
-    block_h = min(block_h, triton.next_power_of_2(max(hidden, 16)))
-    tiles = triton.cdiv(triton.cdiv(num_tokens, num_chunks), block_t) * triton.cdiv(hidden, block_h)
+    block_h = min(block_h, next_pow2(max(hidden, 16)))
+    tiles = ceil_div(ceil_div(num_tokens, num_chunks), block_t) * ceil_div(hidden, block_h)
     grid = (min(tiles, num_programs) if num_programs > 0 else tiles,)
     launch_direct(_canonical_reduce_kernel, grid,
         rows, item, bias0 if bias0 is not None else out, bias1 if bias1 is not None else out, out,

@@ -71,13 +71,21 @@ def _wait_all(flags_ptr, target, timeout_ns, status_ptr, R: tl.constexpr, R_POW2
 @triton.jit(do_not_specialize=["me", "timeout_ns", "flags_off"])
 def barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R: tl.constexpr, R_POW2: tl.constexpr,
             SIGNAL: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """One program. The area at `flags_off` holds R arrival counters (one per rank) and this rank's barrier count.
+    """One program: `group_barrier`. `SIGNAL` / `WAIT` split the two halves for the CPU simulation of several ranks
+    (the interpreter runs one rank at a time); on GPU both are set."""
+    group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, SIGNAL, WAIT, USE_TIMER)
+
+
+@triton.jit
+def group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R: tl.constexpr,
+                  R_POW2: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """The region's barrier, in one program (the `barrier` kernel, or a kernel that runs it inside itself). The area
+    at `flags_off` holds R arrival counters (one per rank) and this rank's barrier count.
 
     Barrier number b = count + 1: add 1 to counter `me` of every rank (R threads, one release add each at system
     scope, in parallel: the writes this stream made before the barrier are visible to a peer that sees the add),
     then wait until every rank's counter here reaches b (acquire). Stream order puts the caller's earlier work
-    before it and its later work after it. `SIGNAL` / `WAIT` split the two halves for the CPU simulation of
-    several ranks (the interpreter runs one rank at a time); on GPU both are set.
+    before it and its later work after it; a kernel that wrote rows before it runs `tl.debug_barrier()` first.
     """
     flags = (local_ptr + flags_off).to(tl.pointer_type(tl.int64))
     b = tl.load(flags + R) + 1

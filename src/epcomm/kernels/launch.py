@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import torch
 
-_compiled: dict = {}  # (kernel, device, options, argument key) -> Triton's compiled kernel
-_params: dict = {}  # kernel -> (parameter names, their set, runtime parameters' indices, constexprs' indices)
-_usual_way: set = set()  # kernels whose direct launch failed to prepare
+# Kernels are keyed by id(): hashing a JITFunction hashes its source key under a lock (~1 us per dict access).
+# They are module-level functions, never freed, so an id names one kernel for the life of the process.
+_compiled: dict = {}  # (id(kernel), device, options, argument key) -> Triton's compiled kernel
+_params: dict = {}  # id(kernel) -> (parameter names, their set, runtime parameters' indices, constexprs' indices)
+_usual_way: set = set()  # ids of kernels whose direct launch failed to prepare
+_Tensor = torch.Tensor
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
@@ -44,11 +47,21 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         whatever `kernel[grid](...)` raises (compile errors, bad arguments, launch failures); a launch never runs
         twice.
     """
-    compiled, values = _prepare(kernel, grid, args, kwargs)
+    compiled, values, device = _prepare(kernel, grid, args, kwargs)
     if compiled is None:
         kernel[grid](*args, **kwargs)
         return
-    compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*values)
+    compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](
+        *values, stream=_raw_stream(device))  # given: Triton's runner would look it up
+
+
+def _device_index() -> int:
+    """`torch.cuda.current_device()` without its initialisation check: a launch always follows CUDA work."""
+    return torch._C._cuda_getDevice()
+
+
+def _raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def _arg_key(value, _tensor=torch.Tensor):
@@ -69,36 +82,48 @@ def _arg_key(value, _tensor=torch.Tensor):
 
 
 def _prepare(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
-    """(compiled kernel, every argument in signature order), or (None, None) to launch the usual way."""
-    if kernel in _usual_way:
-        return None, None
+    """(compiled kernel, every argument in signature order, current device index), or (None, None, None) to launch
+    the usual way."""
+    kid = id(kernel)
+    if kid in _usual_way:
+        return None, None, None
     try:
-        if torch.version.hip is not None:
-            raise RuntimeError("ROCm: Triton specialises tensors on their size too")
-        params = _params.get(kernel)
+        params = _params.get(kid)
         if params is None:
+            if torch.version.hip is not None:
+                raise RuntimeError("ROCm: Triton specialises tensors on their size too")
             names = [p.name for p in kernel.params]
             runtime = [i for i, p in enumerate(kernel.params) if not p.is_constexpr]
             constexpr = [i for i, p in enumerate(kernel.params) if p.is_constexpr]
-            params = _params[kernel] = (names, frozenset(names), runtime, constexpr)
+            params = _params[kid] = (names, frozenset(names), runtime, constexpr)
         names, name_set, runtime, constexpr = params
         values = list(args)
         values += [kwargs[name] for name in names[len(args):]]
-        options = tuple((k, v) for k, v in kwargs.items() if k not in name_set)  # num_warps, ...
-        consts = [values[i] for i in constexpr]
+        options = tuple([(k, v) for k, v in kwargs.items() if k not in name_set])  # num_warps, ...
+        consts = tuple([values[i] for i in constexpr])
         const_types = tuple(map(type, consts))  # True, 1 and 1.0 are one dict key but three variants
-        const_key = tuple(map(repr, consts)) if float in const_types else tuple(consts)
-        key = (kernel, torch.cuda.current_device(), options, tuple([_arg_key(values[i]) for i in runtime]),
-               const_types, const_key)
+        device = _device_index()
+        runtime_key = []
+        for i in runtime:  # `_arg_key`, with its two common cases inline (a function call per argument adds up)
+            value = values[i]
+            kind = type(value)
+            if kind is _Tensor:
+                runtime_key.append((value.dtype, value.data_ptr() % 16 == 0))
+            elif kind is int:
+                runtime_key.append((value == 1, value % 16 == 0, -2 ** 31 <= value < 2 ** 31, value < 2 ** 63))
+            else:
+                runtime_key.append(_arg_key(value))
+        key = (kid, device, options, tuple(runtime_key), const_types,
+               tuple(map(repr, consts)) if float in const_types else consts)
         compiled = _compiled.get(key)
         if compiled is None:
             compiled = kernel.warmup(*args, grid=grid, **kwargs)
             if compiled is None:
                 raise TypeError("warmup returned no compiled kernel")
             if getattr(type(compiled), "__getitem__", None) is None:  # still compiling: the usual way this time
-                return None, None
+                return None, None, None
             _compiled[key] = compiled
-        return compiled, values
+        return compiled, values, device
     except Exception:  # no CUDA, the interpreter, another Triton's internals: the usual path from now on
-        _usual_way.add(kernel)
-        return None, None
+        _usual_way.add(kid)
+        return None, None, None

@@ -33,7 +33,7 @@ from ..kernels import push
 from ..kernels.launch import launch
 from ..moves import chunk_count
 from ..moves import row_bytes as moves_row_bytes
-from ..sizing import align
+from ..sizing import align, next_pow2
 from .base import Transport
 from .pull import PullPlan, pull_fields
 from .push_back import ReturnPlan, return_fields
@@ -85,6 +85,7 @@ class NVLinkTransport(Transport):
         self._side = None  # the pull's and the return push's copy stream, made at first use
         self._signals = None  # the return push's barriers (beside its copies), made at first use
         self._captured = False  # a pull or return push was captured: every later call waits for its peers first
+        self._exact_table = None  # the fused CPU-synced dispatch's rows, pinned copy and header view (exact_table)
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
                                       timeout_s=gpu_timeout_s)
 
@@ -137,28 +138,49 @@ class NVLinkTransport(Transport):
             self._host_wait(what, call_id)
         return recv
 
-    def publish_rows(self, send_RC: Tensor, *, call_id: int) -> tuple:
-        """`exchange_counts` for a table made on the device, in one kernel instead of a copy per peer: row p of
-        `send_RC` ([R, C] int64) lands in row `me` of rank p's headers. Waits (bounded) for the rows of every rank.
+    def exact_table(self) -> Tensor:
+        """[R, header_cols] int64 on the device: the rows the fused CPU-synced dispatch publishes (exact_nvlink.py),
+        zero between calls: its `send_plan` adds into it and `publish_rows` zeroes it again (made at first use)."""
+        if self._exact_table is None:
+            r = self.num_ranks
+            self._exact_table = torch.zeros(r, _HEADER_COLS, dtype=torch.int64, device=self.device)
+            self._exact_host = torch.empty(r * _HEADER_COLS, dtype=torch.int64, pin_memory=True)
+            self._exact_host_np = self._exact_host.numpy()  # a numpy view costs no torch dispatch per call
+            self._headers = self.region.peer(self.rank, self._headers_off, (r * _HEADER_COLS * 8,), torch.uint8)
+        return self._exact_table
+
+    def publish_rows(self, cols: int, *, call_id: int):
+        """The count exchange of the fused CPU-synced dispatch, in one kernel (`_exact_triton.publish_rows`): row p
+        of `exact_table()` (first `cols` columns) lands in row `me` of rank p's headers, between two device barriers;
+        then the kernel writes the rows every rank published here into pinned host memory, and the host waits
+        (bounded) for it.
 
         Returns:
-            `(recv [R, C] int64 tensor, the same as host lists)`: row s from rank s.
+            [R, cols] int64 numpy array, row s from rank s: a view of the pinned rows, valid until the next call.
+
+        Raises:
+            TimeoutError: a peer did not arrive (device barriers: `num_gpu_timeout_secs`; host wait:
+                `num_cpu_timeout_secs`).
         """
         from ..kernels import _exact_triton as k
 
-        import triton
-
-        r, c = send_RC.shape
-        assert c <= _HEADER_COLS
-        self.barrier()  # every peer has read the previous call's headers
-        launch(k.publish_rows, (r,), send_RC, self.region.local, self.region.delta16, self._headers_off, self.rank,
-               EX_COLS=c, HDR_COLS=_HEADER_COLS, C_POW2=triton.next_power_of_2(c))
-        self.barrier()
-        recv = self._received_headers(r, c)
-        host = torch.empty((r, c), dtype=torch.int64, pin_memory=True)
-        host.copy_(recv, non_blocking=True)  # read after the bounded wait (a blocking read could wait forever)
+        r, region = self.num_ranks, self.region
+        assert cols <= _HEADER_COLS
+        table = self.exact_table()
+        region.check_status()
+        launch(k.publish_rows, (1,), table, self._exact_host.data_ptr(), region.local, region.delta16,
+               region.status.data_ptr(), self.rank, region.timeout_ns, region.flags_off, self._headers_off, R=r,
+               R_POW2=next_pow2(r), EX_COLS=cols, HDR_COLS=_HEADER_COLS, C_POW2=next_pow2(cols), STAGES=7,
+               USE_TIMER=True, num_warps=4)
         self._host_wait("count exchange", call_id)
-        return recv, host.numpy().tolist()
+        return self._exact_host_np[:r * cols].reshape(r, cols)
+
+    def received_headers(self) -> tuple:
+        """`(bytes, row stride in int64)` of this rank's header area, [R, header_cols] int64, row s written by rank s:
+        read in place by the fused dispatch's plan kernels (peers write it again only after this rank's next
+        barrier, which stream order puts after them)."""
+        self.exact_table()
+        return self._headers, _HEADER_COLS
 
     def _received_headers(self, r: int, c: int) -> Tensor:
         """[r, c] int64, a fresh copy of the first c columns of this rank's headers (row s from rank s)."""

@@ -31,7 +31,7 @@ from .. import envs
 from ..debug import phase
 from ..kernels.launch import launch
 from ..moves import chunk_bounds, chunk_count, offsets, pull_weights
-from ..sizing import align
+from ..sizing import align, ceil_div, next_pow2
 
 # Chunking pays when launches are cheap (graph replay) and the staged bytes are large; eager calls on slow hosts
 # pay more in launches than they gain (eager 1 / 2 / 4 / 8 chunks = 393 / 420 / 454 / 947 us).
@@ -194,14 +194,12 @@ def copy_by_sms(src: torch.Tensor, dst: torch.Tensor) -> None:
     Callers check this (`_gathers_in_one_launch`); a call that breaks it fails an assertion before the launch."""
     from ..kernels._gather_triton import copy_words
 
-    import triton
-
     num_bytes = src.numel() * src.element_size()
     assert src.is_contiguous() and dst.is_contiguous() and num_bytes == dst.numel() * dst.element_size()
     assert num_bytes % 4 == 0 and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0
     num_words = num_bytes // 4
     if num_words:
-        launch(copy_words, (triton.cdiv(num_words, _WORDS_PER_PROGRAM * 2),), src, dst, num_words,
+        launch(copy_words, (ceil_div(num_words, _WORDS_PER_PROGRAM * 2),), src, dst, num_words,
                BLOCK=_WORDS_PER_PROGRAM * 2, num_warps=4)
 
 
@@ -225,8 +223,6 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
     """
     from ..kernels._gather_triton import gather_fields
 
-    import triton
-
     num_send = plan.send_idx.shape[0]
     if not num_send:
         return
@@ -239,10 +235,10 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
     while len(widths) < _MAX_FIELDS:
         args += args[:3]
         widths.append(0)
-    launch(gather_fields, (num_send, triton.cdiv(widths[0], _WORDS_PER_PROGRAM)),
+    launch(gather_fields, (num_send, ceil_div(widths[0], _WORDS_PER_PROGRAM)),
         plan.send_idx, plan.own_rows[0], plan.own_rows[1], lo, *args, W0=widths[0], W1=widths[1], W2=widths[2],
-        W3=widths[3], P1=triton.next_power_of_2(max(widths[1], 1)), P2=triton.next_power_of_2(max(widths[2], 1)),
-        P3=triton.next_power_of_2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, num_warps=4)
+        W3=widths[3], P1=next_pow2(max(widths[1], 1)), P2=next_pow2(max(widths[2], 1)),
+        P3=next_pow2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, num_warps=4)
 
 
 def _on(stream: Optional["torch.cuda.Stream"]):

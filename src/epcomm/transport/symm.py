@@ -107,6 +107,11 @@ class SymmetricRegion:
         self.handle.barrier(channel=0, timeout_ms=max(1, math.ceil(timeout_s * 1000)))
         self.barrier()
 
+    @property
+    def flags_off(self) -> int:
+        """Byte offset of the barrier's flags from `local`'s start (`_signal_triton.group_barrier`'s `flags_off`)."""
+        return self._flags_off
+
     def peer(self, rank: int, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A view of `rank`'s region at byte `offset` (a multiple of dtype's size): a slice of a byte view made once
         per rank, since asking torch for a new peer tensor on every call costs host time on every call."""
