@@ -28,7 +28,7 @@ import torch
 
 # Kernels are keyed by id(): hashing a JITFunction hashes its source key under a lock (~1 us per dict access).
 # They are module-level functions, never freed, so an id names one kernel for the life of the process.
-_compiled: dict = {}  # (id(kernel), device, options, argument key) -> Triton's compiled kernel
+_compiled: dict = {}  # (id(kernel), device, options, argument key) -> Triton's compiled kernel (`Compiled`)
 _params: dict = {}  # id(kernel) -> (parameter names, their set, runtime parameters' indices, constexprs' indices)
 _usual_way: set = set()  # ids of kernels whose direct launch failed to prepare
 _Tensor = torch.Tensor
@@ -51,8 +51,39 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if compiled is None:
         kernel[grid](*args, **kwargs)
         return
-    compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](
-        *values, stream=_raw_stream(device))  # given: Triton's runner would look it up
+    compiled((grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1), values,
+             _raw_stream(device))  # the stream given: Triton's runner would look it up
+
+
+class Compiled:
+    """A compiled variant, launched through what Triton's runner passes its launcher (`CompiledKernel.run`, the
+    same call in Triton 3.6 to 3.9): no runner closure, no launch-metadata dict, no calls of empty hook chains
+    (Triton 3.6 keeps them even when no profiler has set a hook). While a hook is set (a profiler such as Proton),
+    or for a compiled kernel without these fields (another Triton), its runner is called instead."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.direct = None
+        try:
+            from triton import knobs
+
+            kernel._init_handles()
+            if callable(kernel.run) and kernel.function is not None:
+                self.direct = (kernel.run, kernel.function, kernel.packed_metadata)
+                self.hooks = knobs.runtime
+        except Exception:
+            self.direct = None
+
+    def __call__(self, grid3: tuple, values, stream: int) -> None:
+        if self.direct is not None and _quiet(self.hooks.launch_enter_hook) and _quiet(self.hooks.launch_exit_hook):
+            run, function, metadata = self.direct
+            run(grid3[0], grid3[1], grid3[2], stream, function, metadata, None, None, None, *values)
+        else:
+            self.kernel[grid3](*values, stream=stream)
+
+
+def _quiet(hook) -> bool:
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 def _device_index() -> int:
@@ -122,7 +153,7 @@ def _prepare(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
                 raise TypeError("warmup returned no compiled kernel")
             if getattr(type(compiled), "__getitem__", None) is None:  # still compiling: the usual way this time
                 return None, None, None
-            _compiled[key] = compiled
+            compiled = _compiled[key] = Compiled(compiled)
         return compiled, values, device
     except Exception:  # no CUDA, the interpreter, another Triton's internals: the usual path from now on
         _usual_way.add(kid)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..kernels.launch import Compiled
 from ..kernels.push import region_deltas
 from ..sizing import align
 
@@ -93,7 +94,7 @@ class SymmetricRegion:
                                       self.status.data_ptr(), 0, self.timeout_ns, self._flags_off, R=num_ranks,
                                       R_POW2=1 << (num_ranks - 1).bit_length(), SIGNAL=True, WAIT=True,
                                       USE_TIMER=True, num_warps=1, grid=(1,))
-            self._launch = compiled[(1, 1, 1)]  # the compiled kernel, launched directly (Triton 3.x)
+            self._launch = Compiled(compiled)  # the compiled kernel, launched directly (kernels/launch.py)
 
         self.handle = symm_mem.rendezvous(self._storage, group_name)
         self.rank, self.num_ranks = self.handle.rank, self.handle.world_size
@@ -138,7 +139,7 @@ class SymmetricRegion:
         self.check_status()
         # The compiled kernel directly, pointers as ints: Triton's JIT dispatch and tensor arguments cost ~20 us
         # of host time per barrier, which an eager call with four barriers would pay four times.
-        self._launch(*self._args, stream=torch._C._cuda_getCurrentRawStream(self._device_index))
+        self._launch((1, 1, 1), self._args, torch._C._cuda_getCurrentRawStream(self._device_index))
 
     def check_status(self) -> None:
         """Raises: TimeoutError -- a device barrier of this region timed out waiting for a rank (named)."""
