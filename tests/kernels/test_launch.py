@@ -115,6 +115,38 @@ def test_cpu_launches_go_the_usual_way(fresh):
     assert id(k) in launch_mod._usual_way and not k.compiles
 
 
+def test_compiled_variants_skip_the_runner_unless_a_hook_is_set(fresh, monkeypatch):
+    """A compiled variant goes straight to its launcher with what Triton's runner would pass (grid, stream, function,
+    packed metadata, no metadata, no hooks, the arguments); while a launch hook is set (a profiler), through the
+    runner, which calls the hook."""
+    knobs = pytest.importorskip("triton").knobs
+    monkeypatch.setattr(launch_mod, "_device_index", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 99)
+
+    class FakeCompiled:
+        function, packed_metadata = 7, "meta"
+
+        def __init__(self):
+            self.runs, self.runner = [], []
+
+        def _init_handles(self):
+            pass
+
+        def run(self, *args):
+            self.runs.append(args)
+
+        def __getitem__(self, grid3):
+            return lambda *values, stream: self.runner.append((grid3, values, stream))
+
+    compiled, k, a = FakeCompiled(), FakeKernel(), torch.zeros(4)
+    monkeypatch.setattr(k, "warmup", lambda *args, grid, **kwargs: compiled)
+    launch_mod.launch(k, (3,), a, 5, B=2)
+    assert compiled.runs == [(3, 1, 1, 99, 7, "meta", None, None, None, a, 5, 2)] and not compiled.runner
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launch_mod.launch(k, (3, 2), a, 6, B=2)
+    assert len(compiled.runs) == 1 and compiled.runner == [((3, 2, 1), (a, 6, 2), 99)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_direct_launch_on_gpu_matches_torch():
