@@ -752,3 +752,30 @@ def bad_values_raise_everywhere(rank: int, world: int, fused: str):
         os.environ.pop("EPCOMM_FUSED_EXACT", None)
         buf.destroy()
     return messages
+
+
+def check_mode_per_rank_options(rank: int, world: int, **mode):
+    """`check_mode` with options docs/decisions.md lists as per rank set differently on each rank: the deferred
+    epilogue, the async event, the column-major FP8 scales and the biases."""
+    per_rank = dict(defer=rank == 0, async_op=rank == 1, col_major_sf=rank == 0 and mode.get("dtype") == "fp8",
+                    num_bias=rank)
+    return check_mode(rank, world, **mode, **per_rank)
+
+
+def per_rank_dispatch_flags(rank: int, world: int):
+    """emit_expert_ids, do_zero_padding and num_sms may differ between ranks: the same rows and sums as when they
+    agree."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=64)
+    gen = torch.Generator().manual_seed(rank)
+    idx, _ = random_routing(gen, 8, 8, 2)
+    x = torch.randn(8, 64, generator=gen).bfloat16()
+    out = []
+    for mixed in (False, True):
+        kw = dict(emit_expert_ids=rank == 0, do_zero_padding=rank == 1, num_sms=4 * rank) if mixed else {}
+        recv_x, _, _, handle, _ = buf.dispatch(x, idx, None, num_experts=8, do_expand=True, expert_alignment=4, **kw)
+        y, _, _ = buf.combine(recv_x, handle)
+        out.append((recv_x, y))
+    assert_equal(out[1][0], out[0][0], "recv_x")
+    assert_equal(out[1][1], out[0][1], "combine")
+    buf.destroy()
+    return True

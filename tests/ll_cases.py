@@ -1,10 +1,12 @@
 """Rank-side bodies of the low-latency API tests (importable by the worker processes)."""
 
+import time
+
 import torch
 
 import epcomm
 from epcomm import reference as ref
-from epcomm.fp8 import per_token_cast_to_fp8
+from epcomm.fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
 from ep_cases import assert_equal, captured, random_routing
 
 
@@ -321,3 +323,131 @@ def low_latency_hook_order(rank: int, world: int):
     assert third[4] is not None
     buf.destroy()
     return msgs
+
+
+def low_latency_vs_regular_calls(rank: int, world: int):
+    """A low-latency call on rank 0 and the regular call its portable path is built on, of the same shape, on rank
+    1 (a sync-free expand dispatch; a combine of the same handle) raise on every rank, and the buffer works
+    afterwards. Returns the messages."""
+    buf, idx, w, x = _small_call(rank)
+    msgs = []
+    expect = _expecter(msgs)
+    if rank == 0:
+        expect(lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False))
+    else:
+        expect(lambda: buf.dispatch(x, idx, None, num_experts=4, num_max_tokens_per_rank=4, do_cpu_sync=False,
+                                    do_expand=True, emit_expert_ids=True))
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    if rank == 0:
+        expect(lambda: buf.low_latency_combine(recv_x, idx, w, handle))
+    else:
+        x_S = torch.zeros(handle.handle.num_expanded_tokens, 128, dtype=torch.bfloat16)
+        expect(lambda: buf.combine(x_S, handle.handle))
+    got, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)  # the buffer still works
+    assert got.shape == x.shape
+    buf.destroy()
+    return msgs
+
+
+def low_latency_option_disagreements(rank: int, world: int, *, hidden: int = 1024):
+    """Ranks that disagree on use_fp8 or use_ue8m0 raise on every rank naming that argument (at hidden 1024 a
+    UE8M0 row has 2 scale packs, an fp32 one 8); a buffer too small for num_max_dispatch_tokens_per_rank raises
+    naming it and the low-latency size hint. Returns the messages."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=hidden)
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = random_routing(gen, 4, 4, 2, masked_ratio=0.0)
+    x = torch.randn(4, hidden, generator=gen).bfloat16()
+    msgs = []
+    expect = _expecter(msgs)
+    expect(lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=rank == 0))
+    expect(lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_ue8m0=rank == 1))
+    expect(lambda: buf.low_latency_dispatch(x, idx, 4096, 4))  # every rank: the buffer holds 4 tokens per rank
+    expect(lambda: buf.low_latency_dispatch(x, idx, 4096 if rank == 1 else 4, 4))  # rank 1 alone
+    buf.low_latency_dispatch(x, idx, 4, 4)  # the buffer still works
+    buf.destroy()
+    hint = epcomm.EPBuffer.get_low_latency_rdma_size_hint(4096, hidden, world, 4)
+    with epcomm.EPBuffer(None, num_bytes=hint) as big:  # the size the message names is enough
+        _, count, _, _, _ = big.low_latency_dispatch(x, idx, 4096, 4)
+        assert int(count.sum()) > 0
+    return msgs
+
+
+def low_latency_per_rank_options(rank: int, world: int, *, hidden: int = 256, num_experts: int = 8):
+    """The options docs/decisions.md lists as per rank may differ between ranks: the constructor's timeouts and
+    other options that size nothing, round_scale, async_finish, return_recv_hook, cumulative_local_expert_recv_stats
+    and out. Each rank's rows arrive in its own scale format; the combine is the weighted sum."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=hidden, num_cpu_timeout_secs=30 + rank,
+                          num_gpu_timeout_secs=50 + rank, deterministic=rank == 0, allow_hybrid_mode=rank == 0,
+                          prefer_overlap_with_compute=rank == 1, sl_idx=rank, num_allocated_qps=8 + rank,
+                          explicitly_destroy=rank == 1)
+    gen = torch.Generator().manual_seed(40 + rank)
+    idx, w = random_routing(gen, 8, num_experts, 3, masked_ratio=0.2)
+    x = torch.randn(8, hidden, generator=gen).bfloat16()
+    num_local = num_experts // world
+    round_scale, hook = rank == 1, rank == 0
+    stats = torch.zeros(num_local, dtype=torch.int32) if rank == 0 else None
+    recv_x, count, handle, event, receive = buf.low_latency_dispatch(
+        x, idx, 8, num_experts, cumulative_local_expert_recv_stats=stats, round_scale=round_scale,
+        async_finish=not hook, return_recv_hook=hook)
+    if hook:
+        receive()
+    else:
+        event.current_stream_wait()
+    # Every rank's rows in the format its sender chose: rebuild the reference's expert segments from each rank's
+    # own cast (rank 1 rounds its scales to powers of two).
+    sent = per_token_cast_to_fp8(x, use_ue8m0=round_scale)
+    if round_scale:
+        sent = (sent[0], unpack_ue8m0(sent[1], num_sf_packs(hidden)))
+    r_x, _, _, r_handle = ref.dispatch(sent, idx, None, num_experts, num_max_tokens_per_rank=8, do_expand=True)
+    assert_equal(count, torch.tensor(r_handle.num_recv_per_expert, dtype=torch.int32), "recv_count")
+    start = 0
+    for e, c in enumerate(r_handle.num_recv_per_expert):
+        assert_equal(recv_x[0][e, :c], r_x[0][start: start + c], f"expert {e} data")
+        assert_equal(recv_x[1][e, :c], r_x[1][start: start + c], f"expert {e} scales")
+        start += c
+    # Expert e multiplies its (cast back) rows by 1 + e; the combine weights and sums at the origin.
+    factor = (1 + torch.arange(num_local, dtype=torch.float32)).view(-1, 1, 1)
+    y = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)[..., :hidden] * factor).bfloat16()
+    out = torch.empty(8, hidden, dtype=torch.bfloat16) if rank == 1 else None
+    combined, event, receive = buf.low_latency_combine(y, idx, w, handle, out=out, return_recv_hook=hook,
+                                                       async_finish=not hook)
+    if hook:
+        receive()
+    else:
+        event.current_stream_wait()
+    assert out is None or combined is out
+    row_TH = sent[0].float() * sent[1].repeat_interleave(128, dim=1)[:, :hidden]
+    acc = torch.zeros(8, hidden)
+    for j in range(idx.shape[1]):
+        for t in range(8):
+            e = int(idx[t, j])
+            if e >= 0:
+                acc[t] += w[t, j] * (row_TH[t] * (1 + e % num_local)).bfloat16().float()
+    assert_equal(combined, acc.bfloat16(), "low_latency_combine")
+    buf.destroy()
+    return True
+
+
+def low_latency_missing_peer(rank: int, world: int, timeout_s: float, kind: str):
+    """Rank 1 never makes the low-latency call (`kind`: "dispatch" or "combine"): rank 0 raises TimeoutError naming
+    the call, and the buffer is unusable afterwards. Returns `(message, message of the next call)` on rank 0."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128, num_cpu_timeout_secs=timeout_s)
+    idx, w = random_routing(torch.Generator().manual_seed(rank), 4, 4, 2, masked_ratio=0.0)
+    x = torch.randn(4, 128).bfloat16()
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    if rank == 1:
+        time.sleep(timeout_s + 4)
+        return "skipped"
+    call = {"dispatch": lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False),
+            "combine": lambda: buf.low_latency_combine(recv_x, idx, w, handle)}[kind]
+    try:
+        call()
+    except TimeoutError as e:
+        msg = str(e)
+    else:
+        return None
+    try:
+        call()
+    except ValueError as e:
+        return msg, str(e)
+    return msg, None

@@ -1,11 +1,14 @@
 """DeepEP V1's low-latency API: the portable path on CPU (layouts and sums against the reference); on 2 GPUs the
 nvlink kernels against the portable path, CUDA-graph replay, and the bounded device-side wait."""
 
+import re
+
 import pytest
 import torch
 
 import device_timeout_script
 import ll_cases
+from epcomm.testing import run_in_fresh_world
 
 
 @pytest.mark.parametrize("use_fp8,use_ue8m0", [(False, False), (True, False), (True, True)],
@@ -115,5 +118,52 @@ def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
         assert "num_max_dispatch_tokens_per_rank must be >= 1, got 0" in msgs[9], msgs[9]
         assert msgs[10].startswith(f"{dispatch}: rank {rank}: ") and "num_max_dispatch_tokens_per_rank" in msgs[10], \
             msgs[10]
-        assert "ranks disagree on sf_dtype (rank 0: torch.float32, rank 1: torch.int32)" in msgs[11], msgs[11]
+        assert "ranks disagree on use_ue8m0 (rank 0: False, rank 1: True)" in msgs[11], msgs[11]
         assert "the buffer was destroyed" in msgs[12], msgs[12]
+
+
+def test_low_latency_call_is_not_the_regular_call(run_ranks):
+    """A low_latency_dispatch on one rank and a sync-free expand dispatch of the same shape on the other (or a
+    low_latency_combine and a combine of its handle) are different calls: every rank raises naming both."""
+    for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_vs_regular_calls, timeout=60)):
+        assert len(msgs) == 2, msgs
+        for msg, (mine, other) in zip(msgs, (("low_latency_dispatch", "dispatch"),
+                                             ("low_latency_combine", "combine"))):
+            call = mine if rank == 0 else other
+            assert msg.startswith(f"EPBuffer.{call}: rank {rank}: ranks disagree on op "
+                                  f"(rank 0: {mine}, rank 1: {other}); every rank must make the same call at the same "
+                                  "point (the low-latency calls are calls of their own"), msg
+
+
+def test_low_latency_disagreements_and_capacity_name_their_arguments(run_ranks):
+    """use_fp8 and use_ue8m0 disagreements name those arguments; N past the buffer names it and the low-latency
+    size hint (not the regular call's names)."""
+    dispatch = "EPBuffer.low_latency_dispatch"
+    for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_option_disagreements, timeout=60)):
+        assert len(msgs) == 4, msgs
+        assert msgs[0].startswith(f"{dispatch}: rank {rank}: ranks disagree on use_fp8 (rank 0: True, rank 1: "
+                                  "False); every rank must pass the same use_fp8"), msgs[0]
+        assert msgs[1].startswith(f"{dispatch}: rank {rank}: ranks disagree on use_ue8m0 (rank 0: False, rank 1: "
+                                  "True); every rank must pass the same use_ue8m0"), msgs[1]
+        for msg in msgs[2:] if rank == 1 else msgs[2:3]:
+            assert msg.startswith(f"{dispatch}: rank {rank}: num_max_dispatch_tokens_per_rank=4096 needs "), msg
+            assert "fits num_max_dispatch_tokens_per_rank <= " in msg and \
+                "EPBuffer.get_low_latency_rdma_size_hint(4096, 1024, 2, 4)" in msg, msg
+            assert "num_max_tokens_per_rank" not in msg and "get_buffer_size_hint" not in msg, msg
+        if rank == 0:
+            assert msgs[3].startswith(f"{dispatch}: rank 0: group rank 1 rejected the call: {dispatch}: rank 1: "
+                                      "num_max_dispatch_tokens_per_rank=4096"), msgs[3]
+
+
+def test_low_latency_per_rank_options_may_differ(run_ranks):
+    assert run_ranks(2, ll_cases.low_latency_per_rank_options, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_low_latency_timeout_names_the_call(kind):
+    results = run_in_fresh_world(2, ll_cases.low_latency_missing_peer, 2.0, kind, timeout=60)
+    msg, after = results[0]
+    assert re.search(rf"^EPBuffer.low_latency_{kind}: count exchange: rank 0 waited 2 s .* group ranks \[1\] did "
+                     "not arrive", msg), msg
+    assert after is not None and f"EPBuffer.low_latency_{kind} timed out" in after, after
+    assert results[1] == "skipped"

@@ -71,3 +71,14 @@ def test_eight_ranks(pools):
                      hidden=32, do_expand=expand, expert_alignment=4, num_bias=2, timeout=240)
     finally:
         pool.close()  # eight processes are heavy on a 2-core machine: do not keep them for later tests
+
+
+@pytest.mark.parametrize("mode", [dict(dtype="fp8", do_expand=True, expert_alignment=4, do_cpu_sync=False),
+                                  dict(dtype="bf16")], ids=["fp8-expand-nosync", "bf16"])
+def test_per_rank_options_may_differ(run_ranks, mode):
+    """docs/decisions.md "What ranks must agree on": the per-rank options, set differently on each rank."""
+    run_ranks(2, ep_cases.check_mode_per_rank_options, **mode)
+
+
+def test_per_rank_dispatch_flags_may_differ(run_ranks):
+    assert run_ranks(2, ep_cases.per_rank_dispatch_flags) == [True, True]

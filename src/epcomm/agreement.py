@@ -2,8 +2,9 @@
 
 Each rank sends every peer one int64 row: `[status, call_id, signature..., counts to every rank]`. `status` is 0, or the code
 of the exception the rank's own checks raised; the signature names what all ranks must agree on (operation,
-hidden, top-k, dtype, experts, layout, alignment, FP8, ...). After the exchange every rank sees every header
-and raises the same exception class, naming the offending group rank (docs/decisions.md "Errors and timeouts").
+hidden, top-k, dtype, experts, layout, alignment, FP8, ...; the low-latency calls have operations of their own,
+`low_latency_signature`). After the exchange every rank sees every header and raises the same exception class,
+naming the offending group rank (docs/decisions.md "Errors and timeouts", "What ranks must agree on").
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ STATUS_OK, STATUS_TYPE, STATUS_VALUE = 0, 1, 2
 _EXC = {STATUS_TYPE: TypeError, STATUS_VALUE: ValueError}
 _STATUS = {TypeError: STATUS_TYPE, ValueError: STATUS_VALUE}
 
-OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "barrier", 5: "destroy"}
-OP_BARRIER, OP_DESTROY = 4, 5
+OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "barrier", 5: "destroy", 6: "low_latency_dispatch",
+       7: "low_latency_combine"}
+OP_BARRIER, OP_DESTROY, OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE = 4, 5, 6, 7
 SIGNATURE_FIELDS = (
     "op", "hidden", "num_topk", "dtype", "num_experts", "do_expand", "expert_alignment", "fp8",
     "num_sf_packs", "sf_dtype", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync", "fused_exact", "buffer",
@@ -30,6 +32,10 @@ _BOOL_FIELDS = ("do_expand", "fp8", "has_topk_weights", "do_cpu_sync", "fused_ex
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4, torch.float8_e4m3fn: 5,
                 torch.int32: 6}
 DTYPE_NAMES = {v: str(k) for k, v in _DTYPE_CODES.items()}
+# The low-latency calls carry their own arguments in these slots, under their own names in messages (the header
+# keeps its length, which the nvlink transport's published rows build on).
+_LOW_LATENCY_NAMES = {"fp8": "use_fp8", "sf_dtype": "use_ue8m0",
+                      "num_max_tokens_per_rank": "num_max_dispatch_tokens_per_rank"}
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -40,6 +46,15 @@ def status_of(err: Optional[BaseException]) -> int:
     if err is None:
         return STATUS_OK
     return _STATUS.get(type(err), STATUS_VALUE)
+
+
+def low_latency_signature(*, hidden: int, num_topk: int, num_experts: int, use_fp8: bool, use_ue8m0: bool,
+                          num_max_dispatch_tokens_per_rank: int) -> dict:
+    """The signature of a `low_latency_dispatch`: what every rank must pass alike (round_scale, the hook, the event
+    and the stats may differ); `use_ue8m0` rides in the `sf_dtype` slot (`_LOW_LATENCY_NAMES`)."""
+    return dict(op=OP_LOW_LATENCY_DISPATCH, hidden=hidden, num_topk=num_topk, dtype=dtype_code(torch.bfloat16),
+                num_experts=num_experts, do_expand=True, fp8=use_fp8, sf_dtype=use_ue8m0,
+                num_max_tokens_per_rank=num_max_dispatch_tokens_per_rank)
 
 
 def header(status: int, call_id: int, signature: dict, buffer_uid: int = 0) -> list:
@@ -123,23 +138,29 @@ def check(
         desc = ", ".join(f"rank {s}: call #{c} ({o})" for s, (c, o) in enumerate(zip(calls, ops)))
         raise ValueError(f"{call}: rank {rank}: ranks are at different calls on this buffer ({desc}); every rank "
                          "must make the same dispatch/combine calls in the same order")
-    for i, name in enumerate(SIGNATURE_FIELDS):
+    low_latency = [row[2] in (OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE) for row in recv_RC]
+    for i, field in enumerate(SIGNATURE_FIELDS):
         values = [row[2 + i] for row in recv_RC]
         if len(set(values)) > 1:
+            name = _LOW_LATENCY_NAMES.get(field, field) if all(low_latency) else field
             if name == "op":
                 shown = [OPS.get(v, "?") for v in values]
             elif name in ("dtype", "sf_dtype"):
                 shown = [DTYPE_NAMES.get(v, "?") for v in values]
-            elif name in _BOOL_FIELDS:
+            elif name in _BOOL_FIELDS or name in ("use_fp8", "use_ue8m0"):
                 shown = [bool(v) for v in values]
             else:
                 shown = values
             desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
-            fix = {"op": "make the same call at the same point (in training: every rank runs the backward of every "
-                         "TokenDispatcher call; a rank whose output needs no gradient skips it)",
+            op_fix = ("the low-latency calls are calls of their own, not a dispatch or combine" if any(low_latency)
+                      else "in training: every rank runs the backward of every TokenDispatcher call; a rank whose "
+                           "output needs no gradient skips it")
+            fix = {"op": f"make the same call at the same point ({op_fix})",
                    "hidden": "pass x with the same hidden size (x.shape[1])",
                    "num_topk": "pass topk_idx with the same number of columns (topk_idx.shape[1])",
                    "dtype": "pass x in the same dtype",
+                   "use_fp8": "pass the same use_fp8 (the rows' format on the link)",
+                   "use_ue8m0": "pass the same use_ue8m0 (the received scales' format)",
                    "fused_exact": "set EPCOMM_FUSED_EXACT the same (the nvlink CPU-synced dispatch's path)",
                    "buffer": "make the call on the same buffer (one EPBuffer object per group, used in the same "
                              "order on every rank)"}.get(name, f"pass the same {name}")

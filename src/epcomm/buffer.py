@@ -51,6 +51,11 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
 class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     """Expert-parallel dispatch/combine buffer for one process group (collective: every rank constructs it).
 
+    Every rank passes the same `num_max_tokens_per_rank`, `hidden`, `num_topk`, `dtype`, `use_fp8_dispatch`,
+    `allow_multiple_reduction`, `num_bytes` and `transport` (what sizes or lays out the buffer; checked here, a
+    `ValueError` on every rank); the others, such as the timeouts, `deterministic`, `allow_hybrid_mode`, `sl_idx` and
+    `num_allocated_qps`, may differ between ranks (docs/decisions.md "What ranks must agree on").
+
     Args:
         group: the EP process group; None for the default (world) group. Messages use group ranks.
         num_bytes: capacity in bytes, a positive multiple of 2 MiB; None to size it from the MoE shape below
@@ -460,18 +465,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 self.num_ranks, self.device)
         agreement.check(call, self.rank, recv_rows, local_error, gather)
 
-    def _reject(self, call: str, err: BaseException) -> None:
-        """Raise `err` here and make the peers' current call raise too (their headers see the failed status)."""
-        call_id = self._next_call_id()
-        head = agreement.header(agreement.status_of(err), call_id, {}, self.uid)
-        if self.device.type != "cpu":  # on GPU sync-free peers never read headers: fail locally
-            raise err
-        recv = self.transport.exchange_counts(agreement.pack(head, None, self.num_ranks, self.device), wait=True,
-                                              call_id=call_id)
-        self.agree(call, recv.tolist(), err)
-
     def _exchange_header(self, call: str, call_id: int, signature: dict, err: Optional[BaseException]) -> None:
-        """Header-only exchange for calls without counts (combine, cached dispatch): CPU only (free there)."""
+        """Header-only exchange for calls without counts (combine, cached dispatch, low-latency calls): CPU only
+        (free there); on GPU it raises `err`, if any, on this rank only."""
         if self.device.type != "cpu":
             if err is not None:
                 raise err

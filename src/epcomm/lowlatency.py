@@ -8,7 +8,10 @@ rounding. Two paths give the same results: on the nvlink transport, two Triton k
 symmetric memory (`lowlatency_nvlink.py`); on every other transport, the portable path here (a sync-free
 dispatch through the transport, then a scatter into the expert-major layout; no host synchronisation on GPU).
 Rows past `recv_count[e]` of the expert-major output are unspecified (the nvlink path leaves them unwritten, as
-DeepEP V1 does).
+DeepEP V1 does). On CPU each portable call first exchanges a header of its own (op `low_latency_dispatch` /
+`low_latency_combine`, the options every rank passes alike: `agreement.low_latency_signature`), so ranks that
+disagree, or where one makes the regular call the portable path is built on, raise on every rank before any data
+moves.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import pipeline, sizing, streams
+from . import agreement, pipeline, sizing, streams
 from .events import EventHandle, EventOverlap
 from .fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
 from .kernels import weighted_reduce_torch
@@ -104,6 +107,38 @@ class LowLatencyMixin:
         return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
                             sizing.ALLOCATION_ALIGNMENT)
 
+    def _low_latency_header(self, call: str, signature: dict, err: Optional[BaseException]) -> int:
+        """The portable path's header exchange (CPU; a no-op on GPU), or `err` raised: on CPU on every rank. The op
+        of `signature` tells the low-latency calls from the regular calls their portable path makes.
+
+        Returns:
+            The call id of the exchange.
+
+        Raises:
+            TypeError / ValueError: `err` (the peers: "group rank r rejected the call"), or ranks that disagree.
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs` (the buffer is unusable after it).
+        """
+        call_id = self._next_call_id()
+        try:
+            self._exchange_header(call, call_id, signature, err)
+        except TimeoutError as e:
+            self._mark_broken(call, e)
+        return call_id
+
+    def _check_low_latency_capacity(self, c: Checker, n: int, hidden: int, num_topk: int, num_experts: int,
+                                    use_fp8: bool) -> None:
+        """The portable path's dispatch must fit in the buffer (`validate.check_capacity`, in this call's terms)."""
+        kw = dict(num_topk=num_topk, use_fp8_dispatch=use_fp8, allow_multiple_reduction=self.allow_multiple_reduction,
+                  elem_size=2, which="dispatch")
+        need = sizing.required_bytes(self.num_ranks, n, hidden, **kw)
+        if need > self.num_bytes:
+            fits = sizing.max_tokens_that_fit(self.num_bytes, self.num_ranks, hidden, **kw)
+            c.fail(ValueError, f"num_max_dispatch_tokens_per_rank={n} needs {need} bytes (hidden={hidden}, "
+                               f"top-k {num_topk}, {'FP8' if use_fp8 else 'BF16'} rows) but the buffer has num_bytes="
+                               f"{self.num_bytes}; at this shape it fits num_max_dispatch_tokens_per_rank <= {fits}. "
+                               f"Construct the buffer with num_bytes=EPBuffer.get_low_latency_rdma_size_hint({n}, "
+                               f"{hidden}, {self.num_ranks}, {num_experts})")
+
     def _low_latency_calls(self, layout: Layout) -> CallBook:
         """The `CallBook` of a call shape on the portable path (nvlink keeps one in each shape's area)."""
         if getattr(self, "_ll_calls", None) is None:
@@ -166,18 +201,25 @@ class LowLatencyMixin:
                              return_recv_hook: bool = False):
         """Dispatch decode tokens to their experts, expert-major and padded (collective; no host synchronisation).
 
+        Every rank passes the same N, H, K, `num_experts`, `use_fp8` and `use_ue8m0` (the rest may differ between
+        ranks, T included); docs/decisions.md "What ranks must agree on".
+
         Args:
             x: [T, H] bf16 -- T <= num_max_dispatch_tokens_per_rank.
             topk_idx: [T, K] int64/int32 -- global expert ids, -1 = none.
-            num_max_dispatch_tokens_per_rank: N, the same on every rank.
-            num_experts: E, a multiple of the group size.
-            cumulative_local_expert_recv_stats: [L] int32 or None -- `+= recv_count`.
+            num_max_dispatch_tokens_per_rank: N, the same on every rank; on the portable path the buffer must hold
+                it (`get_low_latency_rdma_size_hint`).
+            num_experts: E, a multiple of the group size; the same on every rank.
+            cumulative_local_expert_recv_stats: [L] int32 or None -- `+= recv_count`; per rank.
             dispatch_wait_recv_cost_stats: must be None (not implemented: per-rank wait times).
-            use_fp8: cast to float8_e4m3fn per 1x128 block inside the call (default) or send BF16.
-            round_scale: power-of-two fp32 scales.
-            use_ue8m0: packed UE8M0 scales ([.., ceil(H/512)] int32); implies power-of-two scales.
-            async_finish: return an event to wait on instead of ordering the current stream.
-            return_recv_hook: also return a hook that waits for arrival (the data is complete when it returns).
+            use_fp8: cast to float8_e4m3fn per 1x128 block inside the call (default) or send BF16; the same on
+                every rank.
+            round_scale: power-of-two fp32 scales; per rank (each rank's rows carry their own scales).
+            use_ue8m0: packed UE8M0 scales ([.., ceil(H/512)] int32); implies power-of-two scales; the same on every
+                rank.
+            async_finish: return an event to wait on instead of ordering the current stream; per rank.
+            return_recv_hook: also return a hook that waits for arrival (the data is complete when it returns); per
+                rank.
 
         Returns:
             `(recv_x, recv_count, handle, event, hook)`: recv_x is [L, R*N, H] bf16, or `(data [L, R*N, H] e4m3,
@@ -189,12 +231,15 @@ class LowLatencyMixin:
             call e - 2, so that call's hook must have been called before call e is issued (checked; ValueError).
 
         Raises:
-            TypeError / ValueError: bad arguments, unsupported options, a hook two calls back not yet called. On
-                CPU every rank raises; on GPU the offending rank raises before any data moves (no header is
-                exchanged, docs/decisions.md), and `topk_idx` values are not read (that would synchronise): ids
-                outside [-1, num_experts) or repeated in a row give unspecified results there.
-            TimeoutError: an earlier low-latency call of this buffer timed out on the GPU (nvlink; the message
-                names the rank that never signalled).
+            TypeError / ValueError: bad arguments, unsupported options, N past the buffer's capacity (portable path),
+                a hook two calls back not yet called, ranks that disagree (on CPU) or ranks where one makes this call
+                and another a `dispatch`. On CPU every rank raises; on GPU the offending rank raises before any data
+                moves (no header is exchanged, docs/decisions.md; nvlink checks the shape at the first call of each
+                shape only), and `topk_idx` values are not read (that would synchronise): ids outside
+                [-1, num_experts) or repeated in a row give unspecified results there.
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs` (CPU; the buffer is unusable after
+                it), or an earlier low-latency call of this buffer timed out on the GPU (nvlink; the message names
+                the rank that never signalled).
 
         Source: DeepEP V1 `Buffer.low_latency_dispatch` (../shared/reference/peers.md §1.2); nvlink kernels in
         `lowlatency_nvlink.py`.
@@ -235,11 +280,15 @@ class LowLatencyMixin:
             if fast is not None:
                 fast.check_status(name)
             else:  # nvlink checks this when it launches; here every rank raises together on CPU
+                self._check_low_latency_capacity(c, n, x.shape[1], topk_idx.shape[1], num_experts, use_fp8)
                 calls = self._low_latency_calls(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1],
                                                        num_experts // self.num_ranks))
                 call_index = calls.next_call(0, self.rank)
+                signature = agreement.low_latency_signature(
+                    hidden=x.shape[1], num_topk=topk_idx.shape[1], num_experts=num_experts, use_fp8=use_fp8,
+                    use_ue8m0=use_ue8m0, num_max_dispatch_tokens_per_rank=n)
         except (TypeError, ValueError) as e:
-            self._reject(name, e)
+            self._low_latency_header(name, {}, e)  # raises e (on CPU every rank raises)
         num_local = num_experts // self.num_ranks
         version = EPHandle.capture_version(topk_idx)
         if fast is not None:
@@ -251,6 +300,9 @@ class LowLatencyMixin:
                                          item_map=item_map, area=area, calls=area.calls, call_index=call_index)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
             return recv_x, recv_count, ll_handle, event, receive
+        # Its own header first (CPU): the expand dispatch below exchanges a regular dispatch's header, which cannot
+        # tell this call from a dispatch nor name use_fp8 / use_ue8m0.
+        self._low_latency_header(name, signature, None)
         if use_fp8:
             data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
             if round_scale and not use_ue8m0:
@@ -262,11 +314,11 @@ class LowLatencyMixin:
             recv, _, _, handle, _ = self.dispatch(payload, topk_idx, None, cumulative_local_expert_recv_stats,
                                                   num_experts=num_experts, num_max_tokens_per_rank=n, do_expand=True,
                                                   do_cpu_sync=False, emit_expert_ids=True)
-        except (TypeError, ValueError) as e:  # ranks that disagree, for example: name this call and its argument
+        except (TypeError, ValueError, TimeoutError) as e:  # name this call and its argument
+            if isinstance(e, TimeoutError):
+                self._broken = f"{name} timed out"
             msg = str(e).replace("EPBuffer.dispatch", name, 1)
-            if "ranks disagree on num_max_tokens_per_rank" in msg:
-                msg = msg.replace("num_max_tokens_per_rank", "num_max_dispatch_tokens_per_rank")
-            raise type(e)(msg) from None
+            raise type(e)(msg.replace("num_max_tokens_per_rank", "num_max_dispatch_tokens_per_rank")) from None
         rows = self.num_ranks * n
         expert_S = handle.recv_expert_ids.long()
         start_L = (handle.psum_num_recv_tokens_per_expert - handle.num_unaligned_recv_tokens_per_expert).long()
@@ -309,10 +361,10 @@ class LowLatencyMixin:
             x: [L, R*N, H] bf16 -- expert outputs in the dispatch's expert-major layout.
             topk_idx: [T, K] -- the routing of the dispatch (the same tensor or equal values).
             topk_weights: [T, K] fp32 -- the weights applied here.
-            handle: the `LowLatencyHandle` of the dispatch.
+            handle: the `LowLatencyHandle` of the dispatch (every rank combines the same dispatch).
             use_logfmt, zero_copy, combine_wait_recv_cost_stats: not implemented; must be False / None.
-            async_finish, return_recv_hook: as `low_latency_dispatch`.
-            out: [T, H] bf16 or None -- written in place and returned when given.
+            async_finish, return_recv_hook: as `low_latency_dispatch` (per rank).
+            out: [T, H] bf16 or None -- written in place and returned when given; per rank.
 
         Returns:
             `(combined_x [T, H] bf16, event, hook)`; with `return_recv_hook`, `combined_x` is complete once the hook
@@ -320,10 +372,10 @@ class LowLatencyMixin:
 
         Raises:
             TypeError / ValueError: bad arguments, unsupported options, a handle of another buffer, a routing
-                edited in place since the dispatch, a dispatch whose receive hook has not been called, or the
-                hook of the combine two calls back not yet called. Where each raises: as
-                `low_latency_dispatch`.
-            TimeoutError: an earlier low-latency call of this buffer timed out on the GPU (nvlink; names the rank).
+                edited in place since the dispatch, a dispatch whose receive hook has not been called, the
+                hook of the combine two calls back not yet called, or ranks where one makes this call and another a
+                `combine`. Where each raises: as `low_latency_dispatch`.
+            TimeoutError: as `low_latency_dispatch`.
 
         Source: DeepEP V1 `Buffer.low_latency_combine` (../shared/reference/peers.md §1.2); nvlink kernels in
         `lowlatency_nvlink.py`.
@@ -371,7 +423,7 @@ class LowLatencyMixin:
             else:  # nvlink checks this when it launches; here every rank raises together on CPU
                 call_index = handle.calls.next_call(1, self.rank)
         except (TypeError, ValueError) as e:
-            self._reject(name, e)
+            self._low_latency_header(name, {}, e)  # raises e (on CPU every rank raises)
         if fast is not None:
             combined = out if out is not None else torch.empty(topk_idx.shape[0], handle.hidden,
                                                                dtype=torch.bfloat16, device=self.device)
@@ -386,9 +438,11 @@ class LowLatencyMixin:
         x_S = flat.index_select(0, slot_S)
         h = handle.handle
         call = pipeline.CombineCall(x=x_S, handle=h, topk_weights=None, bias_0=None, bias_1=None, per_pair=True)
-        call_id = self._next_call_id()
-        self._exchange_header("EPBuffer.low_latency_combine", call_id, call.signature(), None)
-        launched = pipeline.combine_launch(self, call, call_id)
+        call_id = self._low_latency_header(name, call.signature() | {"op": agreement.OP_LOW_LATENCY_COMBINE}, None)
+        try:
+            launched = pipeline.combine_launch(self, call, call_id)
+        except TimeoutError as e:
+            self._mark_broken(name, e)
         item_TK = pipeline.returned_item_rows(self, h, per_pair=True)
         y = launched["spec"].view(launched["recv_XB"], "x")
         combined = weighted_reduce_torch(y, item_TK, topk_weights, torch.bfloat16)
