@@ -220,25 +220,29 @@ def low_latency_paths_agree(rank: int, world: int, *, rounds: int = 12, back_to_
 
 
 def low_latency_shape_disagreement(rank: int, world: int):
-    """Ranks that pass different shapes to their first low-latency call raise on every rank (the region's
-    collective allocation agrees on the shape first), and the buffer works afterwards."""
+    """Ranks that pass different shapes, or different `use_fp8`, to their first low-latency call of a shape raise on
+    every rank (the region's collective allocation agrees on the shape and row format first), and the buffer works
+    afterwards."""
     device = torch.device("cuda", torch.cuda.current_device())
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=16, hidden=256, explicitly_destroy=True)
     x = torch.randn(8, 256, device=device).bfloat16()
     idx = torch.rand(8, 8).topk(2, dim=1).indices.to(device)
-    try:
-        buf.low_latency_dispatch(x, idx, 8 if rank == 0 else 16, 8)
-    except ValueError as e:
-        msg = str(e)
-    else:
-        msg = ""
+    msgs = []
+    for kwargs in (dict(num_max_dispatch_tokens_per_rank=8 if rank == 0 else 16),  # shape
+                   dict(num_max_dispatch_tokens_per_rank=8, use_fp8=rank == 0)):  # row format
+        try:
+            buf.low_latency_dispatch(x, idx, num_experts=8, **kwargs)
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("")
     recv_x, count, _, _, _ = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False)
     # Every (token, expert) item arrives once: the group's received rows equal the group's items.
     totals = torch.stack([count.sum().long(), (idx >= 0).sum().long()])
     torch.distributed.all_reduce(totals)
     assert totals[0] == totals[1], totals.tolist()
     buf.destroy()
-    return msg
+    return msgs
 
 
 def _small_call(rank: int) -> tuple:

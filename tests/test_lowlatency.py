@@ -94,9 +94,11 @@ def test_low_latency_device_wait_names_missing_rank_on_gpu():
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_low_latency_shape_disagreement_raises_on_every_rank_on_gpu(pools):
-    for msg in pools.get(2, "nccl").run(ll_cases.low_latency_shape_disagreement):
-        assert "ranks disagree on the call's shape" in msg, msg
-        assert "num_max_dispatch_tokens_per_rank: rank 0=8, rank 1=16" in msg, msg
+    for shape, row_format in pools.get(2, "nccl").run(ll_cases.low_latency_shape_disagreement):
+        assert "ranks disagree on the call's shape" in shape, shape
+        assert "num_max_dispatch_tokens_per_rank: rank 0=8, rank 1=16" in shape, shape
+        assert "ranks disagree on the call's shape or row format (use_fp8: rank 0=1, rank 1=0)" in row_format, \
+            row_format
 
 
 def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):

@@ -154,20 +154,24 @@ class LowLatencyMixin:
             self._ll_regions = []
             from .transport.symm import SymmetricRegion
 
-            def allocate(layout: Layout):
-                # The allocation is collective and sized by the call's shape: agree on the shape first (once per
-                # shape, so the host wait costs nothing per call), so ranks that disagree raise instead of hanging.
-                shape = [layout.num_max_tokens, layout.hidden, layout.num_topk, layout.num_local_experts]
+            def allocate(layout: Layout, row_format: tuple):
+                # The allocation is collective and sized by the call's shape: agree on the shape and the row format
+                # first (once per pair, so the host wait costs nothing per call), so ranks that disagree raise
+                # instead of hanging or reading rows of another format.
+                shape = [layout.num_max_tokens, layout.hidden, layout.num_topk, layout.num_local_experts,
+                         *map(int, row_format)]
                 mine = torch.tensor(shape, dtype=torch.int64, device=self.device)
                 rows = streams.ordered_exchange(self.transport, self._comm_stream, self.device,
-                                                mine.expand(self.num_ranks, 4).contiguous(),
+                                                mine.expand(self.num_ranks, len(shape)).contiguous(),
                                                 self._next_call_id()).tolist()
                 if any(row != shape for row in rows):
-                    names = ("num_max_dispatch_tokens_per_rank", "hidden", "num_topk", "num_local_experts")
+                    names = ("num_max_dispatch_tokens_per_rank", "hidden", "num_topk", "num_local_experts",
+                             "use_fp8", "use_ue8m0")
                     diff = "; ".join(f"{name}: " + ", ".join(f"rank {s}={row[i]}" for s, row in enumerate(rows))
                                      for i, name in enumerate(names) if len({row[i] for row in rows}) > 1)
                     raise ValueError(f"EPBuffer low-latency call: rank {self.rank}: ranks disagree on the call's "
-                                     f"shape ({diff}); every rank must pass the same shapes")
+                                     f"shape or row format ({diff}); every rank must pass the same shapes, use_fp8 "
+                                     "and use_ue8m0")
                 region = SymmetricRegion(self.group, layout.nbytes, self.device,
                                          timeout_s=self.num_gpu_timeout_secs)
                 region.local.zero_()
@@ -234,8 +238,8 @@ class LowLatencyMixin:
             TypeError / ValueError: bad arguments, unsupported options, N past the buffer's capacity (portable path),
                 a hook two calls back not yet called, ranks that disagree (on CPU) or ranks where one makes this call
                 and another a `dispatch`. On CPU every rank raises; on GPU the offending rank raises before any data
-                moves (no header is exchanged, docs/decisions.md; nvlink checks the shape at the first call of each
-                shape only), and `topk_idx` values are not read (that would synchronise): ids outside
+                moves (no header is exchanged, docs/decisions.md; nvlink checks the shape and `use_fp8` /
+                `use_ue8m0` at the first call of each such pair only), and `topk_idx` values are not read (that would synchronise): ids outside
                 [-1, num_experts) or repeated in a row give unspecified results there.
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs` (CPU; the buffer is unusable after
                 it), or an earlier low-latency call of this buffer timed out on the GPU (nvlink; the message names
@@ -292,7 +296,8 @@ class LowLatencyMixin:
         num_local = num_experts // self.num_ranks
         version = EPHandle.capture_version(topk_idx)
         if fast is not None:
-            area = fast.prepare(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1], num_local), name)
+            area = fast.prepare(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1], num_local), name,
+                                (bool(use_fp8), bool(use_ue8m0)))
             recv_x, recv_count, item_map, call_index, receive = fast.dispatch(
                 area, x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0,
                 hook=return_recv_hook)

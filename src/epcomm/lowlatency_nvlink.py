@@ -7,8 +7,8 @@ symmetric memory, inside the kernel: no device barrier, no host synchronisation,
 call's tokens on the link. With `return_recv_hook=True` the call launches a send kernel and the hook launches the
 receive kernel. Kernels: `kernels/_lowlatency_triton.py`.
 
-Region of every rank, one per call shape (its own symmetric allocation, made collectively by the first
-low-latency call of that shape, after the ranks agree on the shape; `Layout`, `Area`):
+Region of every rank, one per call shape and row format (`use_fp8`, `use_ue8m0`: its own symmetric allocation,
+made collectively by the first low-latency call of the pair, after the ranks agree on both; `Layout`, `Area`):
 
     [ flags | counts: 2 x R x L int32 | arrivals: 2 x N x R int64 | dispatch rows: 2 x R x N rows
       | combine rows: 2 x N*K rows ]
@@ -164,7 +164,7 @@ class Area:
 
 
 class LowLatencyNVLink:
-    """Per-buffer state of the fast path: one `Area` per call shape, and the timeout record.
+    """Per-buffer state of the fast path: one `Area` per call shape and row format, and the timeout record.
 
     Fields:
         status: [1] int64 (host memory the GPU writes) -- 0, or 1 + the rank a wait timed out on.
@@ -173,7 +173,7 @@ class LowLatencyNVLink:
     def __init__(self, rank: int, num_ranks: int, device: torch.device, timeout_s: float, allocate: Callable):
         self.rank, self.num_ranks, self.device = rank, num_ranks, device
         self.timeout_ns = int(timeout_s * 1e9)
-        self._allocate = allocate  # layout -> (local, delta16): collective
+        self._allocate = allocate  # (layout, row format) -> (local, delta16): collective
         self.areas: dict = {}
         pinned = device.type == "cuda"
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
@@ -191,9 +191,12 @@ class LowLatencyNVLink:
                                f"{self.timeout_ns / 1e9:g} s (num_gpu_timeout_secs) waiting for rank {missing - 1}; "
                                "the buffer is unusable, restart the process group")
 
-    def prepare(self, layout: Layout, call: str) -> Area:
-        """The area of this call shape, allocated (collectively) by the first call of the shape."""
-        area = self.areas.get(layout)
+    def prepare(self, layout: Layout, call: str, row_format: tuple = (False, False)) -> Area:
+        """The area of this call shape and row format `(use_fp8, use_ue8m0)`, allocated (collectively, after the
+        ranks agree on both) by the first call of the pair. Every pair has its own area: no header travels with a
+        call, so ranks that pass another format to a later call wait for each other in different areas, and the
+        bounded wait names the rank, rather than read rows of another format."""
+        area = self.areas.get((layout, row_format))
         if area is not None:
             return area
         if capturing(self.device):
@@ -201,8 +204,8 @@ class LowLatencyNVLink:
                              f"{layout.num_max_tokens}, hidden={layout.hidden}, top-k={layout.num_topk}) allocates "
                              "symmetric memory and cannot be captured; make one eager call of this shape before "
                              "capturing a CUDA graph")
-        area = Area(layout, *self._allocate(layout))
-        self.areas[layout] = area
+        area = Area(layout, *self._allocate(layout, row_format))
+        self.areas[(layout, row_format)] = area
         return area
 
     @staticmethod

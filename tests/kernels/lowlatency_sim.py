@@ -25,7 +25,7 @@ def engines(num_ranks, layout, timeout_s=30.0):
     ptrs = torch.tensor([t.data_ptr() for t in regions], dtype=torch.int64)
 
     def allocate_for(r):
-        return lambda _layout: (regions[r], torch.div(ptrs - ptrs[r], 16, rounding_mode="floor"))
+        return lambda _layout, _row_format: (regions[r], torch.div(ptrs - ptrs[r], 16, rounding_mode="floor"))
 
     out = [LowLatencyNVLink(r, num_ranks, torch.device("cpu"), timeout_s, allocate_for(r)) for r in range(num_ranks)]
     return out, [e.prepare(layout, "test") for e in out]
