@@ -253,7 +253,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
     def _agreed_options(self) -> dict:
         """The construction arguments every rank must pass alike (`_AGREED_OPTIONS`, in that order), as ints."""
-        values = dict(num_max_tokens_per_rank=self.num_max_tokens_per_rank, hidden=self.hidden, num_topk=self.num_topk,
+        values = dict(num_max_tokens_per_rank=self.num_max_tokens_per_rank, hidden=self.hidden,
+                      num_topk=self.num_topk or sizing.MAX_TOPK,  # 0 sizes for 32: the same buffer
                       dtype=agreement.dtype_code(self.dtype), use_fp8_dispatch=int(bool(self.use_fp8_dispatch)),
                       allow_multiple_reduction=int(bool(self.allow_multiple_reduction)), num_bytes=self.num_bytes)
         return {name: values[name] for name in _AGREED_OPTIONS}
