@@ -4,9 +4,9 @@ An eager CPU-synced dispatch on nvlink launches five Triton kernels and is bound
 costs the host 40-100 us per launch for kernels of 15-60 arguments (2x H200 hosts, Triton 3.6, measured by wrapping
 `JITFunction.run`); Triton's binder alone specialises each tensor argument in ~3 us (Triton 3.9 on CPU). `launch`
 keys its own cache with a cheaper description of the arguments that is at least as fine as Triton's
-specialisation, and launches the compiled kernel directly, as `transport/symm.py` does for the barrier kernel. It
-takes 3-4% off an eager full dispatch on those hosts (benchmarks/direct_launch_ab.py): the compiled kernel's own
-launcher still costs 8-9 us there. The key:
+specialisation, and hands the arguments straight to the compiled kernel's launcher (`Compiled`: Triton's runner
+would add a closure, a launch-metadata dict and calls of empty hook chains per launch), as `transport/symm.py` does
+for the barrier kernel. The key:
 
 * tensors: dtype and whether the address is a multiple of 16 bytes (Triton's alignment specialisation);
 * integers of runtime parameters: 1 or not, a multiple of 16 or not, 32- or 64-bit (all Triton looks at);
