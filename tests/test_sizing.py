@@ -62,3 +62,12 @@ def test_theoretical_num_sms_model():
     assert sms % 4 == 0 and 4 <= sms <= 132
     assert sizing.theoretical_num_sms(2, 256, 8, 430.0, 132, prefer_overlap_with_compute=False) >= 64
     assert sizing.theoretical_num_sms(1, 8, 2, 430.0, 132) == 132  # no peers: every SM
+
+
+def test_next_pow2_and_ceil_div_match_triton():
+    """The host helpers the launchers use instead of Triton's constexpr functions give Triton's values."""
+    triton = pytest.importorskip("triton")
+    values = list(range(0, 300)) + [2 ** k + d for k in range(9, 40) for d in (-1, 0, 1)]
+    assert [sizing.next_pow2(n) for n in values] == [triton.next_power_of_2(n) for n in values]
+    assert [sizing.ceil_div(a, b) for a in values[:300] for b in (1, 3, 16, 128)] == \
+        [triton.cdiv(a, b) for a in values[:300] for b in (1, 3, 16, 128)]
