@@ -188,7 +188,7 @@ def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind, exc, p
 
 @pytest.mark.parametrize("kind,field,values", [
     ("tokens", "num_max_tokens_per_rank", "rank 0: 16, rank 1: 17"), ("size", "num_bytes", None),
-    ("hidden", "hidden", "rank 0: 32, rank 1: 64"), ("topk", "num_topk", "rank 0: 32, rank 1: 4"),
+    ("hidden", "hidden", "rank 0: 32, rank 1: 64"), ("topk", "num_topk", "rank 0: 0 (sizes for 32), rank 1: 4"),
     ("half", "dtype", "rank 0: torch.bfloat16, rank 1: torch.float16"),
     ("fp8", "use_fp8_dispatch", "rank 0: False, rank 1: True"),
     ("reduction", "allow_multiple_reduction", "rank 0: True, rank 1: False"),

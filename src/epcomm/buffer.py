@@ -235,10 +235,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                       f"{messages[failed[0]]}")
         for col, name in enumerate(_AGREED_OPTIONS, start=6):  # the arguments first, the size they imply last
             values = [row[col] for row in rows]
-            if len(set(values)) > 1:  # one region size, one default capacity, one combine layout per buffer
+            sized = [v or sizing.MAX_TOPK for v in values] if name == "num_topk" else values  # 0 sizes for 32
+            if len(set(sized)) > 1:  # one region size, one default capacity, one combine layout per buffer
                 self._destroyed = True
-                shown = [agreement.DTYPE_NAMES.get(v, '?') if name == "dtype" else bool(v) if name in _FLAGS else v
-                         for v in values]
+                shown = [agreement.DTYPE_NAMES.get(v, '?') if name == "dtype" else bool(v) if name in _FLAGS
+                         else "0 (sizes for 32)" if name == "num_topk" and v == 0 else v for v in values]
                 desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
                 raise ValueError(f"EPBuffer: rank {self.rank}: ranks disagree on {name} ({desc}); every rank must "
                                  f"construct the buffer with the same {name}")
@@ -253,8 +254,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
     def _agreed_options(self) -> dict:
         """The construction arguments every rank must pass alike (`_AGREED_OPTIONS`, in that order), as ints."""
-        values = dict(num_max_tokens_per_rank=self.num_max_tokens_per_rank, hidden=self.hidden,
-                      num_topk=self.num_topk or sizing.MAX_TOPK,  # 0 sizes for 32: the same buffer
+        values = dict(num_max_tokens_per_rank=self.num_max_tokens_per_rank, hidden=self.hidden, num_topk=self.num_topk,
                       dtype=agreement.dtype_code(self.dtype), use_fp8_dispatch=int(bool(self.use_fp8_dispatch)),
                       allow_multiple_reduction=int(bool(self.allow_multiple_reduction)), num_bytes=self.num_bytes)
         return {name: values[name] for name in _AGREED_OPTIONS}

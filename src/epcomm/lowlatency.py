@@ -87,7 +87,8 @@ class LowLatencyMixin:
         (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that write
         into a receive area hold them all at once). The nvlink transport's low-latency kernels use their own
         symmetric region (`lowlatency_nvlink.Layout`, a few tens of MB at decode sizes), allocated collectively by
-        the first low-latency call of a shape.
+        the first low-latency call of a shape and row format (`use_fp8`, `use_ue8m0`): a buffer that uses both
+        formats holds two.
 
         Raises:
             TypeError / ValueError: an argument that is not a positive int, or num_experts not a multiple of
@@ -140,7 +141,8 @@ class LowLatencyMixin:
                                f"{hidden}, {self.num_ranks}, {num_experts})")
 
     def _low_latency_calls(self, layout: Layout) -> CallBook:
-        """The `CallBook` of a call shape on the portable path (nvlink keeps one in each shape's area)."""
+        """The `CallBook` of a call shape on the portable path (nvlink keeps one in each area: shape and row
+        format)."""
         if getattr(self, "_ll_calls", None) is None:
             self._ll_calls = {}
         return self._ll_calls.setdefault(layout, CallBook())

@@ -143,7 +143,7 @@ class CallBook:
 
 
 class Area:
-    """One call shape's region and its call state (a buffer keeps one per shape it has seen).
+    """One call shape and row format's region and its call state (a buffer keeps one per pair it has seen).
 
     Fields:
         layout: the `Layout`.
@@ -200,10 +200,11 @@ class LowLatencyNVLink:
         if area is not None:
             return area
         if capturing(self.device):
-            raise ValueError(f"{call}: rank {self.rank}: the first low-latency call of a shape (here N="
-                             f"{layout.num_max_tokens}, hidden={layout.hidden}, top-k={layout.num_topk}) allocates "
-                             "symmetric memory and cannot be captured; make one eager call of this shape before "
-                             "capturing a CUDA graph")
+            raise ValueError(f"{call}: rank {self.rank}: the first low-latency call of a shape and row format "
+                             f"(here N={layout.num_max_tokens}, hidden={layout.hidden}, top-k={layout.num_topk}, "
+                             f"use_fp8={row_format[0]}, use_ue8m0={row_format[1]}) allocates symmetric memory and "
+                             "cannot be captured; make one eager call of this shape and format before capturing a "
+                             "CUDA graph")
         area = Area(layout, *self._allocate(layout, row_format))
         self.areas[(layout, row_format)] = area
         return area

@@ -1,6 +1,7 @@
 """Triton helpers for flags in symmetric memory: peer addressing, bounded waits, and the group barrier.
 
-Shared by every kernel that waits for a peer (the low-latency kernels, `transport.symm.SymmetricRegion.barrier`).
+Shared by every kernel that waits for a peer (the low-latency kernels, `transport.symm.SymmetricRegion.barrier`,
+the fused CPU-synced dispatch's `publish_rows`, which runs the region's barrier inside itself).
 Flags are int64 counters that only grow, so a wait is `flag >= target` and nothing is ever cleaned. Every wait
 is bounded: on timeout the kernel prints the missing rank, records it in host memory and (on GPU) traps
 (docs/decisions.md, "Errors and timeouts").
@@ -86,6 +87,10 @@ def group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off,
     scope, in parallel: the writes this stream made before the barrier are visible to a peer that sees the add),
     then wait until every rank's counter here reaches b (acquire). Stream order puts the caller's earlier work
     before it and its later work after it; a kernel that wrote rows before it runs `tl.debug_barrier()` first.
+
+    The wait-only half re-reads the count that the signal half stored from one thread, so the two halves of one
+    barrier run in separate launches (the CPU simulation) or in one call with both set: split inside one kernel, a
+    warp could read the count before the store and skip the wait.
     """
     flags = (local_ptr + flags_off).to(tl.pointer_type(tl.int64))
     b = tl.load(flags + R) + 1

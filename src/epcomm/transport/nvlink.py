@@ -62,9 +62,10 @@ class _EventWork:
 
 class NVLinkTransport(Transport):
     name = "nvlink"
-    # Received rows (sync-free calls) and returned rows (the combine's push) are views of a reused area: the
-    # epilogue reads them before the next call's first barrier lets peers write again (stream order), so one
-    # deferred epilogue may be in flight.
+    # Received rows (sync-free calls), returned rows (the combine's push) and the counts of a CPU-synced dispatch
+    # (its header area) are read in place: the epilogue reads them before the next call's first barrier lets peers
+    # write again (stream order; a deferred epilogue: no call starts while it is pending, and the comm stream then
+    # waits for it), so one deferred epilogue may be in flight.
     borrows_rows = True
     writes_blocks = False  # CPU-synced calls pull fields (move_fields); sync-free ones push blocks
 
@@ -159,8 +160,8 @@ class NVLinkTransport(Transport):
             [R, cols] int64 numpy array, row s from rank s: a view of the pinned rows, valid until the next call.
 
         Raises:
-            TimeoutError: a peer did not arrive (device barriers: `num_gpu_timeout_secs`; host wait:
-                `num_cpu_timeout_secs`).
+            TimeoutError: the host wait passed `num_cpu_timeout_secs`, or an earlier device barrier of the region
+                timed out (a barrier that times out inside this kernel prints the missing rank and traps).
         """
         from ..kernels import _exact_triton as k
 
@@ -177,8 +178,10 @@ class NVLinkTransport(Transport):
 
     def received_headers(self) -> tuple:
         """`(bytes, row stride in int64)` of this rank's header area, [R, header_cols] int64, row s written by rank s:
-        read in place by the fused dispatch's plan kernels (peers write it again only after this rank's next
-        barrier, which stream order puts after them)."""
+        read in place by the fused dispatch's plan kernels. Peers write it again only after this rank's next
+        barrier, which comes after those kernels: on the comm stream by stream order; for a deferred epilogue, which
+        runs them on the current stream at its first wait, because no call starts while it is pending
+        (`EPBuffer._check_alive`) and the comm stream then waits for the current stream (`streams.finish`)."""
         self.exact_table()
         return self._headers, _HEADER_COLS
 
