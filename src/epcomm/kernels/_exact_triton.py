@@ -112,9 +112,8 @@ def publish_rows(ex_ptr, host_ptr, local_ptr, delta16_ptr, status_ptr, me, timeo
     the second; 4 = wait for it, copy the headers out. On GPU all three (7)."""
     cc = tl.arange(0, C_POW2)
     in_c = cc < EX_COLS
-    # Each barrier is one `group_barrier` call with both halves where the stages run together: a wait-only half
-    # re-reads the count the signal half stored from one thread, which another warp of this program could read
-    # before the store (`group_barrier`).
+    # Each barrier is one `group_barrier` call with both halves where the stages run together (one read of the
+    # barrier count; the split halves are for the CPU simulation).
     if STAGES & 1:  # every peer has read the previous call's headers once all have arrived
         group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, True,
                       (STAGES & 2) != 0, USE_TIMER)

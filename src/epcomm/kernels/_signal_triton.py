@@ -88,11 +88,12 @@ def group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off,
     then wait until every rank's counter here reaches b (acquire). Stream order puts the caller's earlier work
     before it and its later work after it; a kernel that wrote rows before it runs `tl.debug_barrier()` first.
 
-    The wait-only half re-reads the count that the signal half stored from one thread, so the two halves of one
-    barrier run in separate launches (the CPU simulation) or in one call with both set: split inside one kernel, a
-    warp could read the count before the store and skip the wait.
+    The wait-only half re-reads the count that the signal half stored from one thread: it starts with a block-wide
+    sync, so that the halves may also be split inside one kernel (on GPU, kernels call it with both set).
     """
     flags = (local_ptr + flags_off).to(tl.pointer_type(tl.int64))
+    if not SIGNAL:
+        tl.debug_barrier()  # the signal half's store (one thread) is visible to every warp
     b = tl.load(flags + R) + 1
     if SIGNAL:
         tl.store(flags + R, b)
