@@ -20,7 +20,7 @@ from epcomm.fp8 import per_token_cast_to_fp8
 
 SMALL = ["--tokens", "32", "--iters", "2", "--warmup", "1"]
 TABLE_HEAD = ["preset", "T/rank", "layout", "dtype", "op", "provider", "mode", "SMs", "p50 us", "p20 us", "p80 us",
-              "DeepEP GB/s", "vs native", "vs a2a"]
+              "DeepEP GB/s", "vs native", "vs a2a", "vs cached"]
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +96,9 @@ def test_bench_subprocess_table_json_plot(tmp_path):
     native = keyed[("dispatch", "torch-native", "full", "time_p50_us", None, "bf16")]
     ratio = keyed[("dispatch", "epcomm-collective", "full", "vs_torch_native", "expand", "bf16")]
     assert ratio == pytest.approx(p50 / native)
+    cached = keyed[("dispatch", "epcomm-collective", "cached", "time_p50_us", "expand", "bf16")]
+    ratio = keyed[("dispatch", "epcomm-collective", "full", "vs_cached", "expand", "bf16")]
+    assert ratio == pytest.approx(p50 / cached)
     for r in recs:
         if r["metric"] == "time_p50_us":
             assert keyed[(r["op"], r["provider"], r["mode"], "time_p20_us", r["layout"], r["dtype"])] <= r["value"]

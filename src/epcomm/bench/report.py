@@ -14,6 +14,7 @@ Metrics (docs/benchmarks.md):
     floor_ratio: median time / (link bytes / ceiling); 1.0 is the physical limit.
     vs_torch_native, vs_raw_a2a: median time / the other provider's median time for the same work
         (below 1: faster than it).
+    vs_cached: a full dispatch's median time / the cached dispatch's on its handle (same provider and SMs).
 """
 
 from __future__ import annotations
@@ -71,12 +72,18 @@ def add_ratios(measurements: list) -> None:
     ceiling = next((m for m in measurements if m.provider == PEER_COPY), None)
     ceiling_bps = ceiling.recv_bytes / ceiling.p50 if ceiling else None  # the peer copy's bytes / time
     by_case = {}
+    cached = {}  # (case, layout, provider, SMs) -> the eager cached dispatch
     for m in measurements:
         if m.case is not None and m.layout is None:
             by_case[(m.case, m.provider, m.op)] = m
+        if m.op == "dispatch" and m.mode == "cached":
+            cached[(m.case, m.layout, m.provider, m.sms)] = m
     for m in measurements:
         if m.case is None:
             continue
+        same_handle = cached.get((m.case, m.layout, m.provider, m.sms))
+        if m.op == "dispatch" and m.mode == "full" and same_handle is not None:
+            m.ratios["vs_cached"] = m.p50 / same_handle.p50  # what a CPU-synced dispatch costs over a cached one
         native = by_case.get((m.case, TORCH_NATIVE, m.op))
         raw = next((b for (c, p, _), b in by_case.items() if c == m.case and p.endswith("-a2a")), None)
         if native is not None and m.provider != TORCH_NATIVE:
@@ -141,7 +148,7 @@ def table(entries: list, gpu_link: bool) -> str:
     head = ["preset", "T/rank", "layout", "dtype", "op", "provider", "mode", "SMs", "p50 us", "p20 us", "p80 us",
             "DeepEP GB/s"]
     head += ["link GB/s", "of ceiling"] if gpu_link else []
-    head += ["vs native", "vs a2a"] + (["vs floor"] if gpu_link else [])
+    head += ["vs native", "vs a2a", "vs cached"] + (["vs floor"] if gpu_link else [])
     rows = []
     for m in entries:
         c = m.case
@@ -158,7 +165,8 @@ def table(entries: list, gpu_link: bool) -> str:
         if gpu_link:
             link = m.link_bytes / m.p50 / 1e9 if c is not None else None
             row += [_num(link, 2), _ratio(m.ratios.get("link_ceiling_ratio"))]
-        row += [_ratio(m.ratios.get("vs_torch_native")), _ratio(m.ratios.get("vs_raw_a2a"))]
+        row += [_ratio(m.ratios.get("vs_torch_native")), _ratio(m.ratios.get("vs_raw_a2a")),
+                _ratio(m.ratios.get("vs_cached"))]
         row += [_ratio(m.ratios.get("floor_ratio"))] if gpu_link else []
         rows.append(row)
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
