@@ -21,7 +21,7 @@ from . import epilogue, layout, pipeline
 from .debug import phase
 from .kernels.launch import launch
 from .moves import row_bytes
-from .sizing import align, ceil_div, next_pow2
+from .sizing import align, ceil_div, contiguous_strides, next_pow2
 
 WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
 _FILL = 1024  # expanded rows initialised per step by the plan kernel
@@ -128,20 +128,8 @@ def carve(dtype: torch.dtype, device: torch.device, *shapes) -> list:
         starts.append(total)
         total += 0 if shape is None else align(math.prod(shape), per16)
     base = torch.empty(total, dtype=dtype, device=device)
-    return [None if shape is None else base.as_strided(shape, _contiguous_strides(shape), start)
+    return [None if shape is None else base.as_strided(shape, contiguous_strides(shape), start)
             for shape, start in zip(shapes, starts)]
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    if len(shape) == 1:
-        return (1,)
-    if len(shape) == 2:
-        return (shape[1], 1)
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def ptr_or(t: Optional[Tensor], placeholder: Tensor) -> Tensor:

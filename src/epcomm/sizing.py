@@ -38,6 +38,19 @@ def ceil_div(x: int, a: int) -> int:
     return (x + a - 1) // a
 
 
+def contiguous_strides(shape: tuple) -> tuple:
+    """Row-major strides (in elements) of a tensor of `shape`, for `as_strided` views of one allocation."""
+    if len(shape) == 1:
+        return (1,)
+    if len(shape) == 2:
+        return (shape[1], 1)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of 2 >= n (0 for 0), as `triton.next_power_of_2`. Host code calls this one: Triton's is a
     constexpr function since Triton 3.5, and a call from Python costs ~3-5 us of host time (an H200 host)."""

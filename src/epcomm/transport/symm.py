@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..kernels.launch import Compiled
 from ..kernels.push import region_deltas
-from ..sizing import align
+from ..sizing import align, contiguous_strides
 
 
 def available() -> Optional[str]:
@@ -83,6 +83,7 @@ class SymmetricRegion:
         self.local = self._storage[:nbytes]
         self.nbytes = nbytes
         self._bytes = None  # per-rank [nbytes] uint8 views, made at first use
+        self._typed: dict = {}  # (rank, dtype) -> the whole region as dtype (`peer`)
         self.timeout_ns = max(1, int(timeout_s * 1e9))
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._status_np = self.status.numpy()  # read on every barrier: a numpy view costs no torch dispatch
@@ -114,15 +115,20 @@ class SymmetricRegion:
         return self._flags_off
 
     def peer(self, rank: int, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """A view of `rank`'s region at byte `offset` (a multiple of dtype's size): a slice of a byte view made once
-        per rank, since asking torch for a new peer tensor on every call costs host time on every call."""
+        """A contiguous view of `rank`'s region at byte `offset` (a multiple of dtype's size): one `as_strided` of a
+        typed view of the whole region made once per rank and dtype, since asking torch for a new peer tensor (or
+        three views) on every call costs host time on every call."""
         numel = 1
         for s in shape:
             numel *= s
         assert offset % dtype.itemsize == 0 and offset + numel * dtype.itemsize <= self.nbytes
-        if self._bytes is None:
-            self._bytes = [self.handle.get_buffer(r, [self.nbytes], torch.uint8, 0) for r in range(self.num_ranks)]
-        return self._bytes[rank][offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
+        typed = self._typed.get((rank, dtype))
+        if typed is None:
+            if self._bytes is None:
+                self._bytes = [self.handle.get_buffer(r, [self.nbytes], torch.uint8, 0) for r in range(self.num_ranks)]
+            whole = self._bytes[rank]
+            typed = self._typed[(rank, dtype)] = whole[:self.nbytes - self.nbytes % dtype.itemsize].view(dtype)
+        return typed.as_strided(tuple(shape), contiguous_strides(tuple(shape)), offset // dtype.itemsize)
 
     def barrier(self) -> None:
         """Device-side barrier over the group on the current stream: a one-program Triton kernel
