@@ -112,27 +112,23 @@ def publish_rows(ex_ptr, host_ptr, local_ptr, delta16_ptr, status_ptr, me, timeo
     the second; 4 = wait for it, copy the headers out. On GPU all three (7)."""
     cc = tl.arange(0, C_POW2)
     in_c = cc < EX_COLS
-    # Each barrier is one `group_barrier` call with both halves where the stages run together (one read of the
-    # barrier count; the split halves are for the CPU simulation).
     if STAGES & 1:  # every peer has read the previous call's headers once all have arrived
-        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, True,
-                      (STAGES & 2) != 0, USE_TIMER)
-    elif STAGES & 2:
-        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, False, True,
+        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, True, False,
                       USE_TIMER)
     if STAGES & 2:
+        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, False, True,
+                      USE_TIMER)
         for p in tl.static_range(R):
             v = tl.load(ex_ptr + p * HDR_COLS + cc, mask=in_c)
             dst = (_region(local_ptr, delta16_ptr, p) + hdr_off).to(tl.pointer_type(tl.int64)) + me * HDR_COLS
             tl.store(dst + cc, v, mask=in_c)
             tl.store(ex_ptr + p * HDR_COLS + cc, tl.zeros([C_POW2], tl.int64), mask=in_c)
         tl.debug_barrier()  # every thread's rows are written before the release adds of the barrier
-        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, True,
-                      (STAGES & 4) != 0, USE_TIMER)
-    elif STAGES & 4:
-        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, False, True,
+        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, True, False,
                       USE_TIMER)
     if STAGES & 4:
+        group_barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R, R_POW2, False, True,
+                      USE_TIMER)
         mine = (local_ptr + hdr_off).to(tl.pointer_type(tl.int64))
         host = host_ptr.to(tl.int64).to(tl.pointer_type(tl.int64))
         for s in tl.static_range(R):
