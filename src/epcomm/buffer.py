@@ -198,6 +198,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
         self._call_id = 0
         self._pending_deferred = False
+        self._shapes_that_fit: set = set()  # call shapes check_capacity found within num_bytes
         self._broken: Optional[str] = None
         self._warned: set = set()
         self._num_sms_cache: dict = {}
