@@ -213,15 +213,30 @@ def _invalid_combination(rank, world_size):
     with EPBuffer(None, num_max_tokens_per_rank=4, hidden=HIDDEN, allow_multiple_reduction=False,
                   num_cpu_timeout_secs=TIMEOUT_S) as buffer:
         for do_expand in (True, False):
-            with pytest.raises(ValueError, match=r"^TokenDispatcher: the buffer has allow_multiple_reduction=False, "
+            with pytest.raises(ValueError, match=rf"^TokenDispatcher: rank {rank}: the buffer has "
+                                                 r"allow_multiple_reduction=False, "
                                                  r"but the differentiable dispatch/combine \(here the "
                                                  r"(non-)?expand layout, do_expand=(True|False)\) needs "
                                                  r"allow_multiple_reduction=True for both layouts") as info:
                 TokenDispatcher(buffer, NUM_EXPERTS, do_expand=do_expand)
             messages.append(str(info.value))
     with _buffer((4, 4)) as buffer:
-        with pytest.raises(ValueError, match=r"num_experts=5 must be a positive multiple of the group size 2"):
+        with pytest.raises(ValueError, match=rf"rank {rank}: num_experts=5 must be a positive multiple of the group "
+                                             r"size 2"):
             TokenDispatcher(buffer, 5)
+        # A handle of the other layout, with as many rows as this layout would have: refused, not misread.
+        idx = torch.tensor([[0, 2], [1, 3], [0, 3]])  # one expert on each rank: as many expand rows as tokens
+        x = torch.randn(3, HIDDEN, dtype=torch.float64)
+        recv_x, _, non_expand = TokenDispatcher(buffer, 4, do_expand=False).dispatch(x, idx)
+        expand = TokenDispatcher(buffer, 4, do_expand=True)
+        with pytest.raises(ValueError, match=rf"TokenDispatcher.combine: rank {rank}: the handle has do_expand=False "
+                                             r"but this dispatcher has do_expand=True"):
+            expand.combine(recv_x, non_expand)
+        with pytest.raises(ValueError, match=rf"rank {rank}: the handle has num_experts=4 but this dispatcher has "
+                                             r"num_experts=8"):
+            TokenDispatcher(buffer, 8, do_expand=False).combine(recv_x, non_expand)
+        y = TokenDispatcher(buffer, 4, do_expand=False).combine(recv_x, non_expand)  # still in step
+        assert torch.equal(y, 2 * x), (y, x)
     # FP8 (data, scales) on every rank: the dispatch runs, then every rank raises (no rank is left waiting).
     from epcomm.fp8 import per_token_cast_to_fp8
     idx = torch.tensor([[0, 3], [1, 4], [2, 5], [5, 0]])

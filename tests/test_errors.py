@@ -182,6 +182,7 @@ def test_nvlink_on_cpu_names_the_rank(run_ranks):
 def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind, exc, pattern):
     out = run_ranks(2, error_cases.construct_one_bad, kind)
     assert out[1][0] == exc.__name__ and re.search(pattern, out[1][1]), out[1]
+    assert out[1][1].startswith("EPBuffer: rank 1: "), out[1]  # the offending rank names itself too
     assert out[0][0] == exc.__name__ and "group rank 1 rejected the construction" in out[0][1], out[0]
     assert re.search(pattern, out[0][1]) and out[0][2] < 10, out[0]  # promptly, not after the timeout
 
@@ -199,6 +200,16 @@ def test_constructor_shape_disagreement(run_ranks, kind, field, values):
     for name, msg, elapsed in run_ranks(2, error_cases.construct_one_bad, kind):
         assert name == "ValueError" and f"ranks disagree on {field}" in msg and elapsed < 10, msg
         assert values is None or f"({values})" in msg, msg
+
+
+@pytest.mark.parametrize("kind,want", [
+    ("env_differs", "ranks disagree on EPCOMM_PULL_CHUNKS (rank 0: unset, rank 1: 2)"),
+    ("env_choice_differs", "ranks disagree on EPCOMM_NVLINK_RETURN (rank 0: 'push', rank 1: 'pull')"),
+])
+def test_constructor_environment_disagreement(run_ranks, kind, want):
+    """EPCOMM_* variables that choose kernels and barrier counts on nvlink must be alike on every rank."""
+    for name, msg, elapsed in run_ranks(2, error_cases.construct_one_bad, kind):
+        assert name == "ValueError" and want in msg and msg.startswith(f"EPBuffer: rank "), msg
 
 
 def test_constructor_num_topk_default_is_32(run_ranks):

@@ -5,6 +5,7 @@ the spawned workers can import this module by name.
 """
 
 import os
+import signal
 import time
 
 import pytest
@@ -133,6 +134,19 @@ def test_dead_worker_reported_promptly(pools):
     assert info.value.exitcodes == {1: 3}
     assert "rank 1" in str(info.value) and "exit code 3" in str(info.value)
     assert not pool.alive
+
+
+def _killed_on_rank(rank, world_size, dying_rank):
+    if rank == dying_rank:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the host's out-of-memory killer would
+    time.sleep(30)
+
+
+def test_killed_worker_hints_at_memory(pools):
+    pool = pools.get(2)
+    with pytest.raises(WorkerDied) as info:
+        pool.run(_killed_on_rank, 0, timeout=60.0)
+    assert "signal Killed" in str(info.value) and "out-of-memory killer" in str(info.value), str(info.value)
 
 
 def test_run_in_fresh_world():

@@ -147,16 +147,17 @@ class TokenDispatcher:
         if not buffer.allow_multiple_reduction:
             layout_name = "expand" if do_expand else "non-expand"
             raise ValueError(
-                f"{name}: the buffer has allow_multiple_reduction=False, but the differentiable dispatch/combine "
+                f"{name}: rank {buffer.rank}: the buffer has allow_multiple_reduction=False, but the differentiable dispatch/combine "
                 f"(here the {layout_name} layout, do_expand={do_expand}) needs allow_multiple_reduction=True for "
                 "both layouts (dispatch backward returns router-weight gradients through combine's topk_weights, "
                 "which an expand-layout combine without multiple reduction cannot carry); create the EPBuffer "
                 "with allow_multiple_reduction=True")
         if num_experts <= 0 or num_experts % buffer.num_ranks != 0:
-            raise ValueError(f"{name}: num_experts={num_experts} must be a positive multiple of the group size "
+            raise ValueError(f"{name}: rank {buffer.rank}: num_experts={num_experts} must be a positive multiple of "
+                             f"the group size "
                              f"{buffer.num_ranks}")
         if expert_alignment < 1:
-            raise ValueError(f"{name}: expert_alignment must be >= 1, got {expert_alignment}")
+            raise ValueError(f"{name}: rank {buffer.rank}: expert_alignment must be >= 1, got {expert_alignment}")
         self.buffer = buffer
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -221,9 +222,19 @@ class TokenDispatcher:
         Raises:
             TypeError: wrong types or dtypes, a bias that is not None, a tensor or a pair.
             ValueError: shapes that do not match the handle, a handle from another buffer, a modified `topk_idx`,
-                ranks that disagree on the call.
+                ranks that disagree on the call; a handle whose layout (`do_expand`, `num_experts`,
+                `expert_alignment`) is not this dispatcher's (raised before any exchange, on the rank that passes
+                it: where the rows of both layouts have one count, the buffer could not tell them apart).
             TimeoutError: a peer did not arrive within the buffer's `num_cpu_timeout_secs`.
         """
+        if isinstance(handle, EPHandle):
+            for arg, mine, theirs in (("do_expand", self.do_expand, handle.do_expand),
+                                      ("num_experts", self.num_experts, handle.num_experts),
+                                      ("expert_alignment", self.expert_alignment, handle.expert_alignment)):
+                if mine != theirs:
+                    raise ValueError(f"TokenDispatcher.combine: rank {self.buffer.rank}: the handle has {arg}="
+                                     f"{theirs} but this dispatcher has {arg}={mine}; pass the handle that this "
+                                     "dispatcher's dispatch returned")
         if bias is None or isinstance(bias, Tensor):
             bias_0, bias_1 = bias, None
         elif isinstance(bias, (tuple, list)) and len(bias) == 2:

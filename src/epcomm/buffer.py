@@ -39,6 +39,7 @@ _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
 _AGREED_OPTIONS = ("num_max_tokens_per_rank", "hidden", "num_topk", "dtype", "use_fp8_dispatch",
                    "allow_multiple_reduction", "num_bytes")
 _FLAGS = ("use_fp8_dispatch", "allow_multiple_reduction")
+_AGREED_ENV = envs.AGREED  # and the variables, after the options (envs.agreed_values)
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
@@ -156,7 +157,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                       f"{num_bytes}")
             # Sets num_lb_bytes, lb_allocation_plan and lb_storage; materializes a plan (local, lb.py).
             self._init_lb_region(lb_allocation_plan_or_num_bytes)
-            envs.check_all()
+            try:
+                envs.check_all()
+            except ValueError as e:
+                c.fail(ValueError, str(e))  # with the call and the rank, as every other message
         except (TypeError, ValueError) as e:
             err = e
         self.num_bytes = num_bytes
@@ -214,7 +218,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         dev = self.device.index if self.device.type == "cuda" else -1
         status = agreement.status_of(err)
         ready = int(err is None and _nvlink_ready(self.device))
-        options = [_as_int(v) for v in self._agreed_options().values()] if err is None else [0] * len(_AGREED_OPTIONS)
+        options = [_as_int(v) for v in self._agreed_options().values()] + list(envs.agreed_values().values()) \
+            if err is None else [0] * (len(_AGREED_OPTIONS) + len(_AGREED_ENV))
         mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code, *options],
                             dtype=torch.int64, device=self.device)
         try:
@@ -251,6 +256,13 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             desc = ", ".join(f"rank {s}: {names.get(a, '?')!r}" for s, a in enumerate(asked))
             raise ValueError(f"EPBuffer: rank {self.rank}: ranks disagree on transport ({desc}); every rank must "
                              "pass the same transport")
+        for col, name in enumerate(_AGREED_ENV, start=6 + len(_AGREED_OPTIONS)):
+            values = [row[col] for row in rows]
+            if len(set(values)) > 1:  # on nvlink they choose kernels and barrier counts (envs.agreed_values)
+                self._destroyed = True
+                desc = ", ".join(f"rank {s}: {envs.shown(name, v)}" for s, v in enumerate(values))
+                raise ValueError(f"EPBuffer: rank {self.rank}: ranks disagree on {name} ({desc}); every rank must set "
+                                 f"the same {name} (or leave it unset everywhere)")
         return rows[0][0], rows
 
     def _agreed_options(self) -> dict:

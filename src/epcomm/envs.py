@@ -1,5 +1,8 @@
 """Environment variables read by epcomm (all in one place; listed in README.md).
 
+Every rank must set the variables of `AGREED` alike (they choose kernels and barrier counts on nvlink):
+`EPBuffer` checks them at construction and raises "ranks disagree on EPCOMM_..." on every rank.
+
 | variable | default | effect |
 | --- | --- | --- |
 | `EPCOMM_DEBUG` | unset | `1`: log sizes, transport choices and per-call counts to stderr (logger `epcomm`) |
@@ -64,12 +67,33 @@ def check_all() -> None:
     Raises:
         ValueError: a variable's value is not one its table row allows.
     """
-    nvlink_push()
-    nvlink_return()
-    pull_chunks()
-    return_chunks()
-    fused_sync_free_rows()
-    fused_exact()
+    agreed_values()
+
+
+_CHOICES = {"EPCOMM_NVLINK_PUSH": ("copy-engine", "kernel"), "EPCOMM_NVLINK_RETURN": ("push", "pull")}
+AGREED = ("EPCOMM_NVLINK_PUSH", "EPCOMM_NVLINK_RETURN", "EPCOMM_PULL_CHUNKS", "EPCOMM_RETURN_CHUNKS",
+          "EPCOMM_FUSED_SYNC_FREE_ROWS", "EPCOMM_FUSED_EXACT")  # the keys of agreed_values, in order
+
+
+def agreed_values() -> dict:
+    """The variables every rank must set alike, as ints for the construction exchange (`EPBuffer`): on nvlink they
+    choose the kernels and the number of device barriers of a call, so ranks that differ would pair one call's
+    barriers with another's. Diagnostics (`EPCOMM_DEBUG`, `EPCOMM_PHASE_TIMES`) may differ.
+
+    Raises:
+        ValueError: a variable's value is not one its table row allows.
+    """
+    return {"EPCOMM_NVLINK_PUSH": _CHOICES["EPCOMM_NVLINK_PUSH"].index(nvlink_push()),
+            "EPCOMM_NVLINK_RETURN": _CHOICES["EPCOMM_NVLINK_RETURN"].index(nvlink_return()),
+            "EPCOMM_PULL_CHUNKS": pull_chunks(), "EPCOMM_RETURN_CHUNKS": return_chunks(),
+            "EPCOMM_FUSED_SYNC_FREE_ROWS": fused_sync_free_rows(), "EPCOMM_FUSED_EXACT": int(fused_exact())}
+
+
+def shown(name: str, code: int) -> str:
+    """An `agreed_values` code as the user set it (`unset` for a chunk count left to its default)."""
+    if name in _CHOICES:
+        return repr(_CHOICES[name][code])
+    return "unset" if code == 0 and name.endswith("_CHUNKS") else str(code)
 
 
 def fused_exact() -> bool:

@@ -41,6 +41,11 @@ class RankFailure(AssertionError):
         self.failures = failures or {}
 
 
+# A worker killed by SIGKILL that nobody here sent: on a host that runs out of memory, the kernel's OOM killer.
+_KILLED_HINT = ("; a SIGKILL nobody sent is often the host's out-of-memory killer: try fewer tokens, a smaller shape "
+                "or fewer ranks")
+
+
 class WorkerDied(RankFailure):
     """A worker exited (crash, ``os._exit``, signal); ``exitcodes`` maps rank -> exit code."""
 
@@ -316,6 +321,7 @@ class WorkerPool:
                 self._kill(f"rank(s) {sorted(dead)} died")
                 lines = [f"rank {r} (pid {self._procs[r].pid}) exited with exit code {code}"
                          + (f" (signal {signal.strsignal(-code)})" if code and code < 0 else "")
+                         + (_KILLED_HINT if code == -getattr(signal, "SIGKILL", 9) else "")
                          for r, code in sorted(dead.items())]
                 raise WorkerDied(f"{self!r}: worker died while running {what!r}:\n"
                                  + "\n".join(lines + [_describe(_failures(replies))]).rstrip(), dead)
