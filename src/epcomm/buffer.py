@@ -39,7 +39,6 @@ _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
 _AGREED_OPTIONS = ("num_max_tokens_per_rank", "hidden", "num_topk", "dtype", "use_fp8_dispatch",
                    "allow_multiple_reduction", "num_bytes")
 _FLAGS = ("use_fp8_dispatch", "allow_multiple_reduction")
-_AGREED_ENV = envs.AGREED  # and the variables, after the options (envs.agreed_values)
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
@@ -219,7 +218,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         status = agreement.status_of(err)
         ready = int(err is None and _nvlink_ready(self.device))
         options = [_as_int(v) for v in self._agreed_options().values()] + list(envs.agreed_values().values()) \
-            if err is None else [0] * (len(_AGREED_OPTIONS) + len(_AGREED_ENV))
+            if err is None else [0] * (len(_AGREED_OPTIONS) + len(envs.AGREED))
         mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code, *options],
                             dtype=torch.int64, device=self.device)
         try:
@@ -256,7 +255,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             desc = ", ".join(f"rank {s}: {names.get(a, '?')!r}" for s, a in enumerate(asked))
             raise ValueError(f"EPBuffer: rank {self.rank}: ranks disagree on transport ({desc}); every rank must "
                              "pass the same transport")
-        for col, name in enumerate(_AGREED_ENV, start=6 + len(_AGREED_OPTIONS)):
+        for col, name in enumerate(envs.AGREED, start=6 + len(_AGREED_OPTIONS)):
             values = [row[col] for row in rows]
             if len(set(values)) > 1:  # on nvlink they choose kernels and barrier counts (envs.agreed_values)
                 self._destroyed = True

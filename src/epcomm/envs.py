@@ -71,8 +71,13 @@ def check_all() -> None:
 
 
 _CHOICES = {"EPCOMM_NVLINK_PUSH": ("copy-engine", "kernel"), "EPCOMM_NVLINK_RETURN": ("push", "pull")}
-AGREED = ("EPCOMM_NVLINK_PUSH", "EPCOMM_NVLINK_RETURN", "EPCOMM_PULL_CHUNKS", "EPCOMM_RETURN_CHUNKS",
-          "EPCOMM_FUSED_SYNC_FREE_ROWS", "EPCOMM_FUSED_EXACT")  # the keys of agreed_values, in order
+# The variables every rank must set alike, each with its reader as an int (`agreed_values`).
+_AGREED = {"EPCOMM_NVLINK_PUSH": lambda: _CHOICES["EPCOMM_NVLINK_PUSH"].index(nvlink_push()),
+           "EPCOMM_NVLINK_RETURN": lambda: _CHOICES["EPCOMM_NVLINK_RETURN"].index(nvlink_return()),
+           "EPCOMM_PULL_CHUNKS": lambda: pull_chunks(), "EPCOMM_RETURN_CHUNKS": lambda: return_chunks(),
+           "EPCOMM_FUSED_SYNC_FREE_ROWS": lambda: fused_sync_free_rows(),
+           "EPCOMM_FUSED_EXACT": lambda: int(fused_exact())}
+AGREED = tuple(_AGREED)  # their names, in the order of agreed_values
 
 
 def agreed_values() -> dict:
@@ -83,10 +88,7 @@ def agreed_values() -> dict:
     Raises:
         ValueError: a variable's value is not one its table row allows.
     """
-    return {"EPCOMM_NVLINK_PUSH": _CHOICES["EPCOMM_NVLINK_PUSH"].index(nvlink_push()),
-            "EPCOMM_NVLINK_RETURN": _CHOICES["EPCOMM_NVLINK_RETURN"].index(nvlink_return()),
-            "EPCOMM_PULL_CHUNKS": pull_chunks(), "EPCOMM_RETURN_CHUNKS": return_chunks(),
-            "EPCOMM_FUSED_SYNC_FREE_ROWS": fused_sync_free_rows(), "EPCOMM_FUSED_EXACT": int(fused_exact())}
+    return {name: read() for name, read in _AGREED.items()}
 
 
 def shown(name: str, code: int) -> str:
