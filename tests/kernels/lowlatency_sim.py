@@ -339,5 +339,7 @@ def run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1])
+    for name in sys.argv[1:]:
+        run(name)
+        print(name, "ok")
     print("ok")

@@ -9,4 +9,4 @@ from interpreter import run_sim
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gather_fields(case):
-    run_sim("gather_sim.py", case)
+    run_sim("gather_sim.py", case, batch=sorted(CASES))

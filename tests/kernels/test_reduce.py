@@ -34,8 +34,9 @@ def test_fp64_accumulates_in_fp64_and_empty_rows():
     assert out.dtype == torch.float64 and torch.equal(out, torch.ones(3, 5, dtype=torch.float64))
 
 
-def _run_triton_interpreted(rows, item, b0, b1, out_dtype, num_sms=0):
-    """The Triton kernel under TRITON_INTERPRET=1 on CPU (a subprocess: the flag is read at import)."""
+def _run_triton_interpreted(calls):
+    """The Triton kernel under TRITON_INTERPRET=1 on CPU, one output per `(rows, item, b0, b1, out_dtype, num_sms)`
+    call (one subprocess for all: the flag is read at import, and each start costs seconds)."""
     import pickle
     import subprocess
     import sys
@@ -43,13 +44,13 @@ def _run_triton_interpreted(rows, item, b0, b1, out_dtype, num_sms=0):
     code = (
         "import pickle, sys, torch\n"
         "from epcomm.kernels import canonical_reduce\n"
-        "rows, item, b0, b1, out_dtype, num_sms = pickle.load(sys.stdin.buffer)\n"
-        "out = canonical_reduce(rows, item, b0, b1, out_dtype, use_triton=True, num_sms=num_sms)\n"
-        "sys.stdout.buffer.write(pickle.dumps(out))\n"
+        "outs = [canonical_reduce(rows, item, b0, b1, out_dtype, use_triton=True, num_sms=num_sms)\n"
+        "        for rows, item, b0, b1, out_dtype, num_sms in pickle.load(sys.stdin.buffer)]\n"
+        "sys.stdout.buffer.write(pickle.dumps(outs))\n"
     )
     env = dict(__import__("os").environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((rows, item, b0, b1, out_dtype, num_sms)),
-                         capture_output=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(calls), capture_output=True, env=env,
+                         timeout=300)
     assert res.returncode == 0, res.stderr.decode()[-3000:]
     return pickle.loads(res.stdout)
 
@@ -66,21 +67,21 @@ def test_triton_kernel_matches_twin_interpreted():
         (torch.randn(8, 64, generator=gen).half(), torch.randint(-1, 8, (5, 2), generator=gen), None,
          torch.randn(5, 64, generator=gen).half()),
     ]
-    for rows, item, b0, b1 in cases:
-        # The interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even, pinned bitwise by the
-        # GPU suite), so bf16 rows are compared on the fp32 sum here.
-        out_dtype = torch.float32 if rows.dtype == torch.bfloat16 else rows.dtype
+    # The interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even, pinned bitwise by the
+    # GPU suite), so bf16 rows are compared on the fp32 sum here.
+    calls = [(rows, item, b0, b1, torch.float32 if rows.dtype == torch.bfloat16 else rows.dtype, num_sms)
+             for rows, item, b0, b1 in cases
+             for num_sms in (0, 3)]  # one program per work item; a persistent grid of 3 programs
+    for (rows, item, b0, b1, out_dtype, num_sms), got in zip(calls, _run_triton_interpreted(calls), strict=True):
         want = canonical_reduce_torch(rows, item, b0, b1, out_dtype)
-        for num_sms in (0, 3):  # one program per work item; a persistent grid of 3 programs
-            got = _run_triton_interpreted(rows, item, b0, b1, out_dtype, num_sms)
-            assert torch.equal(got, want), (num_sms, (got - want).abs().max())
+        assert torch.equal(got, want), (rows.shape, num_sms, (got - want).abs().max())
 
 
 @pytest.mark.parametrize("case", ["small", "many-tokens"])
 def test_token_chunks_group_each_token_by_its_last_row(case):
     """pipeline._token_chunks (two Triton launches, interpreted) against a plain Python count: each token in the
     chunk of the return push that brings its last returned row, tokens grouped by chunk (token_chunks_sim.py)."""
-    run_sim("token_chunks_sim.py", case)
+    run_sim("token_chunks_sim.py", case, batch=["small", "many-tokens"])
 
 
 def test_triton_kernel_token_list_and_own_rows_interpreted():

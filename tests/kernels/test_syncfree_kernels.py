@@ -1,7 +1,7 @@
 """The fused sync-free dispatch kernels on CPU (TRITON_INTERPRET=1), field by field against the generic path.
 
-Each case runs `syncfree_sim.py` in a fresh interpreter (the interpreter flag must be set before triton is
-imported): BF16 / FP8 (fp32 and packed UE8M0 scales, column-major outputs) / FP16 / FP32 / FP64 rows, both layouts,
+The cases run `syncfree_sim.py` under the interpreter (interpreter.py: one process for all, a failing case again
+alone): BF16 / FP8 (fp32 and packed UE8M0 scales, column-major outputs) / FP16 / FP32 / FP64 rows, both layouts,
 alignment, expert ids, stats, weights, skewed routing (a rank receives nothing), ranks with no tokens, top-k 1 and
 32, one and five ranks; then a combine and a cached dispatch on every handle; strided stats, misaligned and odd-stride
 inputs.
@@ -16,7 +16,7 @@ from syncfree_sim import CASES
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_syncfree_kernels(case):
-    run_sim("syncfree_sim.py", case)
+    run_sim("syncfree_sim.py", case, batch=sorted(CASES))
 
 
 def test_syncfree_send_names_a_bad_expert_id():
