@@ -300,3 +300,20 @@ def grad_warning(rank: int, world: int):
         buf.dispatch(x.float().requires_grad_(), idx, w, num_experts=E)
     buf.destroy()
     return [str(c.message) for c in caught]
+
+
+def two_offenders(rank: int, world: int):
+    """Ranks 1 and 2 of 3 pass different bad arguments (a float topk_idx; more tokens than N): each raises its own
+    error, and rank 0 names both with their messages."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+    num_tokens = N + 1 if rank == 2 else 6
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(num_tokens, H, generator=gen).bfloat16()
+    idx = torch.rand(num_tokens, 6, generator=gen).topk(K, dim=1).indices
+    try:
+        buf.dispatch(x, idx.float() if rank == 1 else idx, None, num_experts=6)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    finally:
+        buf.destroy()
+    return None

@@ -105,6 +105,17 @@ def test_disagreeing_ranks_raise_everywhere(outcomes, name):
         assert f"rank {rank}: " in msg
 
 
+def test_two_offenders_each_raise_their_own_and_the_peer_names_both(run_ranks):
+    ok, bad_idx, too_many = run_ranks(3, error_cases.two_offenders)
+    assert bad_idx[0] == "TypeError" and bad_idx[1].startswith("EPBuffer.dispatch: rank 1: topk_idx must have dtype"), \
+        bad_idx
+    assert too_many[0] == "ValueError" and too_many[1].startswith("EPBuffer.dispatch: rank 2: x has 17 tokens"), \
+        too_many
+    assert ok[0] == "TypeError", ok  # the first offender's class
+    assert ok[1] == (f"EPBuffer.dispatch: rank 0: group rank 1 rejected the call: {bad_idx[1]}; "
+                     f"group rank 2 rejected it too: {too_many[1]}"), ok[1]
+
+
 def test_dispatch_while_peer_combines(run_ranks):
     for rank, msg in enumerate(run_ranks(2, error_cases.dispatch_vs_combine)):
         assert msg is not None and re.search(r"ranks disagree on op \(rank 0: dispatch, rank 1: combine\)", msg), msg

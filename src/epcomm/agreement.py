@@ -86,6 +86,7 @@ def pack(header_row: list, counts_R: Optional[Tensor], num_ranks: int, device: t
 
 MESSAGE_BYTES = 2048  # of each rank's error message the failure exchange carries (an nvlink header holds 8704)
 _CUT = b" [...]"  # ends a message cut at MESSAGE_BYTES
+_MORE_MESSAGES = 3  # messages of the other rejecting ranks a rank without a fault of its own shows
 
 
 def gather_messages(exchange: Callable[[Tensor], Tensor], msg: str, num_ranks: int,
@@ -116,7 +117,9 @@ def gather_messages(exchange: Callable[[Tensor], Tensor], msg: str, num_ranks: i
 def check(
     call: str, rank: int, recv_RC: list, local_error: Optional[BaseException], gather_messages: Callable[[str], list]
 ) -> None:
-    """Raise on every rank if any rank failed its checks or the ranks disagree about the call.
+    """Raise on every rank if any rank failed its checks or the ranks disagree about the call. A rank whose own
+    checks failed raises its own error; the others raise naming every rank that failed, with the messages of the
+    first four.
 
     Args:
         recv_RC: the received headers as host lists, row s from group rank s.
@@ -131,7 +134,11 @@ def check(
             raise local_error
         first = failed[0]
         exc = _EXC.get(recv_RC[first][0], ValueError)
-        raise exc(f"{call}: rank {rank}: group rank {first} rejected the call: {messages[first]}")
+        # Every rank that rejected the call, each with its own fault (a few messages; the rest by rank).
+        also = "".join(f"; group rank {s} rejected it too: {messages[s]}" for s in failed[1:1 + _MORE_MESSAGES])
+        if len(failed) > 1 + _MORE_MESSAGES:
+            also += f"; and group ranks {failed[1 + _MORE_MESSAGES:]} (their messages are in their own errors)"
+        raise exc(f"{call}: rank {rank}: group rank {first} rejected the call: {messages[first]}{also}")
     calls = [row[1] for row in recv_RC]
     if len(set(calls)) > 1:
         ops = [OPS.get(row[2], "?") for row in recv_RC]
