@@ -317,3 +317,37 @@ def two_offenders(rank: int, world: int):
     finally:
         buf.destroy()
     return None
+
+
+def calls_of_other_kinds(rank: int, world: int, pair: str):
+    """Rank 0 makes one call and rank 1 another of a different kind, on one buffer or on two buffers of one group
+    (rows of other widths, which gloo would abort on): what each rank raised, then a dispatch both make after."""
+    ep = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=30)
+    bucket = epcomm.BucketBuffer(None, 2 << 20, num_cpu_timeout_secs=30)
+    engram = epcomm.EngramBuffer(None, 2 << 20, 2 << 20, num_cpu_timeout_secs=30)
+    engram.set_config([2], 8, 2, 1)
+    x, idx, w = _inputs(rank)
+    lb_args = (torch.zeros(1, 2), torch.zeros(2, 2), torch.tensor([[(r + 1) % world * 2] for r in range(world)],
+                                                                  dtype=torch.int32))
+    calls = {
+        "dispatch": lambda: ep.dispatch(x, idx, w, num_experts=E),
+        "barrier": lambda: ep.barrier(),
+        "lb_prefetch_weights": lambda: ep.lb_prefetch_weights(*lb_args),
+        "bucket.all_reduce": lambda: bucket.all_reduce(bucket.storage[:16 * world].view(torch.float32)).wait(),
+        "bucket.barrier": lambda: bucket.barrier(),
+        "engram.fetch": lambda: engram.fetch(torch.zeros(1, 2, 1, dtype=torch.int64))[0](),
+        "engram.set_config": lambda: engram.set_config([2], 8, 2, 1),
+    }
+    try:
+        calls[pair.split(" vs ")[rank]]()
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    try:  # a rank whose buffer saw no call is a call behind: the ranks resume at the furthest call after one error
+        after = ep.dispatch(x, idx, w, num_experts=E)[0].shape[0]
+    except ValueError as e:
+        assert "ranks are at different calls on this buffer" in str(e), e
+        after = ep.dispatch(x, idx, w, num_experts=E)[0].shape[0]
+    for buf in (ep, bucket, engram):
+        buf.destroy()
+    return raised, after

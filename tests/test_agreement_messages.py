@@ -66,3 +66,49 @@ def test_low_latency_headers_name_their_own_arguments():
         sig, agreement.low_latency_signature(**dict(ll, num_max_dispatch_tokens_per_rank=8)))
     assert "ranks disagree on fp8 (rank 0: True, rank 1: False)" in _disagreement(regular, dict(regular, fp8=False))
     assert _disagreement(sig, sig) == "no error"
+
+
+def _framed_between(calls):
+    """agreement.framed_exchange for len(calls) ranks, rank s sending rows of `calls[s] = (kind, label, width)`:
+    what each rank returned or raised."""
+    num_ranks = len(calls)
+    frames = []
+    for kind, label, width in calls:  # each rank's frame (the exchange hands back what it sent: row `rank`)
+        def keep(t):
+            frames.append(t[0].clone())
+            return t
+        send = torch.arange(num_ranks * width, dtype=torch.int64).view(num_ranks, width) + 1000
+        agreement.framed_exchange(keep, send, kind=kind, label=label, rank=0)
+    outcomes = []
+    for rank, (kind, label, width) in enumerate(calls):
+        send = torch.arange(num_ranks * width, dtype=torch.int64).view(num_ranks, width) + 1000
+        try:
+            outcomes.append(agreement.framed_exchange(lambda t: torch.stack(frames), send, kind=kind, label=label,
+                                                      rank=rank))
+        except ValueError as e:
+            outcomes.append(str(e))
+    return outcomes
+
+
+def test_framed_exchange_passes_rows_of_one_kind():
+    a, b, c = _framed_between([("count exchange", "EPBuffer.dispatch", 20), ("count exchange", "EPBuffer.combine",
+                                                                            20), ("count exchange", "x", 20)])
+    # Row s of each result is what rank s sent this rank (here every rank sends row 0 of its arange).
+    assert torch.equal(a, b) and torch.equal(a, c) and a.shape == (3, 20) and a[:, 0].tolist() == [1000] * 3
+
+
+def test_framed_exchange_names_every_rank_s_call_on_other_kinds_or_widths():
+    for calls in ([("count exchange", "EPBuffer.dispatch", 20), ("load-balancing header", "EPBuffer.lb", 20)],
+                  [("EngramBuffer header", "EngramBuffer.fetch", 3), ("EngramBuffer header", "EngramBuffer.set", 9)]):
+        labels = [label for _, label, _ in calls]
+        for rank, got in enumerate(_framed_between(calls)):
+            assert got == (f"{labels[rank]}: rank {rank}: ranks are in different calls on this group (rank 0: "
+                           f"{labels[0]}, rank 1: {labels[1]}); every rank of the group must make the same calls, on "
+                           "the same buffers, in the same order"), got
+
+
+def test_frames_hold_every_row():
+    for num_ranks in (1, 2, 7, 300):
+        cols = agreement.frame_cols(num_ranks)
+        widest = max(1 + agreement.MESSAGE_BYTES // 8, agreement.HEADER_LEN + num_ranks, 64)
+        assert cols - agreement._FRAME_HEAD >= widest

@@ -116,6 +116,24 @@ def test_two_offenders_each_raise_their_own_and_the_peer_names_both(run_ranks):
                      f"group rank 2 rejected it too: {too_many[1]}"), ok[1]
 
 
+@pytest.mark.parametrize("pair, labels", [
+    ("dispatch vs lb_prefetch_weights", ("EPBuffer.dispatch", "EPBuffer.lb_prefetch_weights")),
+    ("lb_prefetch_weights vs barrier", ("EPBuffer.lb_prefetch_weights", "EPBuffer.barrier")),
+    ("engram.fetch vs engram.set_config", ("EngramBuffer.fetch", "EngramBuffer.set_config")),
+    ("dispatch vs bucket.all_reduce", ("EPBuffer.dispatch", "BucketBuffer.all_reduce")),
+    ("bucket.all_reduce vs bucket.barrier", ("BucketBuffer.all_reduce", "BucketBuffer.barrier")),
+    ("engram.fetch vs dispatch", ("EngramBuffer.fetch", "EPBuffer.dispatch")),
+])
+def test_calls_of_other_kinds_raise_on_every_rank(run_ranks, pair, labels):
+    """Calls whose header rows differ in width (on one buffer or two of one group) used to abort gloo on one rank
+    (agreement.framed_exchange); every rank raises naming both calls, and the next dispatch works."""
+    for rank, (raised, after) in enumerate(run_ranks(2, error_cases.calls_of_other_kinds, pair)):
+        assert raised is not None and raised.startswith(f"{labels[rank]}: rank {rank}: ranks are in different calls "
+                                                        f"on this group (rank 0: {labels[0]}, rank 1: {labels[1]})"), \
+            raised
+        assert after > 0
+
+
 def test_dispatch_while_peer_combines(run_ranks):
     for rank, msg in enumerate(run_ranks(2, error_cases.dispatch_vs_combine)):
         assert msg is not None and re.search(r"ranks disagree on op \(rank 0: dispatch, rank 1: combine\)", msg), msg

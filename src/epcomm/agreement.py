@@ -9,6 +9,7 @@ naming the offending group rank (docs/decisions.md "Errors and timeouts", "What 
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Optional
 
 import torch
@@ -172,3 +173,68 @@ def check(
                    "buffer": "make the call on the same buffer (one EPBuffer object per group, used in the same "
                              "order on every rank)"}.get(name, f"pass the same {name}")
             raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")
+
+
+# -- Frames: every header exchange on CPU has one size ---------------------------------------------------------------
+# Gloo aborts the process when the two sides of an all-to-all disagree on its size, and the header rows of
+# different calls differ in width (a dispatch header, a load-balancing header, an Engram signature, a failed call's
+# messages). So on CPU every header exchange of every epcomm buffer sends rows of one width per group size, framed:
+# [magic, kind, width, label (64 bytes), row, zeros]. Ranks whose frames disagree on the kind or width are in
+# different calls: every rank raises naming each rank's call, and the calls' own checks see only rows of their kind.
+_FRAME_MAGIC = 0x6570636F6D6D  # "epcomm"
+_LABEL_COLS = 8
+_FRAME_HEAD = 3 + _LABEL_COLS
+_WIDEST_ROW = 64  # every header row but the messages and the count headers is narrower
+
+
+def frame_cols(num_ranks: int) -> int:
+    """Columns of a framed row for a group of `num_ranks`: the widest row any call sends, and the frame's head."""
+    return _FRAME_HEAD + max(1 + MESSAGE_BYTES // 8, HEADER_LEN + num_ranks, _WIDEST_ROW)
+
+
+def _text_cols(text: str) -> list:
+    data = text.encode("utf-8", errors="backslashreplace")[:_LABEL_COLS * 8].ljust(_LABEL_COLS * 8, b"\0")
+    return torch.frombuffer(bytearray(data), dtype=torch.int64).tolist()
+
+
+def _cols_text(cols: list) -> str:
+    return bytes(torch.tensor(cols, dtype=torch.int64).view(torch.uint8).tolist()).rstrip(b"\0").decode(
+        "utf-8", errors="replace")
+
+
+def _kind_code(kind: str) -> int:
+    return zlib.crc32(kind.encode()) & 0x7FFFFFFF
+
+
+def framed_exchange(exchange: Callable[[Tensor], Tensor], send_RC: Tensor, *, kind: str, label: str,
+                    rank: int) -> Tensor:
+    """`exchange(send_RC)` (the caller's bounded all-to-all of an [R, C] int64 CPU tensor) through frames of
+    `frame_cols(R)` columns, so that ranks in different calls neither abort gloo nor read each other's rows.
+
+    Args:
+        kind: the layout of the rows (the calls that send rows of one layout check each other's rows themselves).
+        label: the call, as messages name it.
+
+    Returns:
+        [R, C] int64: row s from rank s.
+
+    Raises:
+        ValueError: on every rank, when the ranks' rows are of different kinds or widths (different calls).
+        TimeoutError: from `exchange`.
+    """
+    num_ranks, width = send_RC.shape
+    cols = frame_cols(num_ranks)
+    if width > cols - _FRAME_HEAD:
+        raise AssertionError(f"a header row of {width} columns exceeds the frame ({cols - _FRAME_HEAD})")
+    frame = torch.zeros(num_ranks, cols, dtype=torch.int64)
+    frame[:, 0], frame[:, 1], frame[:, 2] = _FRAME_MAGIC, _kind_code(kind), width
+    frame[:, 3:_FRAME_HEAD] = torch.tensor(_text_cols(label), dtype=torch.int64)
+    frame[:, _FRAME_HEAD:_FRAME_HEAD + width] = send_RC
+    got = exchange(frame)
+    heads = got[:, :3].tolist()
+    if any(head != heads[rank] for head in heads):
+        calls = ", ".join(f"rank {s}: {_cols_text(got[s, 3:_FRAME_HEAD].tolist())}" if head[0] == _FRAME_MAGIC
+                          else f"rank {s}: not an epcomm call" for s, head in enumerate(heads))
+        raise ValueError(f"{label}: rank {rank}: ranks are in different calls on this group ({calls}); every rank "
+                         "of the group must make the same calls, on the same buffers, in the same order")
+    return got[:, _FRAME_HEAD:_FRAME_HEAD + width].contiguous()

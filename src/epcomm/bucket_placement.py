@@ -204,10 +204,12 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
     for n in sizes:
         digest = (digest * 1000003 + n) & 0x7FFFFFFFFFFF
     row = [status_of(err), _OPS[op], len(sizes), sum(sizes), digest]
-    rows = ctx.exchange(torch.tensor([row] * ctx.num_ranks, dtype=torch.int64), f"{call} header").tolist()
+    rows = ctx.exchange(torch.tensor([row] * ctx.num_ranks, dtype=torch.int64), f"{call} header",
+                        kind="BucketBuffer header", label=call).tolist()
     failed = [r for r, got in enumerate(rows) if got[0] != STATUS_OK]
     if failed:
-        messages = gather_messages(lambda t: ctx.exchange(t, f"{call} messages"), str(err) if err is not None else "",
+        messages = gather_messages(lambda t: ctx.exchange(t, f"{call} messages", kind="error messages", label=call),
+                                   str(err) if err is not None else "",
                                    ctx.num_ranks, torch.device("cpu"))
         if err is not None:
             raise err

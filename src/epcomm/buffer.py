@@ -223,14 +223,16 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                             dtype=torch.int64, device=self.device)
         try:
             rows = self.transport.exchange_counts(mine.expand(self.num_ranks, mine.numel()).contiguous(), wait=True,
-                                                  call_id=0)
+                                                  call_id=0, kind="EPBuffer construction",
+                                                  label="EPBuffer construction")
         except TimeoutError as e:  # name the call: the transport's message starts with its own step
             raise type(e)(f"EPBuffer construction: {e}") from None
         rows = rows.tolist()
         failed = [s for s, row in enumerate(rows) if row[4] != agreement.STATUS_OK]
         if failed:
             messages = agreement.gather_messages(  # call 1: a timeout here must not see the keys of call 0
-                lambda t: self.transport.exchange_counts(t, wait=True, call_id=1, what="error messages"),
+                lambda t: self.transport.exchange_counts(t, wait=True, call_id=1, what="error messages",
+                                                         label="EPBuffer construction"),
                 str(err) if err is not None else "", self.num_ranks, self.device)
             self._destroyed = True
             if err is not None:
@@ -395,7 +397,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         head = agreement.header(agreement.STATUS_OK, call_id, {"op": op}, self.uid)
         try:
             recv = streams.ordered_exchange(self.transport, self._comm_stream, self.device,
-                                            agreement.pack(head, None, self.num_ranks, self.device), call_id)
+                                            agreement.pack(head, None, self.num_ranks, self.device), call_id,
+                                            label=name)
         except TimeoutError as e:
             self._mark_broken(name, e)
         self.agree(name, recv.tolist(), None)
@@ -474,7 +477,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         def gather(msg: str) -> list:  # a call of its own: a timeout here must not see the header's keys
             call_id = self._next_call_id()
             return agreement.gather_messages(
-                lambda t: self.transport.exchange_counts(t, wait=True, call_id=call_id, what="error messages"), msg,
+                lambda t: self.transport.exchange_counts(t, wait=True, call_id=call_id, what="error messages",
+                                                         label=call), msg,
                 self.num_ranks, self.device)
         agreement.check(call, self.rank, recv_rows, local_error, gather)
 
@@ -487,7 +491,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             return
         head = agreement.header(agreement.status_of(err), call_id, signature, self.uid)
         send_RC = agreement.pack(head, None, self.num_ranks, self.device)
-        recv = self.transport.exchange_counts(send_RC, wait=True, call_id=call_id)
+        recv = self.transport.exchange_counts(send_RC, wait=True, call_id=call_id, label=call)
         self.agree(call, recv.tolist(), err)
 
     # -- dispatch ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agreement import STATUS_OK, STATUS_TYPE, gather_messages, status_of
+from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages, status_of
 from .waits import TransportTimeout, bounded_wait
 from .validate import Checker
 
@@ -92,7 +92,8 @@ class CommContext:
         failed = [r for r, row in enumerate(rows) if row[2] != STATUS_OK]
         if failed:
             self.broken = "construction failed"
-            messages = gather_messages(lambda t: self.exchange(t, f"{owner} construction messages"),
+            messages = gather_messages(lambda t: self.exchange(t, f"{owner} construction messages",
+                                                               kind="error messages"),
                                        str(error) if error is not None else "", self.num_ranks, self.device)
             if error is not None:
                 raise error
@@ -171,14 +172,21 @@ class CommContext:
             time.sleep(1e-4)
 
     # -- collectives ---------------------------------------------------------------------------------
-    def exchange(self, send_RC: Tensor, what: str) -> Tensor:
-        """Send row r of `send_RC` ([R, C] int64) to group rank r; return [R, C], row s from rank s (bounded)."""
-        recv_RC = torch.empty_like(send_RC)
-        if self.num_ranks == 1:
-            return recv_RC.copy_(send_RC)
-        work = dist.all_to_all_single(recv_RC, send_RC, group=self.group, async_op=True)
-        self.wait(work, what)
-        return recv_RC
+    def exchange(self, send_RC: Tensor, what: str, *, kind: Optional[str] = None,
+                 label: Optional[str] = None) -> Tensor:
+        """Send row r of `send_RC` ([R, C] int64) to group rank r; return [R, C], row s from rank s (bounded). On CPU
+        the rows travel framed (`agreement.framed_exchange`, `kind` default `what`, `label` default `what`)."""
+        def exchange(send: Tensor) -> Tensor:
+            recv = torch.empty_like(send)
+            if self.num_ranks == 1:
+                return recv.copy_(send)
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            self.wait(work, what)
+            return recv
+
+        if self.device.type != "cpu":
+            return exchange(send_RC)
+        return framed_exchange(exchange, send_RC, kind=kind or what, label=label or what, rank=self.rank)
 
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
                 *, call: str = "barrier") -> None:
@@ -187,7 +195,8 @@ class CommContext:
         On CUDA: `with_cpu_sync` drains the current and communication streams on the host before and after
         (bounded); otherwise `wait_comm_stream` orders the current stream after the communication stream before
         the barrier and the communication stream after the current stream afterwards. `sequential` has no
-        effect (one logical domain). On CPU every option is a plain barrier with a bounded host wait.
+        effect (one logical domain). On CPU every option is a plain barrier with a bounded host wait: a framed
+        exchange, so that a peer in another call raises at once (`agreement.framed_exchange`).
 
         Raises:
             ValueError: the buffer was destroyed or is broken.
@@ -200,6 +209,9 @@ class CommContext:
             self.sync_stream(None, call)
         elif cuda and wait_comm_stream and self.comm_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+        if not cuda:
+            self.exchange(torch.zeros(self.num_ranks, 1, dtype=torch.int64), call)
+            return
         token = torch.zeros(1, device=self.device)
         work = dist.all_reduce(token, group=self.group, async_op=True)
         if cuda and not with_cpu_sync:

@@ -436,10 +436,11 @@ class EngramBuffer(ContextLifecycle):
         send = torch.cat([head.expand(self.num_ranks, -1),
                           (counts_R if counts_R is not None else torch.zeros(self.num_ranks, dtype=torch.int64,
                                                                              device=self.device)).view(-1, 1)], 1)
-        rows = self.context.exchange(send.contiguous(), call).tolist()
+        rows = self.context.exchange(send.contiguous(), call, kind="EngramBuffer header").tolist()
         failed = [r for r, row in enumerate(rows) if row[0]]
         if failed:  # every rank learns the first failing rank's message (one more exchange, on failure only)
-            messages = gather_messages(lambda t: self.context.exchange(t, f"{call} messages"),
+            messages = gather_messages(lambda t: self.context.exchange(t, f"{call} messages", kind="error messages",
+                                                                       label=call),
                                        str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err

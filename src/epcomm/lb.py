@@ -365,14 +365,16 @@ class LoadBalancingMixin:
         row = torch.tensor([status, call_id] + sig + offsets, dtype=torch.int64, device=self.device)
         comm = getattr(self, "_comm_stream", None)
         recv = streams.ordered_exchange(self.transport, comm, self.device,
-                                        row.expand(self.num_ranks, row.numel()).contiguous(), call_id).tolist()
+                                        row.expand(self.num_ranks, row.numel()).contiguous(), call_id,
+                                        kind="load-balancing header", label=name).tolist()
         if hasattr(self, "_call_id"):
             self._call_id = max(self._call_id, max(r[1] for r in recv))
         failed = [s for s, r in enumerate(recv) if r[0] != 0]
         if failed:
             msg_call = self._next_call_id() if hasattr(self, "_next_call_id") else call_id + 1  # keys of its own
             messages = agreement.gather_messages(
-                lambda t: streams.ordered_exchange(self.transport, comm, self.device, t, msg_call, "error messages"),
+                lambda t: streams.ordered_exchange(self.transport, comm, self.device, t, msg_call, "error messages",
+                                                   label=name),
                 str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err

@@ -165,7 +165,8 @@ class LowLatencyMixin:
                 mine = torch.tensor(shape, dtype=torch.int64, device=self.device)
                 rows = streams.ordered_exchange(self.transport, self._comm_stream, self.device,
                                                 mine.expand(self.num_ranks, len(shape)).contiguous(),
-                                                self._next_call_id()).tolist()
+                                                self._next_call_id(), kind="low-latency shape",
+                                                label="EPBuffer low-latency call (first of its shape)").tolist()
                 if any(row != shape for row in rows):
                     names = ("num_max_dispatch_tokens_per_rank", "hidden", "num_topk", "num_local_experts",
                              "use_fp8", "use_ue8m0")

@@ -190,7 +190,7 @@ def dispatch_launch(buf, call: DispatchCall, call_id: int, local_error: Optional
     send_RC = agreement.pack(head, None if send is None else send.num_tokens_per_rank_R, num_ranks, device)
     check_on_host = call is None or call.do_cpu_sync or device.type == "cpu"
     with phase("exchange_counts"):
-        recv_RC = tr.exchange_counts(send_RC, wait=check_on_host, call_id=call_id)
+        recv_RC = tr.exchange_counts(send_RC, wait=check_on_host, call_id=call_id, label="EPBuffer.dispatch")
         host_RC = recv_RC.tolist() if check_on_host else None
         if check_on_host:
             buf.agree("EPBuffer.dispatch", host_RC, local_error)

@@ -51,7 +51,7 @@ def on_comm_stream(device: torch.device, comm: Optional["torch.cuda.Stream"], pr
 
 
 def ordered_exchange(transport, comm: Optional["torch.cuda.Stream"], device: torch.device, send_RC: Tensor,
-                     call_id: int, what: str = "count exchange") -> Tensor:
+                     call_id: int, what: str = "count exchange", **frame) -> Tensor:
     """`transport.exchange_counts(send_RC, wait=True, ...)` for a call that does not run on the comm stream (the
     buffer's barrier, load-balancing headers, a low-latency shape's first call): on the comm stream, after the
     current stream's work. The nvlink transport's device barriers count calls in its region, so they must run in
@@ -60,7 +60,8 @@ def ordered_exchange(transport, comm: Optional["torch.cuda.Stream"], device: tor
 
     Args:
         transport: the buffer's transport; comm: its comm stream (None on CPU); device: the buffer's device.
-        send_RC: [R, C] int64 on `device` -- row p goes to rank p; call_id, what: as `exchange_counts`.
+        send_RC: [R, C] int64 on `device` -- row p goes to rank p; call_id, what, frame (`kind`, `label`): as
+            `exchange_counts`.
 
     Returns:
         [R, C] int64 on `device`: row s from rank s, complete (the host has waited for it).
@@ -69,10 +70,10 @@ def ordered_exchange(transport, comm: Optional["torch.cuda.Stream"], device: tor
         TimeoutError: a peer did not arrive within the transport's timeout (`exchange_counts`).
     """
     if device.type != "cuda" or comm is None or capturing(device):
-        return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what)
+        return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what, **frame)
     comm.wait_stream(torch.cuda.current_stream(device.index))
     with switched_to(comm):
-        return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what)
+        return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what, **frame)
 
 
 @contextmanager

@@ -58,9 +58,11 @@ class Transport(ABC):
         self.uid = uid
 
     @abstractmethod
-    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange") -> Tensor:
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange",
+                        kind: Optional[str] = None, label: Optional[str] = None) -> Tensor:
         """Send row r of `send_RC` ([R, C] int64) to rank r; return [R, C] with row s from rank s. `what` names the
-        exchange in a timeout's message."""
+        exchange in a timeout's message; on CPU, `kind` (default `what`) and `label` (the call) frame the rows
+        (`agreement.framed_exchange`: ranks in different calls raise instead of aborting gloo)."""
 
     @abstractmethod
     def dispatch_rows(

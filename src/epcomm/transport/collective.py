@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import agreement
 from ..moves import as_words
 from .base import Transport
 
@@ -30,9 +31,14 @@ class CollectiveTransport(Transport):
             work.wait()  # orders the current stream after the collective; no host wait
         return out
 
-    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange") -> Tensor:
-        recv_RC = torch.empty_like(send_RC)
-        return self._all_to_all(recv_RC, send_RC, None, None, wait, what, call_id)
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange",
+                        kind: Optional[str] = None, label: Optional[str] = None) -> Tensor:
+        def exchange(send: Tensor) -> Tensor:
+            return self._all_to_all(torch.empty_like(send), send, None, None, wait, what, call_id)
+
+        if self.device.type != "cpu":
+            return exchange(send_RC)
+        return agreement.framed_exchange(exchange, send_RC, kind=kind or what, label=label or what, rank=self.rank)
 
     def dispatch_rows(
         self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int

@@ -125,7 +125,8 @@ class NVLinkTransport(Transport):
         local = self.region.peer(self.rank, offset, (self.num_ranks, cols), torch.int64)
         return local.clone()
 
-    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange") -> Tensor:
+    def exchange_counts(self, send_RC: Tensor, *, wait: bool, call_id: int, what: str = "count exchange",
+                        kind: Optional[str] = None, label: Optional[str] = None) -> Tensor:
         r, c = send_RC.shape
         assert c <= _HEADER_COLS
         # Peer p must receive row p of send_RC: write it into p's headers at row `me`.
