@@ -48,6 +48,7 @@ from . import agreement, lb_nvlink, lb_sum, sizing, streams
 from .allocator import BufferAllocator
 from .events import EventHandle, EventOverlap
 from .validate import Checker
+from .waits import TransportTimeout
 
 __all__ = ["MAX_LB_PAYLOADS", "LoadBalancingMixin", "lb_routes"]
 
@@ -270,9 +271,9 @@ class LoadBalancingMixin:
                     sub = replace(call, redundant=[call.redundant[k] for k in slow], original=[
                         call.original[k] for k in slow], payload_bytes=[call.payload_bytes[k] for k in slow])
                     (self._lb_prefetch if op == _OP_PREFETCH else self._lb_reduce)(sub, route, call_id)
-        except TimeoutError as e:
-            self._broken = str(e).split(":")[0] + " timed out"
-            raise
+        except TimeoutError as e:  # the message names the call, as every other call's does
+            self._broken = f"{name} timed out"
+            raise TransportTimeout(f"{name}: {e}") from e
         if stream is None:
             return EventOverlap(EventHandle())
         for t in call.redundant + call.original:
