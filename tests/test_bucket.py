@@ -197,3 +197,25 @@ def test_ranks_passing_different_sizes_raise_everywhere(run_ranks):
             assert one_bad and "32-byte boundary" in one_bad, one_bad
         else:
             assert one_bad and "group rank 1 rejected the call" in one_bad, one_bad
+
+
+def _groups_in_other_orders(rank, world):
+    import torch.distributed as dist
+    g, h = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    out = []
+    for first, second in ((dist.group.WORLD, g), (g, h)):
+        try:
+            BucketBuffer([first, second] if rank == 0 else [second, first], 2 << 20, num_cpu_timeout_secs=30)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_ranks_listing_groups_in_other_orders_raise_everywhere(run_ranks):
+    """The contexts are built in one order on every rank (not the list's), so the index agreement meets and raises
+    (it used to wait in two different groups until the timeout)."""
+    for rank, msgs in enumerate(run_ranks(2, _groups_in_other_orders)):
+        for msg in msgs:
+            assert msg == (f"BucketBuffer: rank {rank}: group ranks disagree on the group's index in group_or_groups "
+                           "(rank 0: 0, rank 1: 1)"), msg
