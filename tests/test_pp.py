@@ -4,6 +4,7 @@ bitwise payloads, clear errors, bounded waits."""
 import re
 
 import pytest
+import torch
 
 import collective_cases as cc
 from epcomm.testing import run_in_fresh_world
@@ -51,6 +52,42 @@ def test_pp_errors(run_ranks):
             with pytest.raises({"ValueError": ValueError, "TypeError": TypeError}[cls], match=pattern):
                 raise {"ValueError": ValueError, "TypeError": TypeError}[cls](out[name][1])
             assert f"rank {rank}" in out[name][1]
+
+
+def _send_then_drop(rank, world):
+    """Rank 0 sends twice and drops its buffer (no destroy); rank 1 receives a moment later; then ten rounds of
+    make, send, recv, drop."""
+    import gc
+    import time
+
+    from epcomm import PPBuffer
+
+    pp = PPBuffer(None, 64, 2, num_cpu_timeout_secs=30)
+    got = []
+    if rank == 0:
+        pp.send(torch.full((4,), 5.0), 1)
+        pp.send(torch.arange(4.0), 1)
+        del pp
+        gc.collect()
+    else:
+        time.sleep(0.5)
+        got = [pp.recv(torch.empty(4), 0).tolist() for _ in range(2)]
+    torch.distributed.barrier()
+    for i in range(10):
+        pp = PPBuffer(None, 64, 1, num_cpu_timeout_secs=30)
+        pp.send(torch.full((1,), float(i)), (rank + 1) % world)
+        got.append(pp.recv(torch.empty(1), (rank - 1) % world).item())
+        del pp
+        gc.collect()
+    return got
+
+
+def test_sends_of_a_dropped_buffer_still_arrive(run_ranks):
+    """Garbage collection never communicates, and a send copies its tensor at once: a buffer dropped without
+    destroy() keeps its channels until its sends are received (it used to close them under the message)."""
+    sender, receiver = run_ranks(2, _send_then_drop)
+    assert receiver == [[5.0] * 4, [0.0, 1.0, 2.0, 3.0]] + [float(i) for i in range(10)], receiver
+    assert sender == [float(i) for i in range(10)], sender
 
 
 def test_waits_are_bounded_and_name_the_peer():

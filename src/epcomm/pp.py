@@ -43,6 +43,11 @@ from .transport.base import TransportTimeout
 
 __all__ = ["PPBuffer"]
 
+# Buffers dropped without destroy() while their sends were unreceived: (channels, send FIFOs, the unfinished
+# works). They stay alive until those sends complete, so that a neighbour's recv still gets them (a channel freed
+# early closes its connection under the message); garbage collection itself never communicates.
+_DRAINING: list = []
+
 _HEADER_MAGIC, _CLOSE_MAGIC = 0x5050, 0x5043  # "PP" marks a message header, "PC" the last header at destroy
 _TAG_HEADER, _TAG_PAYLOAD, _TAG_WARMUP = 1, 2, 3
 
@@ -90,6 +95,7 @@ class PPBuffer(ContextLifecycle):
                  *, num_cpu_timeout_secs: float = 300):
         self.explicitly_destroy = explicitly_destroy
         self._destroyed = True  # until construction succeeds
+        _release_drained()
         group = group if group is not None else dist.group.WORLD
         rank, num_ranks = group.rank(), group.size()
         err = None  # a failed check still joins the construction exchange, so that every rank raises
@@ -277,6 +283,15 @@ class PPBuffer(ContextLifecycle):
                                "consumed; the FIFO continues with the next send")
         return x
 
+    def __del__(self):
+        super().__del__()
+        if getattr(self, "_destroyed", True):
+            return
+        _release_drained()
+        unfinished = [w for fifo in self._send.values() for works in fifo.works for w in works if not w.is_completed()]
+        if unfinished:
+            _DRAINING.append((self._channels, self._send, unfinished))
+
     # -- lifecycle -----------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Wait for this rank's sends to be received (bounded), then release the buffer (collective).
@@ -382,3 +397,8 @@ class PPBuffer(ContextLifecycle):
             if time.monotonic() >= deadline - 0.01 or "timeout" in str(exc).lower():
                 raise TransportTimeout(late()) from None
             raise
+
+
+def _release_drained() -> None:
+    """Let go of dropped buffers whose sends have all been received (a check, no communication)."""
+    _DRAINING[:] = [entry for entry in _DRAINING if not all(w.is_completed() for w in entry[2])]
