@@ -192,9 +192,12 @@ def _engram_op(rank: int, world: int, size: int, device, timer: Timer) -> dict:
             buf.destroy()
         if out["transport"] == "collective":  # the default already is the collective transport
             break
-    send = torch.empty(tokens * ENGRAM_ENTRIES, row, dtype=torch.uint8, device=device)
-    recv = torch.empty_like(send)
-    out["times"]["torch"] = timer.measure(lambda: dist.all_to_all_single(recv, send))
+    # The same rows in near-equal splits (gloo's equal-split all-to-all needs a multiple of the group size).
+    num_rows = tokens * ENGRAM_ENTRIES
+    splits = [num_rows // world + (r < num_rows % world) for r in range(world)]
+    send = torch.empty(num_rows, row, dtype=torch.uint8, device=device)
+    recv = torch.empty(splits[rank] * world, row, dtype=torch.uint8, device=device)
+    out["times"]["torch"] = timer.measure(lambda: dist.all_to_all_single(recv, send, [splits[rank]] * world, splits))
     return out
 
 
@@ -336,7 +339,8 @@ def run_suite(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None)
                     rows[-1]["transport"] = per_rank[0]["transport"]
             rows.append(_row(op, f"torch-{plan['backend']}", times["torch"], per_rank[0]["bytes"], None, ceiling_gbps))
     except (RankFailure, WatchdogTimeout) as exc:
-        aborted = str(exc).splitlines()[0]
+        lines = str(exc).splitlines()  # the headline and the first rank's error (the tracebacks stay out)
+        aborted = " ".join(lines[:1] + [line for line in lines if line.startswith("--- rank")][:1])
         info = locals().get("info", {})
     finally:
         if own:
