@@ -266,10 +266,14 @@ def parse_args(argv: Optional[list] = None) -> tuple:
     p.add_argument("--seed", type=int, default=d.seed, help="model and data seed (default 0)")
     p.add_argument("--batch", type=int, default=d.batch, help=f"global batch in sequences (default {d.batch})")
     p.add_argument("--seq", type=int, default=d.seq, help=f"sequence length in bytes (default {d.seq})")
+    p.add_argument("--layers", type=int, default=d.layers, help=f"(attention, MoE) blocks (default {d.layers})")
     p.add_argument("--log-every", type=int, default=d.log_every, help="print the loss every N steps (default 1)")
     p.add_argument("--out-losses", default=None, help="write the per-step losses to this file, one per line")
     a = p.parse_args(argv)
-    cfg = dataclasses.replace(d, steps=a.steps, seed=a.seed, batch=a.batch, seq=a.seq, log_every=a.log_every)
+    if a.layers < 1:
+        p.error(f"--layers must be >= 1, got {a.layers}")
+    cfg = dataclasses.replace(d, steps=a.steps, seed=a.seed, batch=a.batch, seq=a.seq, layers=a.layers,
+                              log_every=a.log_every)
     return cfg, a.ranks, a.out_losses
 
 

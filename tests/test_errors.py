@@ -204,6 +204,9 @@ def test_nvlink_on_cpu_names_the_rank(run_ranks):
     ("timeout", ValueError, r"num_cpu_timeout_secs must be > 0 seconds, got -1"),
     ("timeout_type", TypeError, r"num_cpu_timeout_secs must be a number of seconds, got str"),
     ("dtype", TypeError, r"dtype must be a float dtype .* got torch.int8"),
+    ("topk_33", ValueError, r"num_topk must be in \[0, 32\] \(0 sizes for 32; every call's top-k is at most 32\), "
+                            r"got 33"),
+    ("topk_type", TypeError, r"num_topk must be an int, got float"),
     ("env", ValueError, r"EPCOMM_FUSED_SYNC_FREE_ROWS must be an integer >= 0, got '4k'"),
     ("env_return", ValueError, r"EPCOMM_NVLINK_RETURN must be 'push' or 'pull', got 'fetch'"),
     ("env_chunks", ValueError, r"EPCOMM_RETURN_CHUNKS must be an integer in \[1, 64\], got '0'"),

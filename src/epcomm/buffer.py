@@ -143,6 +143,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                                   f"got {dtype}")
             c.require(transport in _TRANSPORT_CODES, f"transport={transport!r} is unknown; expected one of "
                                                      f"{sorted(_TRANSPORT_CODES)}")
+            if isinstance(num_topk, bool) or not isinstance(num_topk, int):
+                c.fail(TypeError, f"num_topk must be an int, got {type(num_topk).__name__}")
+            c.require(0 <= num_topk <= sizing.MAX_TOPK, f"num_topk must be in [0, {sizing.MAX_TOPK}] (0 sizes for "
+                                                        f"{sizing.MAX_TOPK}; every call's top-k is at most "
+                                                        f"{sizing.MAX_TOPK}), got {num_topk}")
             if num_bytes is None:
                 c.require(num_max_tokens_per_rank > 0 and hidden > 0,
                           f"num_bytes=None sizes the buffer from the MoE shape: num_max_tokens_per_rank (got "
