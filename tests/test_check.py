@@ -137,3 +137,12 @@ def test_runs_as_module():
     proc = subprocess.run([sys.executable, "-m", "epcomm.check", *EXAMPLE[:4], "--topk", "33", *EXAMPLE[6:]],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "num_topk <= 32" in proc.stdout
+
+
+def test_ranks_per_host_must_divide_ranks(capsys):
+    """8 ranks on hosts of 3 is not a deployment: it used to be sized as one host."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*EXAMPLE, "--ranks-per-host", "3"])
+    assert exit_info.value.code == 2
+    assert "--ranks-per-host 3 must divide --ranks 8" in capsys.readouterr().err
+    assert main([*EXAMPLE, "--ranks-per-host", "4"]) in (0, 1)

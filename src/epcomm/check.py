@@ -354,7 +354,11 @@ def main(argv: Optional[list] = None) -> int:
     Returns:
         0 when no constraint FAILs, 1 otherwise (argparse exits with 2 on bad flags).
     """
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.ranks_per_host is not None and a.ranks > 0 and a.ranks % a.ranks_per_host:
+        parser.error(f"--ranks-per-host {a.ranks_per_host} must divide --ranks {a.ranks} (every host holds as many "
+                     "ranks)")
     a.device = a.device or ("cuda" if a.transport == "nvlink" else "cpu")
     r = Report(sys.stdout)
     with _local_world_size(a.ranks_per_host):
