@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per rank, comma-separated to sweep (e.g. 64,128,256); default 256 on CPU, the "
                         "preset's size on GPU")
     p.add_argument("--ranks", type=int, default=None,
-                   help="ranks to spawn; default one per visible GPU (NCCL), else 2 (gloo)")
+                   help="ranks to spawn; default one per visible GPU (NCCL), else 2 (gloo); must divide the "
+                        "preset's experts (powers of 2 in every preset)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 10 CPU, 30 GPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 1 CPU, 5 GPU)")
     p.add_argument("--layout", choices=("non-expand", "expand", "both"), default="both")

@@ -209,9 +209,11 @@ def plot(recs: list, path: str) -> None:
             for r in recs:
                 if r["metric"] == "link_bytes" and r["preset"] == preset and r["provider"].startswith("epcomm"):
                     floors.setdefault(r["dtype"], {})[r["tokens_per_rank"]] = r["value"] / (ceiling * 1e9) * 1e6
-        for label, pts in sorted(lines.items()):
+        styles = ("-", "--", ":", "-.")  # past the colour cycle's 10 colours, lines differ by their style
+        for i, (label, pts) in enumerate(sorted(lines.items())):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^D"[i // 10 % 4],
+                    linestyle=styles[i // 10 % 4], label=label)
         for dtype, pts in sorted(floors.items()):
             xs = sorted(pts)
             ax.plot(xs, [pts[x] for x in xs], linestyle="--", color="black",
