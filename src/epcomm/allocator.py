@@ -162,4 +162,4 @@ class BufferAllocator:
                     torch.utils.swap_tensors(q.tensor, done)  # undo: the plan stays whole where it was
                 raise ValueError(
                     f"{call}: planned tensor #{i} (shape {tuple(p.tensor.shape)}, {p.tensor.dtype}) cannot be "
-                    f"swapped in place ({exc}); {hint}") from exc
+                    f"swapped in place: another tensor shares it; {hint} (torch's reason is the cause below)") from exc
