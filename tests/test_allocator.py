@@ -95,7 +95,8 @@ def test_views_of_placeholders_block_the_swap_and_leave_the_plan_whole():
     second = plan.allocate(4, torch.float32)
     view = second.view(2, 2)  # noqa: F841 -- a view keeps the placeholder's implementation shared
     with pytest.raises(ValueError, match=r"planned tensor #1 \(shape \(4,\), torch\.float32\) cannot be swapped in "
-                                         r"place: another tensor shares it; do not take views of placeholders before materialize"):
+                                         r"place: another tensor shares it; do not take views of placeholders "
+                                         r"before materialize"):
         plan.materialize(torch.empty(plan.num_bytes, dtype=torch.uint8))
     assert not plan.materialized and first.device.type == "meta" and second.device.type == "meta"
 
