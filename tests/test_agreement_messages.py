@@ -107,8 +107,64 @@ def test_framed_exchange_names_every_rank_s_call_on_other_kinds_or_widths():
                            "the same buffers, in the same order"), got
 
 
-def test_frames_hold_every_row():
-    for num_ranks in (1, 2, 7, 300):
-        cols = agreement.frame_cols(num_ranks)
-        widest = max(1 + agreement.MESSAGE_BYTES // 8, agreement.HEADER_LEN + num_ranks, 64)
-        assert cols - agreement._FRAME_HEAD >= widest
+def _frame_widths(rank, world):
+    """Every framed row width and kind a round of calls sends on CPU (EPBuffer with an LB region, its calls and a
+    failed call's messages; Bucket, Engram and PP buffers)."""
+    import epcomm
+    from epcomm import agreement as ag, comm
+
+    seen = set()
+    real = ag.framed_exchange
+
+    def spy(exchange, send_RC, *, kind, label, rank):
+        seen.add((kind, send_RC.shape[1]))
+        return real(exchange, send_RC, kind=kind, label=label, rank=rank)
+
+    ag.framed_exchange = comm.framed_exchange = spy
+    try:
+        ep = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=8, num_topk=2,
+                             lb_allocation_plan_or_num_bytes=2 << 20)
+        x, idx = torch.randn(4, 8).bfloat16(), torch.tensor([[0, 1], [1, 2], [3, -1], [2, 0]])
+        recv_x, _, _, handle, _ = ep.dispatch(x, idx, num_experts=4)
+        ep.combine(recv_x, handle)
+        ep.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+        ep.lb_prefetch_weights(torch.zeros(1, 2), torch.zeros(2, 2),
+                               torch.tensor([[(r + 1) % world * 2] for r in range(world)], dtype=torch.int32))
+        try:
+            ep.dispatch(x, idx if rank == 0 else idx.float(), num_experts=4)
+        except (TypeError, ValueError):
+            pass
+        ep.barrier()
+        ep.destroy()
+        bucket = epcomm.BucketBuffer(None, 2 << 20)
+        bucket.all_reduce(bucket.storage[:64 * world].view(torch.float32)).wait()
+        bucket.barrier()
+        bucket.destroy()
+        engram = epcomm.EngramBuffer(None, 2 << 20, 2 << 20)
+        engram.set_config([2], 8, 2, 1)
+        engram.write([torch.zeros(2, 8).bfloat16()])
+        engram.fetch(torch.zeros(1, 2, 1, dtype=torch.int64))[0]()
+        engram.destroy()
+        epcomm.PPBuffer(None, 64, 1).destroy()
+    finally:
+        ag.framed_exchange = comm.framed_exchange = real
+    return sorted(seen)
+
+
+def test_frames_hold_every_row(run_ranks):
+    """The rows the calls really send fit the frame's bound for other rows (`_WIDEST_ROW`), but for the messages
+    and the count headers, which `frame_cols` covers by their own formulas."""
+    seen = run_ranks(2, _frame_widths)[0]
+    kinds = {kind for kind, _ in seen}
+    assert {"count exchange", "error messages", "EPBuffer construction", "load-balancing header",
+            "BucketBuffer header", "EngramBuffer header"} <= kinds, kinds
+    for kind, width in seen:
+        if kind == "error messages":
+            assert width == 1 + agreement.MESSAGE_BYTES // 8
+        elif kind == "count exchange":  # a count header (dispatch, combine, barrier, destroy, low-latency calls)
+            assert width == agreement.HEADER_LEN + 2, width
+        else:
+            assert width <= agreement._WIDEST_ROW, (kind, width)
+    for num_ranks in (1, 2, 300):
+        assert agreement.frame_cols(num_ranks) - agreement._FRAME_HEAD >= max(
+            1 + agreement.MESSAGE_BYTES // 8, agreement.HEADER_LEN + num_ranks, agreement._WIDEST_ROW)

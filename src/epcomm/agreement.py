@@ -184,7 +184,7 @@ def check(
 _FRAME_MAGIC = 0x6570636F6D6D  # "epcomm"
 _LABEL_COLS = 8
 _FRAME_HEAD = 3 + _LABEL_COLS
-_WIDEST_ROW = 64  # every header row but the messages and the count headers is narrower
+_WIDEST_ROW = 64  # a bound on every other header row (tests/test_agreement_messages.py checks the real widths)
 
 
 def frame_cols(num_ranks: int) -> int:

@@ -10,6 +10,7 @@ file is over the ~500-line guide only because dispatch and combine document ever
 
 from __future__ import annotations
 
+import numbers
 import operator
 import random
 import socket
@@ -143,8 +144,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                                   f"got {dtype}")
             c.require(transport in _TRANSPORT_CODES, f"transport={transport!r} is unknown; expected one of "
                                                      f"{sorted(_TRANSPORT_CODES)}")
-            if isinstance(num_topk, bool) or not isinstance(num_topk, int):
+            if isinstance(num_topk, bool) or not isinstance(num_topk, numbers.Integral):
                 c.fail(TypeError, f"num_topk must be an int, got {type(num_topk).__name__}")
+            num_topk = int(num_topk)  # numpy ints too
             c.require(0 <= num_topk <= sizing.MAX_TOPK, f"num_topk must be in [0, {sizing.MAX_TOPK}] (0 sizes for "
                                                         f"{sizing.MAX_TOPK}; every call's top-k is at most "
                                                         f"{sizing.MAX_TOPK}), got {num_topk}")

@@ -180,8 +180,9 @@ def attach_lb_region(buf, symm_cls=None) -> Optional[LBRegion]:
             return None
         from .transport.symm import SymmetricRegion as symm_cls
     mine = torch.tensor([buf.num_lb_bytes], dtype=torch.int64, device=buf.device)
-    sizes = buf.transport.exchange_counts(mine.expand(buf.num_ranks, 1).contiguous(), wait=True,
-                                          call_id=0)[:, 0].tolist()
+    sizes = buf.transport.exchange_counts(mine.expand(buf.num_ranks, 1).contiguous(), wait=True, call_id=0,
+                                          kind="LB region size", label="EPBuffer construction (LB region)")
+    sizes = sizes[:, 0].tolist()
     if len(set(sizes)) > 1:
         warnings.warn(f"EPBuffer: rank {buf.rank}: the ranks' LB regions differ in size ({sizes} bytes by group "
                       "rank); symmetric memory needs one size, so lb_prefetch_weights and lb_reduce_grads take "

@@ -26,6 +26,7 @@ CUDA are bounded by the channels' NCCL timeout, set to `num_gpu_timeout_secs` (t
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -43,10 +44,12 @@ from .transport.base import TransportTimeout
 
 __all__ = ["PPBuffer"]
 
-# Buffers dropped without destroy() while their sends were unreceived: (channels, send FIFOs, the unfinished
-# works). They stay alive until those sends complete, so that a neighbour's recv still gets them (a channel freed
-# early closes its connection under the message); garbage collection itself never communicates.
+# Buffers dropped without destroy(): (channels, send FIFOs, works). A thread of their own keeps them alive until
+# the sends are received or `num_cpu_timeout_secs` has passed (a neighbour's recv has timed out by then), so that a
+# recv still gets them (a channel freed early closes its connection under the message). Garbage collection itself
+# never communicates: the thread only waits for this rank's own sends.
 _DRAINING: list = []
+_DRAINING_LOCK = threading.Lock()
 
 _HEADER_MAGIC, _CLOSE_MAGIC = 0x5050, 0x5043  # "PP" marks a message header, "PC" the last header at destroy
 _TAG_HEADER, _TAG_PAYLOAD, _TAG_WARMUP = 1, 2, 3
@@ -95,7 +98,6 @@ class PPBuffer(ContextLifecycle):
                  *, num_cpu_timeout_secs: float = 300):
         self.explicitly_destroy = explicitly_destroy
         self._destroyed = True  # until construction succeeds
-        _release_drained()
         group = group if group is not None else dist.group.WORLD
         rank, num_ranks = group.rank(), group.size()
         err = None  # a failed check still joins the construction exchange, so that every rank raises
@@ -287,10 +289,13 @@ class PPBuffer(ContextLifecycle):
         super().__del__()
         if getattr(self, "_destroyed", True):
             return
-        _release_drained()
-        unfinished = [w for fifo in self._send.values() for works in fifo.works for w in works if not w.is_completed()]
-        if unfinished:
-            _DRAINING.append((self._channels, self._send, unfinished))
+        works = [w for fifo in self._send.values() for slot in fifo.works for w in slot]
+        if works:
+            entry = (self._channels, self._send, works)
+            with _DRAINING_LOCK:
+                _DRAINING.append(entry)
+            threading.Thread(target=_drain, args=(entry, time.monotonic() + self.context.timeout_s,
+                                                  self.device.type == "cpu"), daemon=True).start()
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def destroy(self) -> None:
@@ -399,6 +404,18 @@ class PPBuffer(ContextLifecycle):
             raise
 
 
-def _release_drained() -> None:
-    """Let go of dropped buffers whose sends have all been received (a check, no communication)."""
-    _DRAINING[:] = [entry for entry in _DRAINING if not all(w.is_completed() for w in entry[2])]
+def _drain(entry: tuple, deadline: float, cpu: bool) -> None:
+    """Wait (bounded by `deadline`) for a dropped buffer's sends, then let go of its channels. Gloo's
+    point-to-point works report completion only through a timed wait; NCCL's are polled."""
+    try:
+        for work in entry[2]:
+            if cpu:
+                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            else:
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(1e-3)
+    except Exception:  # a timed-out or closed channel: nothing more will arrive through it
+        pass
+    finally:
+        with _DRAINING_LOCK:
+            _DRAINING.remove(entry)
