@@ -294,8 +294,10 @@ class PPBuffer(ContextLifecycle):
             entry = (self._channels, self._send, works)
             with _DRAINING_LOCK:
                 _DRAINING.append(entry)
-            threading.Thread(target=_drain, args=(entry, time.monotonic() + self.context.timeout_s,
-                                                  self.device.type == "cpu"), daemon=True).start()
+            cpu = self.device.type == "cpu"
+            # On CUDA, let go before the channel's NCCL watchdog (num_gpu_timeout_secs) would end the process.
+            wait_s = self.context.timeout_s if cpu else min(self.context.timeout_s, self.num_gpu_timeout_secs / 2)
+            threading.Thread(target=_drain, args=(entry, time.monotonic() + wait_s, cpu), daemon=True).start()
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def destroy(self) -> None:
