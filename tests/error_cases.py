@@ -352,3 +352,13 @@ def calls_of_other_kinds(rank: int, world: int, pair: str):
     for buf in (ep, bucket, engram):
         buf.destroy()
     return raised, after
+
+
+def construct_two_bad(rank: int, world: int):
+    """Ranks 1 and 2 of 3 pass different bad constructor arguments: what each raised."""
+    bad = {1: dict(num_bytes=1000), 2: dict(num_cpu_timeout_secs=-1)}.get(rank, {})
+    try:
+        epcomm.EPBuffer(None, **(dict(num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20) | bad))
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None

@@ -134,6 +134,14 @@ def test_calls_of_other_kinds_raise_on_every_rank(run_ranks, pair, labels):
         assert after > 0
 
 
+def test_two_offenders_at_construction(run_ranks):
+    ok, size, timeout = run_ranks(3, error_cases.construct_two_bad)
+    assert size.startswith("EPBuffer: rank 1: num_bytes must be") and timeout.startswith("EPBuffer: rank 2: "), \
+        (size, timeout)
+    assert ok == (f"EPBuffer: rank 0: group rank 1 rejected the construction: {size}; group rank 2 rejected it too: "
+                  f"{timeout}"), ok
+
+
 def test_dispatch_while_peer_combines(run_ranks):
     for rank, msg in enumerate(run_ranks(2, error_cases.dispatch_vs_combine)):
         assert msg is not None and re.search(r"ranks disagree on op \(rank 0: dispatch, rank 1: combine\)", msg), msg

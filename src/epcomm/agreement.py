@@ -115,6 +115,16 @@ def gather_messages(exchange: Callable[[Tensor], Tensor], msg: str, num_ranks: i
             for s in range(num_ranks)]
 
 
+def rejected(call: str, rank: int, failed: list, messages: list, what: str = "the call") -> str:
+    """The message of a rank without a fault of its own: every group rank in `failed` rejected `what`, with the
+    messages of the first four (the rest by rank; each raised its own)."""
+    first = failed[0]
+    also = "".join(f"; group rank {s} rejected it too: {messages[s]}" for s in failed[1:1 + _MORE_MESSAGES])
+    if len(failed) > 1 + _MORE_MESSAGES:
+        also += f"; and group ranks {failed[1 + _MORE_MESSAGES:]} (their messages are in their own errors)"
+    return f"{call}: rank {rank}: group rank {first} rejected {what}: {messages[first]}{also}"
+
+
 def check(
     call: str, rank: int, recv_RC: list, local_error: Optional[BaseException], gather_messages: Callable[[str], list]
 ) -> None:
@@ -133,13 +143,7 @@ def check(
         messages = gather_messages(str(local_error) if local_error is not None else "")
         if local_error is not None:
             raise local_error
-        first = failed[0]
-        exc = _EXC.get(recv_RC[first][0], ValueError)
-        # Every rank that rejected the call, each with its own fault (a few messages; the rest by rank).
-        also = "".join(f"; group rank {s} rejected it too: {messages[s]}" for s in failed[1:1 + _MORE_MESSAGES])
-        if len(failed) > 1 + _MORE_MESSAGES:
-            also += f"; and group ranks {failed[1 + _MORE_MESSAGES:]} (their messages are in their own errors)"
-        raise exc(f"{call}: rank {rank}: group rank {first} rejected the call: {messages[first]}{also}")
+        raise _EXC.get(recv_RC[failed[0]][0], ValueError)(rejected(call, rank, failed, messages))
     calls = [row[1] for row in recv_RC]
     if len(set(calls)) > 1:
         ops = [OPS.get(row[2], "?") for row in recv_RC]

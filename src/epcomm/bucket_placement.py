@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agreement import STATUS_OK, STATUS_TYPE, gather_messages, status_of
+from .agreement import STATUS_OK, STATUS_TYPE, gather_messages, rejected, status_of
 from .comm import CommContext
 from .events import EventHandle, EventOverlap
 
@@ -214,7 +214,7 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
         if err is not None:
             raise err
         exc = TypeError if rows[failed[0]][0] == STATUS_TYPE else ValueError
-        raise exc(f"{call}: rank {ctx.rank}: group rank {failed[0]} rejected the call: {messages[failed[0]]}")
+        raise exc(rejected(call, ctx.rank, failed, messages))
     names = {v: k for k, v in _OPS.items()}
     for i, what in ((1, "operation"), (2, "number of buckets"), (3, "total bytes"), (4, "bucket sizes")):
         values = [got[i] for got in rows]

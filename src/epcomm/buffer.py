@@ -245,8 +245,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             if err is not None:
                 raise err
             exc = TypeError if rows[failed[0]][4] == agreement.STATUS_TYPE else ValueError
-            raise exc(f"EPBuffer: rank {self.rank}: group rank {failed[0]} rejected the construction: "
-                      f"{messages[failed[0]]}")
+            raise exc(agreement.rejected("EPBuffer", self.rank, failed, messages, "the construction"))
         for col, name in enumerate(_AGREED_OPTIONS, start=6):  # the arguments first, the size they imply last
             values = [row[col] for row in rows]
             sized = [v or sizing.MAX_TOPK for v in values] if name == "num_topk" else values  # 0 sizes for 32

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages, status_of
+from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages, rejected, status_of
 from .waits import TransportTimeout, bounded_wait
 from .validate import Checker
 
@@ -98,8 +98,7 @@ class CommContext:
             if error is not None:
                 raise error
             exc = TypeError if rows[failed[0]][2] == STATUS_TYPE else ValueError
-            raise exc(f"{owner}: rank {self.rank}: group rank {failed[0]} rejected the construction: "
-                      f"{messages[failed[0]]}")
+            raise exc(rejected(owner, self.rank, failed, messages, "the construction"))
         for i, name in enumerate(agree):
             values = [row[3 + i] for row in rows]
             if len(set(values)) > 1:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
-from .agreement import gather_messages
+from .agreement import gather_messages, rejected
 from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan
 from .moves import transfer_word
@@ -444,8 +444,7 @@ class EngramBuffer(ContextLifecycle):
                                        str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err
-            r = failed[0]
-            raise _EXC[rows[r][0]](f"{call}: rank {self.rank}: group rank {r} rejected the call: {messages[r]}")
+            raise _EXC[rows[failed[0]][0]](rejected(call, self.rank, failed, messages))
         for r, row in enumerate(rows):
             if row[1] != op:
                 raise ValueError(f"{call}: rank {self.rank}: group rank {r} is in EngramBuffer.{_OPS.get(row[1])} "

@@ -379,8 +379,7 @@ class LoadBalancingMixin:
                 str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err
-            raise _EXC.get(recv[failed[0]][0], ValueError)(
-                f"{name}: rank {self.rank}: group rank {failed[0]} rejected the call: {messages[failed[0]]}")
+            raise _EXC.get(recv[failed[0]][0], ValueError)(agreement.rejected(name, self.rank, failed, messages))
         for i, field in enumerate(_HEADER[1:], start=1):
             values = [r[i] for r in recv]
             if len(set(values)) == 1:
