@@ -327,6 +327,7 @@ def calls_of_other_kinds(rank: int, world: int, pair: str):
     bucket = epcomm.BucketBuffer(None, 2 << 20, num_cpu_timeout_secs=30)
     engram = epcomm.EngramBuffer(None, 2 << 20, 2 << 20, num_cpu_timeout_secs=30)
     engram.set_config([2], 8, 2, 1)
+    pp = epcomm.PPBuffer(None, 64, 1, num_cpu_timeout_secs=30)
     x, idx, w = _inputs(rank)
     lb_args = (torch.zeros(1, 2), torch.zeros(2, 2), torch.tensor([[(r + 1) % world * 2] for r in range(world)],
                                                                   dtype=torch.int32))
@@ -338,6 +339,7 @@ def calls_of_other_kinds(rank: int, world: int, pair: str):
         "bucket.barrier": lambda: bucket.barrier(),
         "engram.fetch": lambda: engram.fetch(torch.zeros(1, 2, 1, dtype=torch.int64))[0](),
         "engram.set_config": lambda: engram.set_config([2], 8, 2, 1),
+        "pp.destroy": lambda: pp.destroy(),
     }
     try:
         calls[pair.split(" vs ")[rank]]()
@@ -349,7 +351,7 @@ def calls_of_other_kinds(rank: int, world: int, pair: str):
     except ValueError as e:
         assert "ranks are at different calls on this buffer" in str(e), e
         after = ep.dispatch(x, idx, w, num_experts=E)[0].shape[0]
-    for buf in (ep, bucket, engram):
+    for buf in (ep, bucket, engram, pp):
         buf.destroy()
     return raised, after
 

@@ -123,6 +123,7 @@ def test_two_offenders_each_raise_their_own_and_the_peer_names_both(run_ranks):
     ("dispatch vs bucket.all_reduce", ("EPBuffer.dispatch", "BucketBuffer.all_reduce")),
     ("bucket.all_reduce vs bucket.barrier", ("BucketBuffer.all_reduce", "BucketBuffer.barrier")),
     ("engram.fetch vs dispatch", ("EngramBuffer.fetch", "EPBuffer.dispatch")),
+    ("pp.destroy vs barrier", ("PPBuffer.destroy", "EPBuffer.barrier")),
 ])
 def test_calls_of_other_kinds_raise_on_every_rank(run_ranks, pair, labels):
     """Calls whose header rows differ in width (on one buffer or two of one group) used to abort gloo on one rank

@@ -63,7 +63,9 @@ class BucketBuffer(ContextLifecycle):
 
     Args:
         group_or_groups: a `ProcessGroup` or a list of up to 8; every rank lists its groups in the same order
-            (checked per group). None = the default group.
+            (checked per group): every member of a group holds as many groups, with that group at one index. So
+            overlapping subgroups with different members (ranks 0-1 and 1-2 of 3) need one BucketBuffer each.
+            None = the default group.
         allocation_plan_or_num_bytes: int -- storage bytes, a positive multiple of 2 MiB (allocation plans are
             not supported yet).
         sl_idx: RDMA service level; accepted, no effect (no RDMA layer).
@@ -78,7 +80,9 @@ class BucketBuffer(ContextLifecycle):
 
     Raises:
         TypeError: a group that is not a `ProcessGroup` of this rank; an allocation plan.
-        ValueError: bad sizes, more than 8 groups, a group listed twice, ranks listing groups in other orders.
+        ValueError: bad sizes, more than 8 groups, a group listed twice, ranks listing groups in other orders or
+            other numbers of groups (on the ranks of the group where it shows; a rank outside that group times
+            out).
         TimeoutError: a peer did not construct within `num_cpu_timeout_secs`.
     """
 

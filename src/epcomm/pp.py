@@ -304,11 +304,14 @@ class PPBuffer(ContextLifecycle):
         """Wait for this rank's sends to be received (bounded), then release the buffer (collective).
 
         Raises:
+            ValueError: (CPU) a rank of the group is in another call (every rank raises, naming each rank's call).
             TimeoutError: a neighbour did not receive an outstanding send within `num_cpu_timeout_secs`.
         """
         if self._destroyed:
             return
         if self.context.broken is None:
+            if self.device.type == "cpu":  # every rank is in this call before the channels' own waits begin
+                self.context.exchange(torch.zeros(self.num_ranks, 1, dtype=torch.int64), "PPBuffer.destroy")
             deadline = time.monotonic() + self.context.timeout_s
             for fifo in self._send.values():
                 for works in fifo.works:
