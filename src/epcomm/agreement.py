@@ -191,6 +191,10 @@ _FRAME_HEAD = 3 + _LABEL_COLS
 _WIDEST_ROW = 64  # a bound on every other header row (tests/test_agreement_messages.py checks the real widths)
 
 
+class CallsDiffer(ValueError):
+    """Ranks of a group are in different calls (`framed_exchange`)."""
+
+
 def frame_cols(num_ranks: int) -> int:
     """Columns of a framed row for a group of `num_ranks`: the widest row any call sends, and the frame's head."""
     return _FRAME_HEAD + max(1 + MESSAGE_BYTES // 8, HEADER_LEN + num_ranks, _WIDEST_ROW)
@@ -223,7 +227,8 @@ def framed_exchange(exchange: Callable[[Tensor], Tensor], send_RC: Tensor, *, ki
         [R, C] int64: row s from rank s.
 
     Raises:
-        ValueError: on every rank, when the ranks' rows are of different kinds or widths (different calls).
+        CallsDiffer (a ValueError): on every rank, when the ranks' rows are of different kinds or widths
+            (different calls).
         TimeoutError: from `exchange`.
     """
     num_ranks, width = send_RC.shape
@@ -239,6 +244,6 @@ def framed_exchange(exchange: Callable[[Tensor], Tensor], send_RC: Tensor, *, ki
     if any(head != heads[rank] for head in heads):
         calls = ", ".join(f"rank {s}: {_cols_text(got[s, 3:_FRAME_HEAD].tolist())}" if head[0] == _FRAME_MAGIC
                           else f"rank {s}: not an epcomm call" for s, head in enumerate(heads))
-        raise ValueError(f"{label}: rank {rank}: ranks are in different calls on this group ({calls}); every rank "
+        raise CallsDiffer(f"{label}: rank {rank}: ranks are in different calls on this group ({calls}); every rank "
                          "of the group must make the same calls, on the same buffers, in the same order")
     return got[:, _FRAME_HEAD:_FRAME_HEAD + width].contiguous()

@@ -207,6 +207,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
         self._call_id = 0
+        self.transport.on_calls_differ = self._take_back_call_id
         self._pending_deferred = False
         self._shapes_that_fit: set = set()  # call shapes check_capacity found within num_bytes
         self._broken: Optional[str] = None
@@ -469,6 +470,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     def _next_call_id(self) -> int:
         self._call_id += 1
         return self._call_id
+
+    def _take_back_call_id(self, call_id: int) -> None:
+        """The transport found the ranks in different calls at `call_id` (another buffer's call on a peer): the
+        peers never made this call, so the next one reuses its id."""
+        self._call_id = min(self._call_id, call_id - 1)
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:

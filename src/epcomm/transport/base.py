@@ -48,6 +48,9 @@ class Transport(ABC):
     # True when the transport writes rows straight into per-sender blocks of peers' receive areas, so the
     # pipeline uses the blocked layout even with CPU sync (see `push_rows`).
     writes_blocks = False
+    # Called with the call id of an exchange that found the ranks in different calls (CPU): the owner takes the id
+    # back, so that its next call is in step with the peers, which never made this one.
+    on_calls_differ = None
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float, uid: int):
         self.group = group

@@ -38,7 +38,13 @@ class CollectiveTransport(Transport):
 
         if self.device.type != "cpu":
             return exchange(send_RC)
-        return agreement.framed_exchange(exchange, send_RC, kind=kind or what, label=label or what, rank=self.rank)
+        try:
+            return agreement.framed_exchange(exchange, send_RC, kind=kind or what, label=label or what,
+                                             rank=self.rank)
+        except agreement.CallsDiffer:
+            if self.on_calls_differ is not None:  # the call never happened on the peers: its id is not spent
+                self.on_calls_differ(call_id)
+            raise
 
     def dispatch_rows(
         self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int
