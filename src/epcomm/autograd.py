@@ -147,15 +147,14 @@ class TokenDispatcher:
         if not buffer.allow_multiple_reduction:
             layout_name = "expand" if do_expand else "non-expand"
             raise ValueError(
-                f"{name}: rank {buffer.rank}: the buffer has allow_multiple_reduction=False, but the differentiable dispatch/combine "
-                f"(here the {layout_name} layout, do_expand={do_expand}) needs allow_multiple_reduction=True for "
+                f"{name}: rank {buffer.rank}: the buffer has allow_multiple_reduction=False, but the differentiable "
+                f"dispatch/combine (here the {layout_name} layout, do_expand={do_expand}) needs allow_multiple_reduction=True for "
                 "both layouts (dispatch backward returns router-weight gradients through combine's topk_weights, "
                 "which an expand-layout combine without multiple reduction cannot carry); create the EPBuffer "
                 "with allow_multiple_reduction=True")
         if num_experts <= 0 or num_experts % buffer.num_ranks != 0:
             raise ValueError(f"{name}: rank {buffer.rank}: num_experts={num_experts} must be a positive multiple of "
-                             f"the group size "
-                             f"{buffer.num_ranks}")
+                             f"the group size {buffer.num_ranks}")
         if expert_alignment < 1:
             raise ValueError(f"{name}: rank {buffer.rank}: expert_alignment must be >= 1, got {expert_alignment}")
         self.buffer = buffer

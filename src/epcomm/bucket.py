@@ -119,16 +119,16 @@ class BucketBuffer(ContextLifecycle):
         # Each group's construction exchange, in one order on every rank (its ranks, then its name), whatever the
         # order of the list: ranks that list the groups in other orders then meet in every exchange and raise there
         # (the index agrees), and groups that overlap cannot wait on each other in a cycle.
-        contexts: list = [None] * len(groups)
+        self.contexts: list = [None] * len(groups)
+        stream = None  # one communication stream for every group
         for i in sorted(range(len(groups)), key=lambda i: (dist.get_process_group_ranks(groups[i]),
                                                            getattr(groups[i], "group_name", ""))):
             ctx = CommContext(groups[i], owner=name, num_cpu_timeout_secs=num_cpu_timeout_secs,
                               agree={"the group's index in group_or_groups": i, "the number of groups": len(groups)},
                               error=err)
-            stream = next((c.comm_stream for c in contexts if c is not None), None)
-            ctx.comm_stream = stream if stream is not None else new_comm_stream(ctx.device)
-            contexts[i] = ctx
-        self.contexts = contexts
+            if stream is None:
+                stream = new_comm_stream(ctx.device)
+            ctx.comm_stream, self.contexts[i] = stream, ctx
         self.device = self.contexts[0].device
         self.storage = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
         self.nccl_comm_handles = [None] * len(groups)

@@ -202,25 +202,22 @@ class CommContext:
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
         """
         self.checker(call)
-        cuda = self.device.type == "cuda"
-        if cuda and with_cpu_sync:
-            self.sync_stream(self.comm_stream, call)
-            self.sync_stream(None, call)
-        elif cuda and wait_comm_stream and self.comm_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
-        if not cuda:
+        if self.device.type != "cuda":
             self.exchange(torch.zeros(self.num_ranks, 1, dtype=torch.int64), call)
             return
-        token = torch.zeros(1, device=self.device)
-        work = dist.all_reduce(token, group=self.group, async_op=True)
-        if cuda and not with_cpu_sync:
-            work.wait()  # the current stream waits; the device wait is bounded by the group's NCCL timeout
-        else:
-            self.wait(work, call)
-        if cuda and with_cpu_sync:
+        if with_cpu_sync:
+            self.sync_stream(self.comm_stream, call)
             self.sync_stream(None, call)
-        elif cuda and wait_comm_stream and self.comm_stream is not None:
-            self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        elif wait_comm_stream and self.comm_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+        work = dist.all_reduce(torch.zeros(1, device=self.device), group=self.group, async_op=True)
+        if with_cpu_sync:
+            self.wait(work, call)
+            self.sync_stream(None, call)
+        else:
+            work.wait()  # the current stream waits; the device wait is bounded by the group's NCCL timeout
+            if wait_comm_stream and self.comm_stream is not None:
+                self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
 
 
 def barrier(buffer, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
