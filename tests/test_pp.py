@@ -97,6 +97,45 @@ def test_sends_of_a_dropped_buffer_still_arrive(run_ranks):
     assert sender[1] == receiver[1] == 0, (sender[1], receiver[1])
 
 
+def _destroy_with_unreceived_sends(rank, world):
+    """Rank 0 sends three messages to rank 1, which receives one, then every rank destroys; then rank 1 receives
+    the rest and every rank destroys again. Returns (error class, message, seconds) of the first destroy and the
+    messages received after it."""
+    import time
+
+    from epcomm import PPBuffer
+
+    pp = PPBuffer(None, 64, 4, num_cpu_timeout_secs=60)
+    if rank == 0:
+        for i in range(3):
+            pp.send(torch.full((2,), float(i)), 1)
+    got = [pp.recv(torch.empty(2), 0).tolist()] if rank == 1 else []
+    start = time.monotonic()
+    try:
+        pp.destroy()
+        first = (None, None, time.monotonic() - start)
+    except ValueError as e:
+        first = ("ValueError", str(e), time.monotonic() - start)
+    if rank == 1:
+        got += [pp.recv(torch.empty(2), 0).tolist() for _ in range(2)]
+    pp.destroy()
+    return first, got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_destroy_with_an_unreceived_send_raises_on_every_rank(run_ranks, world):
+    """An unreceived send made destroy() wait for the timeout on the sender; now every rank raises at once, with the
+    same message, and the buffer stays usable for the missing receives and a second destroy."""
+    results = run_ranks(world, _destroy_with_unreceived_sends)
+    for rank, ((cls, msg, seconds), got) in enumerate(results):
+        assert cls == "ValueError", (rank, cls, msg)
+        assert re.search(rf"PPBuffer.destroy: rank {rank}: group rank 0 sent 3 messages to group rank 1, which "
+                         r"received 1 \(sends #1..#2 are unreceived\); receive every message before destroy\(\)",
+                         msg), msg
+        assert seconds < 10, seconds
+    assert results[1][1] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], results[1][1]
+
+
 def test_waits_are_bounded_and_name_the_peer():
     """Rank 0: a send with no free slot, then a barrier rank 1 skips; rank 1: a recv nothing feeds."""
     timeout_s = 2.0

@@ -304,14 +304,16 @@ class PPBuffer(ContextLifecycle):
         """Wait for this rank's sends to be received (bounded), then release the buffer (collective).
 
         Raises:
-            ValueError: (CPU) a rank of the group is in another call (every rank raises, naming each rank's call).
-            TimeoutError: a neighbour did not receive an outstanding send within `num_cpu_timeout_secs`.
+            ValueError: a send that its neighbour has not received (every rank raises at once, naming the sends; the
+                buffer stays usable: receive them, then destroy again); (CPU) a rank of the group is in another
+                call (every rank raises, naming each rank's call).
+            TimeoutError: a rank did not reach destroy, or a received send did not complete, within
+                `num_cpu_timeout_secs`.
         """
         if self._destroyed:
             return
         if self.context.broken is None:
-            if self.device.type == "cpu":  # every rank is in this call before the channels' own waits begin
-                self.context.exchange(torch.zeros(self.num_ranks, 1, dtype=torch.int64), "PPBuffer.destroy")
+            self._agree_counts()  # every rank is in this call, and every send was received, before any wait
             deadline = time.monotonic() + self.context.timeout_s
             for fifo in self._send.values():
                 for works in fifo.works:
@@ -329,6 +331,30 @@ class PPBuffer(ContextLifecycle):
         self.context.destroyed = self._destroyed = True
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _agree_counts(self) -> None:
+        """Destroy: every rank sends every rank its messages sent to and received from each group rank, so that a
+        send nobody received raises on every rank at once (it left the sender waiting for the timeout), with the
+        same message; the buffer stays usable, so the messages can still be received before a second destroy.
+
+        Raises:
+            ValueError: some send was not received (names each pair and the sends); (CPU) a rank is in another call.
+        """
+        R = self.num_ranks
+        mine = torch.zeros(2 * R, dtype=torch.int64)
+        for peer, fifo in self._send.items():
+            mine[peer] = fifo.count
+        for peer, fifo in self._recv.items():
+            mine[R + peer] = fifo.count
+        rows = self.context.exchange(mine.expand(R, 2 * R).contiguous().to(self.device), "PPBuffer.destroy")
+        rows = rows.tolist()  # rows[s] = [sent by s to each rank, received by s from each rank]
+        unreceived = [(s, d, rows[d][R + s], rows[s][d]) for s in range(R) for d in range(R)
+                      if rows[s][d] != rows[d][R + s]]
+        if unreceived:
+            pairs = "; ".join(f"group rank {s} sent {sent} messages to group rank {d}, which received {got} "
+                              f"(sends #{got}..#{sent - 1} are unreceived)" for s, d, got, sent in unreceived)
+            raise ValueError(f"PPBuffer.destroy: rank {self.rank}: {pairs}; receive every message before destroy() "
+                             "(the buffer is still usable, and every rank raised this)")
+
     def _post_header(self, fifo: _Fifo) -> None:
         """CPU: post the receive of the next header now, so that it arrives while the caller works."""
         # NOTE: a header received on demand costs one more gloo rendezvous per message: 4.6 ms per 1 MiB
