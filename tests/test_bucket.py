@@ -219,3 +219,33 @@ def test_ranks_listing_groups_in_other_orders_raise_everywhere(run_ranks):
         for msg in msgs:
             assert msg == (f"BucketBuffer: rank {rank}: group ranks disagree on the group's index in group_or_groups "
                            "(rank 0: 0, rank 1: 1)"), msg
+
+
+def _disagreement_in_a_subgroup(rank, world):
+    """Ranks 0 and 1 list [WORLD, a] and [a, WORLD] (a = ranks 0-1); rank 2 lists [WORLD, its own group]."""
+    import time
+
+    import torch.distributed as dist
+    a, own = dist.new_group([0, 1]), dist.new_group([2])
+    groups = {0: [dist.group.WORLD, a], 1: [a, dist.group.WORLD], 2: [dist.group.WORLD, own]}[rank]
+    start = time.monotonic()
+    try:
+        BucketBuffer(groups, 2 << 20, num_cpu_timeout_secs=30)
+        return None, time.monotonic() - start
+    except ValueError as e:
+        return str(e), time.monotonic() - start
+
+
+def test_a_rank_outside_the_failing_group_raises_too(run_ranks):
+    """The ranks of the group where the disagreement shows fail their later groups' exchanges too, so rank 2, which
+    shares only the world group with them, raises naming them (it waited in that exchange until the timeout)."""
+    results = run_ranks(3, _disagreement_in_a_subgroup)
+    for rank, (msg, seconds) in enumerate(results):
+        assert seconds < 10, (rank, seconds)
+        if rank < 2:
+            assert msg == (f"BucketBuffer: rank {rank}: group ranks disagree on the group's index in group_or_groups "
+                           "(rank 0: 1, rank 1: 0)"), msg
+        else:
+            assert msg is not None and msg.startswith("BucketBuffer: rank 2: group rank 0 rejected the construction: "
+                                                      "BucketBuffer: rank 0: group ranks disagree"), msg
+            assert "group rank 1 rejected it too" in msg, msg

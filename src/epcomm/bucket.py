@@ -81,8 +81,8 @@ class BucketBuffer(ContextLifecycle):
     Raises:
         TypeError: a group that is not a `ProcessGroup` of this rank; an allocation plan.
         ValueError: bad sizes, more than 8 groups, a group listed twice, ranks listing groups in other orders or
-            other numbers of groups (on the ranks of the group where it shows; a rank outside that group times
-            out).
+            other numbers of groups (on the ranks of the group where it shows, and on the ranks they share a later
+            group with, in the order of the groups' ranks).
         TimeoutError: a peer did not construct within `num_cpu_timeout_secs`.
     """
 
@@ -119,16 +119,29 @@ class BucketBuffer(ContextLifecycle):
         # Each group's construction exchange, in one order on every rank (its ranks, then its name), whatever the
         # order of the list: ranks that list the groups in other orders then meet in every exchange and raise there
         # (the index agrees), and groups that overlap cannot wait on each other in a cycle.
+        # A rank whose construction failed in one group still joins the exchanges of its later groups, failing them
+        # too, so that the ranks it shares only those with raise as well (they waited there until the timeout);
+        # unless that group's ranks hold different numbers of groups: some would not come to the later exchanges.
         self.contexts: list = [None] * len(groups)
         stream = None  # one communication stream for every group
         for i in sorted(range(len(groups)), key=lambda i: (dist.get_process_group_ranks(groups[i]),
                                                            getattr(groups[i], "group_name", ""))):
-            ctx = CommContext(groups[i], owner=name, num_cpu_timeout_secs=num_cpu_timeout_secs,
-                              agree={"the group's index in group_or_groups": i, "the number of groups": len(groups)},
-                              error=err)
+            try:
+                ctx = CommContext(groups[i], owner=name, num_cpu_timeout_secs=num_cpu_timeout_secs,
+                                  agree={"the group's index in group_or_groups": i, "the number of groups": len(groups)},
+                                  error=err)
+            except (TypeError, ValueError) as e:
+                if "the number of groups" in getattr(e, "disagreed", ()):
+                    self._destroyed = True
+                    raise
+                err = err or e
+                continue
             if stream is None:
                 stream = new_comm_stream(ctx.device)
             ctx.comm_stream, self.contexts[i] = stream, ctx
+        if err is not None:
+            self._destroyed = True
+            raise err
         self.device = self.contexts[0].device
         self.storage = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
         self.nccl_comm_handles = [None] * len(groups)

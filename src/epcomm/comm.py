@@ -90,21 +90,27 @@ class CommContext:
         rows = self.exchange(mine.expand(self.num_ranks, mine.shape[1]).contiguous(), f"{owner} construction")
         rows = rows.tolist()
         failed = [r for r, row in enumerate(rows) if row[2] != STATUS_OK]
+        # The `agree` names the ranks passed different values for (compared even when a rank failed), on the
+        # error raised as `disagreed`: a caller building several contexts decides from it whether to go on.
+        disagreed = tuple(name for i, name in enumerate(agree) if len({row[3 + i] for row in rows}) > 1)
         if failed:
             self.broken = "construction failed"
             messages = gather_messages(lambda t: self.exchange(t, f"{owner} construction messages",
                                                                kind="error messages"),
                                        str(error) if error is not None else "", self.num_ranks, self.device)
-            if error is not None:
-                raise error
-            exc = TypeError if rows[failed[0]][2] == STATUS_TYPE else ValueError
-            raise exc(rejected(owner, self.rank, failed, messages, "the construction"))
-        for i, name in enumerate(agree):
-            values = [row[3 + i] for row in rows]
-            if len(set(values)) > 1:
-                self.broken = "construction failed"
-                raise ValueError(f"{owner}: rank {self.rank}: group ranks disagree on {name} ("
-                                 + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")")
+            exc = error
+            if exc is None:
+                exc = (TypeError if rows[failed[0]][2] == STATUS_TYPE else ValueError)(
+                    rejected(owner, self.rank, failed, messages, "the construction"))
+            exc.disagreed = disagreed
+            raise exc
+        if disagreed:
+            self.broken = "construction failed"
+            values = [row[3 + list(agree).index(disagreed[0])] for row in rows]
+            exc = ValueError(f"{owner}: rank {self.rank}: group ranks disagree on {disagreed[0]} ("
+                             + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")")
+            exc.disagreed = disagreed
+            raise exc
         self.uid = rows[0][0]
         hosts = [row[1] for row in rows]
         self.num_nvlink_ranks = sum(1 for h in hosts if h == hosts[self.rank])
