@@ -58,6 +58,30 @@ def check_low_latency(rank: int, world: int, *, seed: int = 0, tokens=(9, 5), hi
     return True
 
 
+def low_latency_wait_costs(rank: int, world: int, late_s: float, device: str = "cpu"):
+    """Two low-latency dispatches and combines with `*_wait_recv_cost_stats`; the last rank reaches each call
+    `late_s` late. Returns the two stats as lists."""
+    import time
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = random_routing(gen, 4, 4, 2, masked_ratio=0.0)
+    x = torch.randn(4, 128, generator=gen).bfloat16().to(device)
+    idx, w = idx.to(device), w.to(device)
+    dispatch_cost = torch.zeros(world, dtype=torch.int64, device=device)
+    combine_cost = torch.zeros(world, dtype=torch.int64, device=device)
+    for _ in range(2):
+        if rank == world - 1:
+            time.sleep(late_s)
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False,
+                                                            dispatch_wait_recv_cost_stats=dispatch_cost)
+        if rank == world - 1:
+            time.sleep(late_s)
+        buf.low_latency_combine(recv_x, idx, w, handle, combine_wait_recv_cost_stats=combine_cost)
+    buf.destroy()
+    return dispatch_cost.tolist(), combine_cost.tolist()
+
+
 def low_latency_errors(rank: int, world: int):
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
     gen = torch.Generator().manual_seed(rank)
@@ -83,10 +107,12 @@ def low_latency_errors(rank: int, world: int):
 
 
 def low_latency_graph_replay(rank: int, world: int, *, replays: int = 3, num_tokens: int = 32, hidden: int = 512,
-                             num_experts: int = 16, num_topk: int = 4, use_fp8: bool = True):
+                             num_experts: int = 16, num_topk: int = 4, use_fp8: bool = True,
+                             wait_costs: bool = False):
     """Issue 4 item 3: low_latency_dispatch + low_latency_combine captured in one CUDA graph and replayed with new
     inputs and new routings copied into the static inputs; dispatch bitwise against the reference, combine against
-    the weighted sum, on every replay."""
+    the weighted sum, on every replay. With `wait_costs`, the calls also add to `*_wait_recv_cost_stats`, which
+    must not change the results and must only grow."""
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(300 + rank)
     num_local = num_experts // world
@@ -97,13 +123,16 @@ def low_latency_graph_replay(rank: int, world: int, *, replays: int = 3, num_tok
         return torch.randn(num_tokens, hidden, generator=gen).bfloat16().to(device), idx.to(device), w.to(device)
     x_s, idx_s, w_s = inputs()
     factor = (1 + torch.arange(num_local, dtype=torch.float32, device=device)).view(-1, 1, 1)
+    costs = [torch.zeros(world, dtype=torch.int64, device=device) for _ in range(2)] if wait_costs else [None, None]
+    seen = [torch.zeros(world, dtype=torch.int64, device=device) for _ in range(2)]
 
     def step():
-        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, num_tokens, num_experts, use_fp8=use_fp8)
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, num_tokens, num_experts, use_fp8=use_fp8,
+                                                                dispatch_wait_recv_cost_stats=costs[0])
         data = recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)[..., :hidden] if use_fp8 \
             else recv_x.float()
         y = (data * factor).bfloat16()  # a stand-in expert: expert e multiplies by 1 + e
-        combined, _, _ = buf.low_latency_combine(y, idx_s, w_s, handle)
+        combined, _, _ = buf.low_latency_combine(y, idx_s, w_s, handle, combine_wait_recv_cost_stats=costs[1])
         return recv_x, count, y, combined
 
     graph, outs = captured(step)
@@ -143,6 +172,10 @@ def low_latency_graph_replay(rank: int, world: int, *, replays: int = 3, num_tok
                         row = (d.float() * s.repeat_interleave(128, dim=1)[:, :hidden])[0]
                     acc[t] += w[t, j] * (row * (1 + e % num_local)).bfloat16().float()
         assert_equal(combined, acc.bfloat16(), f"replay {i}: low_latency_combine")
+        for cost, before in zip(costs, seen):
+            if cost is not None:
+                assert bool((cost >= before).all()), (i, cost, before)
+                before.copy_(cost)
     buf.destroy()
     return replays
 

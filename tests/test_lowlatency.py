@@ -27,13 +27,24 @@ def test_low_latency_unsupported_options_raise(run_ranks):
     for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_errors)):
         assert len(msgs) == 6, msgs
         assert "x must be a bf16 tensor" in msgs[0]
-        assert "dispatch_wait_recv_cost_stats is not implemented" in msgs[1]
+        assert "dispatch_wait_recv_cost_stats must have dtype torch.int64, got torch.float32" in msgs[1], msgs[1]
         assert "use_logfmt=True (LogFMT combine payloads) is not implemented" in msgs[2]
         assert "zero_copy=True is not implemented" in msgs[3]
         assert "out must have dtype" in msgs[4] and "bfloat16" in msgs[4], msgs[4]
         assert "out must have shape [4, 128], got (3, 128)" in msgs[5], msgs[5]
         if rank == 0:
             assert "group rank 1 rejected the call" in msgs[0] and "group rank 1 rejected the call" in msgs[2]
+
+
+def test_wait_recv_cost_stats_name_the_late_rank(run_ranks):
+    """CPU: rank 1 reaches each call 0.3 s late; rank 0's stats charge rank 1 with it, rank 1's charge nobody, and
+    the stats add up over calls (DeepEP V1's `*_wait_recv_cost_stats`, in nanoseconds)."""
+    for rank, (dispatch_cost, combine_cost) in enumerate(run_ranks(2, ll_cases.low_latency_wait_costs, 0.3)):
+        if rank == 0:
+            for cost in (dispatch_cost, combine_cost):
+                assert cost[0] == 0 and 2 * 0.25e9 <= cost[1] < 2 * 5e9, cost  # less the peer's own lag
+        else:
+            assert dispatch_cost == combine_cost == [0, 0], (dispatch_cost, combine_cost)
 
 
 def test_low_latency_hook_order_is_checked_on_every_transport(run_ranks):
@@ -48,9 +59,20 @@ def test_low_latency_hook_order_is_checked_on_every_transport(run_ranks):
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("use_fp8", [True, False])
-def test_low_latency_graph_replay_on_gpu(pools, use_fp8):
-    assert pools.get(2, "nccl").run(ll_cases.low_latency_graph_replay, use_fp8=use_fp8) == [3, 3]
+@pytest.mark.parametrize("use_fp8,wait_costs", [(True, False), (False, False), (True, True)])
+def test_low_latency_graph_replay_on_gpu(pools, use_fp8, wait_costs):
+    assert pools.get(2, "nccl").run(ll_cases.low_latency_graph_replay, use_fp8=use_fp8,
+                                    wait_costs=wait_costs) == [3, 3]
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_wait_recv_cost_stats_name_the_late_rank_on_gpu(pools):
+    """nvlink: rank 1 launches each call 0.3 s late; rank 0's kernels wait for it, and charge it (summed over the
+    waiting programs), not rank 0."""
+    (dispatch_cost, combine_cost), _ = pools.get(2, "nccl").run(ll_cases.low_latency_wait_costs, 0.3, device="cuda")
+    for cost in (dispatch_cost, combine_cost):
+        assert cost[1] >= 2 * 0.25e9 and cost[0] < cost[1] // 10, cost
 
 
 def test_hardware_fp8_cast_only_where_triton_has_fp8(monkeypatch):

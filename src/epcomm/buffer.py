@@ -494,17 +494,25 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 self.num_ranks, self.device)
         agreement.check(call, self.rank, recv_rows, local_error, gather)
 
-    def _exchange_header(self, call: str, call_id: int, signature: dict, err: Optional[BaseException]) -> None:
+    def _exchange_header(self, call: str, call_id: int, signature: dict, err: Optional[BaseException],
+                         values_R: Optional[Tensor] = None) -> Optional[list]:
         """Header-only exchange for calls without counts (combine, cached dispatch, low-latency calls): CPU only
-        (free there); on GPU it raises `err`, if any, on this rank only."""
+        (free there); on GPU it raises `err`, if any, on this rank only. `values_R` ([R] int64, CPU only): values
+        sent to every rank in the counts' columns.
+
+        Returns:
+            CPU: the received rows (host lists, row s from rank s; rank s's `values_R[me]` at `HEADER_LEN + me`);
+            GPU: None.
+        """
         if self.device.type != "cpu":
             if err is not None:
                 raise err
-            return
+            return None
         head = agreement.header(agreement.status_of(err), call_id, signature, self.uid)
-        send_RC = agreement.pack(head, None, self.num_ranks, self.device)
-        recv = self.transport.exchange_counts(send_RC, wait=True, call_id=call_id, label=call)
-        self.agree(call, recv.tolist(), err)
+        send_RC = agreement.pack(head, values_R, self.num_ranks, self.device)
+        rows = self.transport.exchange_counts(send_RC, wait=True, call_id=call_id, label=call).tolist()
+        self.agree(call, rows, err)
+        return rows
 
     # -- dispatch ------------------------------------------------------------------------------------
     def dispatch(

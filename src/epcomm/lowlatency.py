@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -37,6 +39,17 @@ def _check_flags(c: Checker, **flags) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             c.fail(TypeError, f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_wait_cost(c: Checker, name: str, cost: Optional[Tensor], num_ranks: int, nvlink: bool) -> None:
+    """`dispatch_wait_recv_cost_stats` / `combine_wait_recv_cost_stats`: None, or [R] int64, contiguous, measured
+    on the nvlink transport (device clock) and on CPU (host clock at the header exchange)."""
+    if cost is None:
+        return
+    c.tensor(name, cost, ndim=1, dtypes=(torch.int64,), shape=(num_ranks,))
+    c.require(cost.is_contiguous(), f"{name} must be contiguous")
+    c.require(nvlink or cost.device.type == "cpu", f"{name} is measured on the nvlink transport and on CPU ranks; "
+              "the collective transport on GPU exchanges no header to time each rank by (pass None)")
 
 
 @dataclass(frozen=True)
@@ -108,9 +121,12 @@ class LowLatencyMixin:
         return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
                             sizing.ALLOCATION_ALIGNMENT)
 
-    def _low_latency_header(self, call: str, signature: dict, err: Optional[BaseException]) -> int:
+    def _low_latency_header(self, call: str, signature: dict, err: Optional[BaseException],
+                            cost: Optional[Tensor] = None) -> int:
         """The portable path's header exchange (CPU; a no-op on GPU), or `err` raised: on CPU on every rank. The op
-        of `signature` tells the low-latency calls from the regular calls their portable path makes.
+        of `signature` tells the low-latency calls from the regular calls their portable path makes. With `cost`
+        ([R] int64, CPU), every rank sends the host clock (`time.time_ns`) at which it reached the exchange, and
+        `cost[s] += max(0, rank s's time - this rank's)`: how long this rank waited there for each rank.
 
         Returns:
             The call id of the exchange.
@@ -120,10 +136,15 @@ class LowLatencyMixin:
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs` (the buffer is unusable after it).
         """
         call_id = self._next_call_id()
+        now = time.time_ns() if cost is not None else 0
         try:
-            self._exchange_header(call, call_id, signature, err)
+            rows = self._exchange_header(call, call_id, signature, err,
+                                         None if cost is None else torch.full((self.num_ranks,), now))
         except TimeoutError as e:
             self._mark_broken(call, e)
+        if cost is not None and rows is not None:
+            col = agreement.HEADER_LEN + self.rank
+            cost += torch.tensor([max(0, row[col] - now) for row in rows], dtype=torch.int64)
         return call_id
 
     def _check_low_latency_capacity(self, c: Checker, n: int, hidden: int, num_topk: int, num_experts: int,
@@ -218,7 +239,12 @@ class LowLatencyMixin:
                 it (`get_low_latency_rdma_size_hint`).
             num_experts: E, a multiple of the group size; the same on every rank.
             cumulative_local_expert_recv_stats: [L] int32 or None -- `+= recv_count`; per rank.
-            dispatch_wait_recv_cost_stats: must be None (not implemented: per-rank wait times).
+            dispatch_wait_recv_cost_stats: [R] int64 or None -- `+=` the nanoseconds this rank waited for each
+                source rank's rows, to find slow ranks; per rank. nvlink: the device clock (`%globaltimer`) in the
+                receive, summed over the receiving programs (DeepEP V1 sums SM clock cycles over its receiving
+                warps); a rank whose rows were there at once adds 0. CPU: the host clock (`time.time_ns`) at the
+                call's header exchange, `max(0, arrival of rank s - arrival of this rank)`. The collective
+                transport on GPU raises (no header to time).
             use_fp8: cast to float8_e4m3fn per 1x128 block inside the call (default) or send BF16; the same on
                 every rank.
             round_scale: power-of-two fp32 scales; per rank (each rank's rows carry their own scales).
@@ -262,8 +288,8 @@ class LowLatencyMixin:
                       f"num_experts={num_experts} must be a multiple of the group size {self.num_ranks}")
             _check_flags(c, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
                          return_recv_hook=return_recv_hook)
-            c.require(dispatch_wait_recv_cost_stats is None,
-                      "dispatch_wait_recv_cost_stats is not implemented by epcomm; pass None")
+            _check_wait_cost(c, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks,
+                             self.transport.name == "nvlink")
             c.require(use_fp8 or not (use_ue8m0 or round_scale), "use_ue8m0=True and round_scale=True require "
                       "use_fp8=True")
             c.require(not (async_finish and return_recv_hook), "async_finish=True and return_recv_hook=True cannot "
@@ -303,14 +329,14 @@ class LowLatencyMixin:
                                 (bool(use_fp8), bool(use_ue8m0)))
             recv_x, recv_count, item_map, call_index, receive = fast.dispatch(
                 area, x, topk_idx, cumulative_local_expert_recv_stats, use_fp8, round_scale or use_ue8m0, use_ue8m0,
-                hook=return_recv_hook)
+                hook=return_recv_hook, cost=dispatch_wait_recv_cost_stats)
             ll_handle = LowLatencyHandle(None, n, x.shape[1], num_local, topk_idx, self.uid, version,
                                          item_map=item_map, area=area, calls=area.calls, call_index=call_index)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
             return recv_x, recv_count, ll_handle, event, receive
         # Its own header first (CPU): the expand dispatch below exchanges a regular dispatch's header, which cannot
         # tell this call from a dispatch nor name use_fp8 / use_ue8m0.
-        self._low_latency_header(name, signature, None)
+        self._low_latency_header(name, signature, None, dispatch_wait_recv_cost_stats)
         if use_fp8:
             data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
             if round_scale and not use_ue8m0:
@@ -370,7 +396,10 @@ class LowLatencyMixin:
             topk_idx: [T, K] -- the routing of the dispatch (the same tensor or equal values).
             topk_weights: [T, K] fp32 -- the weights applied here.
             handle: the `LowLatencyHandle` of the dispatch (every rank combines the same dispatch).
-            use_logfmt, zero_copy, combine_wait_recv_cost_stats: not implemented; must be False / None.
+            use_logfmt, zero_copy: not implemented; must be False.
+            combine_wait_recv_cost_stats: [R] int64 or None -- as `low_latency_dispatch`'s
+                `dispatch_wait_recv_cost_stats`, for the expert outputs coming back (nvlink: summed over the
+                receiving programs, one per token and channel block).
             async_finish, return_recv_hook: as `low_latency_dispatch` (per rank).
             out: [T, H] bf16 or None -- written in place and returned when given; per rank.
 
@@ -397,8 +426,8 @@ class LowLatencyMixin:
                          return_recv_hook=return_recv_hook)
             c.require(not use_logfmt, "use_logfmt=True (LogFMT combine payloads) is not implemented by epcomm")
             c.require(not zero_copy, "zero_copy=True is not implemented by epcomm (no registered combine buffer)")
-            c.require(combine_wait_recv_cost_stats is None,
-                      "combine_wait_recv_cost_stats is not implemented by epcomm; pass None")
+            _check_wait_cost(c, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.num_ranks,
+                             self.transport.name == "nvlink")
             c.require(not (async_finish and return_recv_hook), "async_finish=True and return_recv_hook=True cannot "
                       "be combined (with a hook, the data is complete when the hook returns)")
             if not isinstance(handle, LowLatencyHandle):
@@ -436,7 +465,7 @@ class LowLatencyMixin:
             combined = out if out is not None else torch.empty(topk_idx.shape[0], handle.hidden,
                                                                dtype=torch.bfloat16, device=self.device)
             receive = fast.combine(handle.area, x, topk_idx, topk_weights, handle.item_map, combined,
-                                   hook=return_recv_hook)
+                                   hook=return_recv_hook, cost=combine_wait_recv_cost_stats)
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
             return combined, event, receive
         # Back to the expand layout (padding rows read the zero row), then every (token, expert) row home.
@@ -446,7 +475,8 @@ class LowLatencyMixin:
         x_S = flat.index_select(0, slot_S)
         h = handle.handle
         call = pipeline.CombineCall(x=x_S, handle=h, topk_weights=None, bias_0=None, bias_1=None, per_pair=True)
-        call_id = self._low_latency_header(name, call.signature() | {"op": agreement.OP_LOW_LATENCY_COMBINE}, None)
+        call_id = self._low_latency_header(name, call.signature() | {"op": agreement.OP_LOW_LATENCY_COMBINE}, None,
+                                           combine_wait_recv_cost_stats)
         try:
             launched = pipeline.combine_launch(self, call, call_id)
         except TimeoutError as e:

@@ -178,6 +178,7 @@ class LowLatencyNVLink:
         pinned = device.type == "cuda"
         self.status = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self.use_timer = device.type == "cuda"
+        self._no_cost = torch.zeros(1, dtype=torch.int64, device=device)  # the cost argument when none is given
         self.hw_fp8 = hardware_fp8(device)  # the send kernels' FP8 cast
         self._props = None  # CUDA device properties, read at the first fused launch
         self._per_sm: dict = {}  # fused kernel variant -> programs one SM holds (`_note_occupancy`)
@@ -246,12 +247,13 @@ class LowLatencyNVLink:
 
     # -- dispatch ----------------------------------------------------------------------------------
     def dispatch(self, area: Area, x: Tensor, topk_idx: Tensor, stats: Optional[Tensor], use_fp8: bool,
-                 pow2_scales: bool, use_ue8m0: bool, hook: bool):
+                 pow2_scales: bool, use_ue8m0: bool, hook: bool, cost: Optional[Tensor] = None):
         """Launch the call; returns `(recv_x, recv_count, item_map, call, receive)`. Without `hook`, one fused kernel
         does everything and `receive` is None; with it, the send kernel runs now and `receive()` launches the receive
         kernel. The receive fills recv_x, recv_count, the stats and item_map ([R * N * K] int32: the output row
-        `e * R * N + row` of each (source rank, token, top-k) item, -1 for none); `call` is the call's index on
-        the area (`area.calls.received(call)`)."""
+        `e * R * N + row` of each (source rank, token, top-k) item, -1 for none), and adds to `cost` ([R] int64, or
+        None) the nanoseconds its programs waited for each rank (`_signal_triton._wait_all_timed`); `call` is the
+        call's index on the area (`area.calls.received(call)`)."""
         from .kernels import _lowlatency_triton as k
 
         e = area.calls.next_call(0, self.rank)
@@ -278,18 +280,19 @@ class LowLatencyNVLink:
         count = torch.empty(num_local, dtype=torch.int32, device=self.device)
         item_map = torch.empty(rows * lay.num_topk, dtype=torch.int32, device=self.device)
         stats_arg = stats if stats is not None else count
+        cost_arg = cost if cost is not None else self._no_cost  # not read without HAS_COST
         status = self.status.data_ptr()
         offsets = dict(hdr_off=lay.hdr_off, rows_off=lay.rows_off, row_bytes=lay.row_bytes,
                        scale_off=lay.scale_off, meta_off=lay.meta_off)
         shape = dict(L=num_local, USE_FP8=use_fp8, NBC=nbc, K_POW2=next_pow2(lay.num_topk), num_warps=4,
                      **self._common(lay))
-        recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, NB=nb,
+        recv_opts = dict(UE8M0=use_ue8m0, HAS_STATS=stats is not None, HAS_COST=cost is not None, NB=nb,
                          L_POW2=next_pow2(num_local), SCALE_COLS=cols)
         if not hook:
-            variant = ("dispatch", lay, use_fp8, pow2_scales, use_ue8m0, stats is not None)
+            variant = ("dispatch", lay, use_fp8, pow2_scales, use_ue8m0, stats is not None, cost is not None)
             launched = k.dispatch_fused[(self._fused_grid(variant, rows * num_c),)](
                 x, topk, area.local, area.delta16, area.state, status, out, scales_arg, count, stats_arg, item_map,
-                x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
+                cost_arg, x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
                 POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, HW_FP8=self.hw_fp8, **recv_opts, **shape)
             self._note_occupancy(variant, launched, 4)
             area.calls.book(0, e, hook)
@@ -304,15 +307,16 @@ class LowLatencyNVLink:
         def launch() -> None:
             k.dispatch_recv[(rows, num_c)](
                 area.local, area.delta16, area.state, ticket, status, out, scales_arg, count, stats_arg, item_map,
-                self.rank, self.timeout_ns, **offsets, **recv_opts, **shape)
+                cost_arg, self.rank, self.timeout_ns, **offsets, **recv_opts, **shape)
 
         return recv_x, count, item_map, e, self._once(launch, received)
 
     # -- combine -----------------------------------------------------------------------------------
     def combine(self, area: Area, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, item_map: Tensor, out: Tensor,
-                hook: bool):
+                hook: bool, cost: Optional[Tensor] = None):
         """Launch the call (one fused kernel, or the send kernel now and `receive()` later, as `dispatch`); the
-        weighted sums land in `out` ([T, H] bf16). Returns `receive` or None."""
+        weighted sums land in `out` ([T, H] bf16) and the waits for each rank add to `cost` (as `dispatch`).
+        Returns `receive` or None."""
         from .kernels import _lowlatency_triton as k
 
         e = area.calls.next_call(1, self.rank)
@@ -331,16 +335,17 @@ class LowLatencyNVLink:
         num_tokens = topk.shape[0]
         status = self.status.data_ptr()
         offsets = dict(comb_off=lay.comb_off, arr_off=lay.arr_off, crow_bytes=lay.crow_bytes)
+        cost_arg = cost if cost is not None else self._no_cost  # not read without HAS_COST
         if not hook:
             num_items = max(self.num_ranks * lay.num_max_tokens * num_kb, num_tokens * num_hc)
-            variant = ("combine", lay)
+            variant = ("combine", lay, cost is not None)
             grid = self._fused_grid(variant, num_items)
             senders = grid if self._props is None else _COMBINE_SENDERS_PER_SM * self._props.multi_processor_count
             launched = k.combine_fused[(grid,)](
-                x, item_map, topk, weights, target, area.local, area.delta16, area.state, status, num_tokens,
+                x, item_map, topk, weights, target, area.local, area.delta16, area.state, status, cost_arg, num_tokens,
                 topk.stride(0), weights.stride(0), target.stride(0), self.rank, self.timeout_ns, senders, **offsets,
                 SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
-                num_warps=4, enable_fp_fusion=False, **self._common(lay))
+                HAS_COST=cost is not None, num_warps=4, enable_fp_fusion=False, **self._common(lay))
             self._note_occupancy(variant, launched, 4)
             area.calls.book(1, e, hook)
             if target is not out:
@@ -355,9 +360,9 @@ class LowLatencyNVLink:
 
         def launch() -> None:
             k.combine_recv[(max(num_tokens, 1), num_hc)](
-                topk, weights, target, area.local, area.delta16, area.state, ticket, status, num_tokens,
+                topk, weights, target, area.local, area.delta16, area.state, ticket, status, cost_arg, num_tokens,
                 topk.stride(0), weights.stride(0), target.stride(0), self.rank, self.timeout_ns, **offsets,
-                BLOCK_H=recv_block, KB=num_kb, num_warps=4, enable_fp_fusion=False, **self._common(lay))
+                BLOCK_H=recv_block, KB=num_kb, HAS_COST=cost is not None, num_warps=4, enable_fp_fusion=False, **self._common(lay))
             if target is not out:
                 out.copy_(target)
 

@@ -219,10 +219,57 @@ def check_combine_mixed() -> None:
         assert int(e.status[0]) == 0
 
 
+def check_wait_costs() -> None:
+    """`*_wait_recv_cost_stats` (the `cost` argument): added to, never overwritten; nothing for a rank whose rows
+    were there when the receive began (split calls after every send, a fused call on one rank), in dispatch and
+    combine; and the wait for a rank that never sent, charged to that rank alone (the interpreter counts a
+    millisecond per poll until the 0.05 s timeout)."""
+    c = Combines(timeout_s=0.05)
+    costs = [torch.tensor([5, 7]), torch.tensor([11, 13])]
+    pend = [e.dispatch(a, x, i, None, False, False, False, hook=True, cost=k)
+            for e, a, x, i, k in zip(c.eng, c.areas, c.xs, c.idx, costs)]
+    for p in pend:
+        p[4]()
+    c.pend = pend
+    check_dispatch(pend, c.xs, c.idx, c.num_local, False, False, False)
+    got = []
+    for r in range(2):
+        y = (pend[r][0].float() * (1 + torch.arange(c.num_local)).view(-1, 1, 1)).bfloat16()
+        out = torch.empty(c.xs[r].shape[0], c.layout.hidden, dtype=torch.bfloat16)
+        got.append((out, c.eng[r].combine(c.areas[r], y, c.idx[r], c.ws[r], pend[r][2], out, hook=True,
+                                          cost=costs[r])))
+    for r, (out, hook) in enumerate(got):
+        hook()
+        assert torch.equal(out, c.expected(r, 1)), r
+    assert [k.tolist() for k in costs] == [[5, 7], [11, 13]], costs
+
+    one = Combines(num_ranks=1, tokens=(3,), timeout_s=5.0)  # fused: its own sends are in before it waits
+    cost = torch.zeros(1, dtype=torch.int64)
+    p = one.eng[0].dispatch(one.areas[0], one.xs[0], one.idx[0], None, False, False, False, hook=False, cost=cost)
+    check_dispatch([p], one.xs, one.idx, one.num_local, False, False, False)
+    assert cost.tolist() == [0], cost
+
+    for kind in ("dispatch", "combine"):  # rank 1 never sends: rank 0 waits 0.05 s for it, and only for it
+        c = Combines(timeout_s=0.05)
+        if kind == "combine":
+            c.dispatch()
+        cost = torch.tensor([5, 7])
+        if kind == "dispatch":
+            c.eng[0].dispatch(c.areas[0], c.xs[0], c.idx[0], None, False, False, False, hook=True, cost=cost)[4]()
+        else:
+            y = c.pend[0][0].clone()
+            out = torch.empty(c.xs[0].shape[0], c.layout.hidden, dtype=torch.bfloat16)
+            c.eng[0].combine(c.areas[0], y, c.idx[0], c.ws[0], c.pend[0][2], out, hook=True, cost=cost)()
+        assert int(c.eng[0].status[0]) == 2, (kind, c.eng[0].status)
+        assert cost[0] == 5 and cost[1] >= 7 + 50_000_000, (kind, cost)
+
+
 def run(case: str) -> None:
     gen = torch.Generator().manual_seed(len(case))
     if case == "cast":
         return check_cast()
+    if case == "wait-costs":
+        return check_wait_costs()
     if case == "combine-waits":
         return check_combine_waits()
     if case == "combine-mixed":

@@ -5,7 +5,8 @@ alone): several dispatches (BF16, FP8 with fp32 / power-of-two / UE8M0 scales) a
 simulated ranks (split kernels), on one rank (fused kernels), one rank fused among split peers, fused and split
 calls interleaved on one area (a fused call while a split call's receive is pending), a receive whose peer never
 sent, which must end and name that rank, and the combine's arrival counts: waits that must time out (a silent
-peer, a call two ahead, one item not counted yet) and fused and split combines mixed with different token counts.
+peer, a call two ahead, one item not counted yet) and fused and split combines mixed with different token counts;
+and the wait-cost statistics (a rank that never sent is charged, ranks already there are not).
 The GPU suite runs the same kernels on 2x H200 (tests/ll_cases.py), with many programs per kernel: the
 interpreter runs one.
 """
@@ -16,7 +17,7 @@ from interpreter import run_sim
 
 
 CASES = ["two-ranks", "three-ranks", "one-rank-fused", "fused-with-peers", "mixed", "combine-waits", "combine-mixed",
-         "cast"]
+         "cast", "wait-costs"]
 
 
 @pytest.mark.parametrize("case", CASES)

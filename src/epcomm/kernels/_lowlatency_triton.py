@@ -34,7 +34,7 @@ and timeouts").
 import triton
 import triton.language as tl
 
-from ._signal_triton import _region, _wait, _wait_all
+from ._signal_triton import _region, _wait, _wait_all, _wait_all_timed
 
 # Integer arguments that change between calls or ranks: one compiled variant for all their values (the fused
 # kernels' grids come from the variant's occupancy, so a variant must not change under a new token count).
@@ -308,12 +308,15 @@ def _advance(kind, epoch, state_ptr):
 
 
 @triton.jit
-def _wait_ready(kind, epoch, items, local_ptr, status_ptr, timeout_ns, R: tl.constexpr, R_POW2: tl.constexpr,
-                USE_TIMER: tl.constexpr):
+def _wait_ready(kind, epoch, items, local_ptr, status_ptr, timeout_ns, cost_ptr, R: tl.constexpr,
+                R_POW2: tl.constexpr, USE_TIMER: tl.constexpr, HAS_COST: tl.constexpr):
     """Wait until every rank has done its `items` send items of this call for us (the count of ready items of this
-    parity grows by `items` per call)."""
-    _wait_all(_flag(local_ptr, kind, READY, epoch % 2, 0, R), (epoch // 2 + 1) * items, timeout_ns, status_ptr, R,
-              R_POW2, USE_TIMER)
+    parity grows by `items` per call); with `HAS_COST`, add the wait for each rank to `cost_ptr` (ns)."""
+    flags = _flag(local_ptr, kind, READY, epoch % 2, 0, R)
+    if HAS_COST:
+        _wait_all_timed(flags, (epoch // 2 + 1) * items, timeout_ns, status_ptr, cost_ptr, R, R_POW2, USE_TIMER)
+    else:
+        _wait_all(flags, (epoch // 2 + 1) * items, timeout_ns, status_ptr, R, R_POW2, USE_TIMER)
 
 
 @triton.jit
@@ -361,16 +364,18 @@ def dispatch_send(
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dispatch_recv(
     local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, out_ptr, scales_ptr, count_ptr, stats_ptr, item_ptr,
-    me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
+    cost_ptr, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
-    USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr, USE_TIMER: tl.constexpr,
+    USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr, HAS_COST: tl.constexpr,
+    USE_TIMER: tl.constexpr,
     NB: tl.constexpr, NBC: tl.constexpr, L_POW2: tl.constexpr, SCALE_COLS: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr,
 ):
     """Grid (R * N, channel chunks): the send kernel's chunks, so a sender does N * chunks send items."""
     pid = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
-    _wait_ready(DISPATCH, epoch, N * tl.num_programs(1), local_ptr, status_ptr, timeout_ns, R, R_POW2, USE_TIMER)
+    _wait_ready(DISPATCH, epoch, N * tl.num_programs(1), local_ptr, status_ptr, timeout_ns, cost_ptr, R, R_POW2,
+                USE_TIMER, HAS_COST)
     _dispatch_recv_item(pid // N, pid % N, tl.program_id(1), epoch, local_ptr, out_ptr, scales_ptr, item_ptr, hdr_off,
                         rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8, UE8M0, NB, NBC,
                         SCALE_COLS, K_POW2)
@@ -381,10 +386,10 @@ def dispatch_recv(
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def dispatch_fused(
     x_ptr, topk_ptr, local_ptr, delta16_ptr, state_ptr, status_ptr, out_ptr, scales_ptr, count_ptr, stats_ptr,
-    item_ptr, num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off, meta_off,
-    N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    item_ptr, cost_ptr, num_tokens, stride_x, stride_topk, me, timeout_ns, hdr_off, rows_off, row_bytes, scale_off,
+    meta_off, N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     USE_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, UE8M0: tl.constexpr, HAS_STATS: tl.constexpr,
-    USE_TIMER: tl.constexpr, NB: tl.constexpr, NBC: tl.constexpr, C: tl.constexpr, L_POW2: tl.constexpr,
+    HAS_COST: tl.constexpr, USE_TIMER: tl.constexpr, NB: tl.constexpr, NBC: tl.constexpr, C: tl.constexpr, L_POW2: tl.constexpr,
     SCALE_COLS: tl.constexpr, K_POW2: tl.constexpr, CHUNK: tl.constexpr, R_POW2: tl.constexpr, HW_FP8: tl.constexpr,
 ):
     """Send and receive in one launch: a persistent grid no larger than the GPU holds at once (every program must be
@@ -400,7 +405,7 @@ def dispatch_fused(
     done = tl.cdiv(tl.maximum(N * C - pid, 0), grid)  # send items this program did, each for every rank
     _sent(DISPATCH, epoch, grid, local_ptr, delta16_ptr, state_ptr, me, tl.full([R_POW2], 1, tl.int64) * done, R,
           R_POW2, False)
-    _wait_ready(DISPATCH, epoch, N * C, local_ptr, status_ptr, timeout_ns, R, R_POW2, USE_TIMER)
+    _wait_ready(DISPATCH, epoch, N * C, local_ptr, status_ptr, timeout_ns, cost_ptr, R, R_POW2, USE_TIMER, HAS_COST)
     for item in range(pid, R * N * C, grid):
         _dispatch_recv_item(item // (N * C), (item // C) % N, item % C, epoch, local_ptr, out_ptr, scales_ptr,
                             item_ptr, hdr_off, rows_off, row_bytes, scale_off, meta_off, N, H, K, R, L, USE_FP8,
@@ -451,15 +456,19 @@ def _arrivals(region, arr_off, parity, t, N: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _combine_recv_item(
-    t, hc, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, status_ptr, stride_topk, stride_w, stride_out,
+    t, hc, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, status_ptr, cost_ptr, stride_topk, stride_w, stride_out,
     timeout_ns, comb_off, arr_off, crow_bytes, N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-    KB: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr, R_POW2: tl.constexpr,
+    KB: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr, R_POW2: tl.constexpr, HAS_COST: tl.constexpr,
 ):
     """Channels hc*BLOCK_H .. of token t, once every rank's send items for the token have arrived:
-    sum_k w_k * y_k in fp32, ascending k, one rounding to bf16."""
+    sum_k w_k * y_k in fp32, ascending k, one rounding to bf16. With `HAS_COST`, the wait for each rank is added to
+    `cost_ptr` (ns)."""
     t = _as_tensor(t)
-    _wait_all(_arrivals(local_ptr, arr_off, epoch % 2, t, N, R), (epoch // 2 + 1) * KB, timeout_ns, status_ptr, R,
-              R_POW2, USE_TIMER)
+    arrivals = _arrivals(local_ptr, arr_off, epoch % 2, t, N, R)
+    if HAS_COST:
+        _wait_all_timed(arrivals, (epoch // 2 + 1) * KB, timeout_ns, status_ptr, cost_ptr, R, R_POW2, USE_TIMER)
+    else:
+        _wait_all(arrivals, (epoch // 2 + 1) * KB, timeout_ns, status_ptr, R, R_POW2, USE_TIMER)
     offs = hc * BLOCK_H + tl.arange(0, BLOCK_H)
     area = local_ptr + comb_off + ((epoch % 2) * N * K).to(tl.int64) * crow_bytes
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -501,29 +510,29 @@ def combine_send(
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_recv(
-    topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr,
+    topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, ticket_ptr, status_ptr, cost_ptr,
     num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, comb_off, arr_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-    USE_TIMER: tl.constexpr, KB: tl.constexpr, R_POW2: tl.constexpr,
+    USE_TIMER: tl.constexpr, KB: tl.constexpr, R_POW2: tl.constexpr, HAS_COST: tl.constexpr,
 ):
     """Grid (max(T, 1), channel blocks): each program waits for its token's arrivals only."""
     t = tl.program_id(0)
     epoch = tl.load(ticket_ptr)
     if t < num_tokens:
         _combine_recv_item(t, tl.program_id(1), epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, status_ptr,
-                           stride_topk, stride_w, stride_out, timeout_ns, comb_off, arr_off, crow_bytes, N, H, K, R,
-                           KB, BLOCK_H, USE_TIMER, R_POW2)
+                           cost_ptr, stride_topk, stride_w, stride_out, timeout_ns, comb_off, arr_off, crow_bytes, N,
+                           H, K, R, KB, BLOCK_H, USE_TIMER, R_POW2, HAS_COST)
     _combine_received(epoch, tl.num_programs(0) * tl.num_programs(1), local_ptr, delta16_ptr, state_ptr, me, R,
                       R_POW2, False)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def combine_fused(
-    x_ptr, item_ptr, topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, status_ptr,
+    x_ptr, item_ptr, topk_ptr, weights_ptr, out_ptr, local_ptr, delta16_ptr, state_ptr, status_ptr, cost_ptr,
     num_tokens, stride_topk, stride_w, stride_out, me, timeout_ns, send_programs, comb_off, arr_off, crow_bytes,
     N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, SEND_BLOCK_H: tl.constexpr,
     NUM_CH: tl.constexpr, KP: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr, HC: tl.constexpr,
-    USE_TIMER: tl.constexpr, R_POW2: tl.constexpr,
+    USE_TIMER: tl.constexpr, R_POW2: tl.constexpr, HAS_COST: tl.constexpr,
 ):
     """Send and receive in one launch (persistent grid, every program resident; see `dispatch_fused`).
 
@@ -548,7 +557,7 @@ def combine_fused(
         _combine_send_item(me, i // KB, i % KB, epoch, x_ptr, item_ptr, local_ptr, delta16_ptr, status_ptr, me,
                            timeout_ns, comb_off, arr_off, crow_bytes, N, H, K, R, SEND_BLOCK_H, NUM_CH, KP, USE_TIMER)
     for i in range(grid - 1 - pid, num_tokens * HC, grid):
-        _combine_recv_item(i // HC, i % HC, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, status_ptr,
+        _combine_recv_item(i // HC, i % HC, epoch, topk_ptr, weights_ptr, out_ptr, local_ptr, status_ptr, cost_ptr,
                            stride_topk, stride_w, stride_out, timeout_ns, comb_off, arr_off, crow_bytes, N, H, K, R,
-                           KB, BLOCK_H, USE_TIMER, R_POW2)
+                           KB, BLOCK_H, USE_TIMER, R_POW2, HAS_COST)
     _combine_received(epoch, grid, local_ptr, delta16_ptr, state_ptr, me, R, R_POW2, True)

@@ -69,6 +69,38 @@ def _wait_all(flags_ptr, target, timeout_ns, status_ptr, R: tl.constexpr, R_POW2
     tl.debug_barrier()  # the rows the flags cover are read by every thread of the program
 
 
+@triton.jit
+def _wait_all_timed(flags_ptr, target, timeout_ns, status_ptr, cost_ptr, R: tl.constexpr, R_POW2: tl.constexpr,
+                    USE_TIMER: tl.constexpr):
+    """`_wait_all`, adding to `cost_ptr[r]` (int64) the nanoseconds this program waited for rank r's flag (the
+    low-latency calls' `*_wait_recv_cost_stats`). The flags are polled together, so a rank is charged until its own
+    flag is seen, not until an earlier rank's; a rank whose flag was up at once is charged nothing. Then `_wait`
+    per rank gives the acquire read and, after a timeout, the message naming the missing rank."""
+    r = tl.arange(0, R_POW2)
+    value = tl.atomic_add(flags_ptr + r, tl.zeros([R_POW2], dtype=tl.int64), mask=r < R, sem="acquire", scope="sys")
+    pending = (r < R) & (value < target)
+    if tl.max(pending.to(tl.int32), axis=0) > 0:
+        waited = pending
+        start = _clock(USE_TIMER)
+        cost = tl.zeros([R_POW2], dtype=tl.int64)
+        spins = tl.zeros([], dtype=tl.int32)
+        late = tl.zeros([], dtype=tl.int32)
+        while (tl.max(pending.to(tl.int32), axis=0) > 0) & (late == 0):
+            value = tl.load(flags_ptr + r, mask=pending, other=0, volatile=True)
+            spins += 1
+            if USE_TIMER:
+                elapsed = _clock(USE_TIMER) - start
+            else:
+                elapsed = spins.to(tl.int64) * 1000000  # the interpreter has no clock: a millisecond per poll
+            cost = tl.where(pending, elapsed, cost)
+            pending = pending & (value < target)
+            late = (elapsed > timeout_ns).to(tl.int32)
+        tl.atomic_add(cost_ptr + r, cost, mask=waited, sem="relaxed", scope="gpu")
+        for rank in tl.static_range(R):  # after a timeout: no second wait, the message at once
+            _wait(flags_ptr + rank, target, rank, tl.where(late != 0, 0, timeout_ns), status_ptr, USE_TIMER)
+    tl.debug_barrier()  # the rows the flags cover are read by every thread of the program
+
+
 @triton.jit(do_not_specialize=["me", "timeout_ns", "flags_off"])
 def barrier(local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, R: tl.constexpr, R_POW2: tl.constexpr,
             SIGNAL: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
