@@ -779,3 +779,50 @@ def per_rank_dispatch_flags(rank: int, world: int):
     assert_equal(out[1][1], out[0][1], "combine")
     buf.destroy()
     return True
+
+
+def narrowed_handle(rank: int, world: int, device: str = "cpu", do_cpu_sync: bool = False, seed: int = 3):
+    """DeepEP's test idiom after a dispatch without CPU sync: `handle.recv_src_metadata =
+    handle.recv_src_metadata[:num_recv_tokens]`, then a non-expand combine of the valid rows only. The result must
+    equal the combine of every row, bitwise; narrowings that drop received rows, and other assignments, raise.
+    Returns the number of valid rows."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(seed + rank)
+    num_tokens, hidden, num_experts, num_topk, n = 12, 64, 8, 3, 16
+    idx, w = random_routing(gen, num_tokens, num_experts, num_topk)
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    idx, w, x = idx.to(device), w.to(device), x.to(device)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk, explicitly_destroy=True)
+    recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts, do_cpu_sync=do_cpu_sync)
+    y = (recv_x.float() * 1.5).bfloat16()
+    want = buf.combine(y, handle, topk_weights=recv_w)[0]
+    valid = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+    full = handle.recv_src_metadata
+    for bad in (full[:valid - 1] if valid else None, full[1:], full.clone(), full[:, :2]):
+        if bad is None:
+            continue
+        try:
+            handle.recv_src_metadata = bad
+        except ValueError as e:
+            assert "recv_src_metadata" in str(e), e
+        else:
+            raise AssertionError(f"narrowing to {tuple(bad.shape)} did not raise")
+    try:
+        handle.num_recv_tokens = valid
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("an EPHandle field other than recv_src_metadata was assignable")
+    handle.recv_src_metadata = handle.recv_src_metadata[:valid]
+    got = buf.combine(y[:valid], handle, topk_weights=recv_w[:valid])[0]
+    assert_equal(got, want, "combine of the narrowed handle")
+    if valid < y.shape[0]:  # sync-free: the narrowed handle takes the valid rows only
+        try:
+            buf.combine(y, handle, topk_weights=recv_w)
+        except ValueError as e:
+            assert f"x has {y.shape[0]} rows but the handle's non-expand layout has {valid}" in str(e), e
+        else:
+            raise AssertionError("the narrowed handle took every row")
+    buf.destroy()
+    return valid

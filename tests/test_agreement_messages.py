@@ -64,7 +64,11 @@ def test_low_latency_headers_name_their_own_arguments():
         sig, agreement.low_latency_signature(**dict(ll, use_ue8m0=True)))
     assert "ranks disagree on num_max_dispatch_tokens_per_rank (rank 0: 4, rank 1: 8)" in _disagreement(
         sig, agreement.low_latency_signature(**dict(ll, num_max_dispatch_tokens_per_rank=8)))
-    assert "ranks disagree on fp8 (rank 0: True, rank 1: False)" in _disagreement(regular, dict(regular, fp8=False))
+    assert "ranks disagree on x (rank 0: an FP8 (data, scales) tuple, rank 1: a tensor)" in _disagreement(
+        regular, dict(regular, fp8=False))
+    # Slots that are no argument of their own are named by the argument they describe.
+    assert "ranks disagree on topk_weights (rank 0: a tensor, rank 1: None)" in _disagreement(
+        dict(regular, has_topk_weights=True), regular)
     assert _disagreement(sig, sig) == "no error"
 
 

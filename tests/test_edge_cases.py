@@ -101,3 +101,19 @@ def test_random_routings(run_ranks, seed, tokens, num_topk, experts_per_rank, ma
 
 def test_handle_exposes_recv_topk_idx(run_ranks):
     assert all(run_ranks(2, ep_cases.handle_recv_topk_idx))
+
+
+@pytest.mark.parametrize("do_cpu_sync", [False, True], ids=["sync-free", "cpu-sync"])
+def test_narrowed_handle_combines_the_valid_rows(run_ranks, do_cpu_sync):
+    """DeepEP V2.5's test narrows `handle.recv_src_metadata` to the received rows and combines those only
+    (reference §11.1: a non-expand combine takes `recv_src_metadata.shape[0]` rows)."""
+    valid = run_ranks(2, ep_cases.narrowed_handle, do_cpu_sync=do_cpu_sync)
+    assert all(v > 0 for v in valid), valid
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("do_cpu_sync", [False, True], ids=["sync-free", "cpu-sync"])
+def test_narrowed_handle_combines_the_valid_rows_on_gpu(pools, do_cpu_sync):
+    valid = pools.get(2, "nccl").run(ep_cases.narrowed_handle, device="cuda", do_cpu_sync=do_cpu_sync)
+    assert all(v > 0 for v in valid), valid

@@ -37,6 +37,17 @@ DTYPE_NAMES = {v: str(k) for k, v in _DTYPE_CODES.items()}
 # keeps its length, which the nvlink transport's published rows build on).
 _LOW_LATENCY_NAMES = {"fp8": "use_fp8", "sf_dtype": "use_ue8m0",
                       "num_max_tokens_per_rank": "num_max_dispatch_tokens_per_rank"}
+# Slots of the regular calls that are not arguments of their own: the argument they describe, how a value reads.
+_ARGUMENT_NAMES = {
+    "fp8": ("x", lambda v: "an FP8 (data, scales) tuple" if v else "a tensor",
+            "pass x as an FP8 (data, scales) tuple on every rank or on none"),
+    "has_topk_weights": ("topk_weights", lambda v: "a tensor" if v else "None",
+                         "pass topk_weights on every rank or on none"),
+    "num_sf_packs": ("the scale columns of x (x[1].shape[1])", lambda v: v,
+                     "pass FP8 scales with the same number of columns"),
+    "sf_dtype": ("the scales' dtype of x (x[1].dtype)", lambda v: DTYPE_NAMES.get(v, "?"),
+                 "pass FP8 scales of the same dtype"),
+}
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -155,6 +166,10 @@ def check(
         values = [row[2 + i] for row in recv_RC]
         if len(set(values)) > 1:
             name = _LOW_LATENCY_NAMES.get(field, field) if all(low_latency) else field
+            if name in _ARGUMENT_NAMES:
+                name, show, fix = _ARGUMENT_NAMES[name]
+                desc = ", ".join(f"rank {s}: {show(v)}" for s, v in enumerate(values))
+                raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")
             if name == "op":
                 shown = [OPS.get(v, "?") for v in values]
             elif name in ("dtype", "sf_dtype"):

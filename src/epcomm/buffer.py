@@ -352,6 +352,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return self._num_sms_cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """`min(num_sms, 9, num_allocated_qps)`: the reference's direct-mode value (§8.3), whatever
+        `allow_hybrid_mode`, since epcomm always runs one logical domain; epcomm itself uses no QPs."""
         return min(min(num_sms, 9), self.num_allocated_qps)
 
     def get_physical_domain_size(self) -> tuple:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 
@@ -16,9 +17,14 @@ def _version_of(t: Tensor) -> Optional[int]:
         return None
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False)
 class EPHandle:
     """Routing of one dispatch, replayed by cached dispatch and used by combine. Built only by `dispatch`.
+
+    Read-only (assigning a field raises `dataclasses.FrozenInstanceError`), except that `recv_src_metadata` may be
+    narrowed to its first rows, as DeepEP's tests do after a dispatch without CPU sync
+    (`handle.recv_src_metadata = handle.recv_src_metadata[:num_recv_tokens]`): a non-expand combine then takes
+    `x` with that many rows (reference §11.1: its rows are `recv_src_metadata.shape[0]`).
 
     Fields (M = allocated received rows, S = allocated expanded rows, R ranks, L local experts):
         do_expand: bool -- layout of the producing dispatch.
@@ -69,6 +75,39 @@ class EPHandle:
     _topk_idx_version: Optional[int] = field(repr=False)
     _plan: Any = field(repr=False)
     _buffer_uid: int = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "full_recv_src_metadata", self.recv_src_metadata)  # [M, K + 2], as dispatched
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        if getattr(self, "_sealed", False):
+            if name != "recv_src_metadata":
+                raise FrozenInstanceError(f"cannot assign to field {name!r}: an EPHandle is read-only (only "
+                                          "recv_src_metadata may be narrowed to its first rows)")
+            self._check_narrowed(value)
+        object.__setattr__(self, name, value)
+
+    def _check_narrowed(self, value) -> None:
+        """`value` is the first rows of the dispatch's `recv_src_metadata`, at least the valid ones.
+
+        Raises:
+            ValueError: anything else (another tensor, other columns, fewer rows than were received).
+        """
+        full = self.full_recv_src_metadata
+        rows = value.shape[0] if isinstance(value, Tensor) and value.dim() == 2 else -1
+        if not (isinstance(value, Tensor) and value.dim() == 2 and value.dtype == full.dtype
+                and value.shape[1] == full.shape[1] and 0 <= rows <= full.shape[0]
+                and (rows == 0 or (value.data_ptr() == full.data_ptr() and value.stride() == full.stride()))):
+            raise ValueError(f"EPHandle.recv_src_metadata may only be narrowed to its first rows "
+                             f"(handle.recv_src_metadata[:n], n <= {full.shape[0]}), got "
+                             f"{getattr(value, 'shape', type(value).__name__)}")
+        psum = self.psum_num_recv_tokens_per_scaleup_rank
+        if not (psum.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            valid = int(psum[-1]) if psum.numel() else 0  # a host read (what DeepEP's tests read n from)
+            if rows < valid:
+                raise ValueError(f"EPHandle.recv_src_metadata: {valid} rows were received; narrowing to {rows} "
+                                 "would drop received rows (narrow to n >= psum_num_recv_tokens_per_scaleup_rank[-1])")
 
     @property
     def topk_idx(self) -> Tensor:

@@ -151,6 +151,11 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
                    is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank,
                    which="combine")
     num_sms = resolve_sms(buf, c, num_sms, num_qps, handle.num_experts, handle.num_topk)
+    full = handle.full_recv_src_metadata.shape[0]
+    if not handle.do_expand and rows < full:  # a narrowed handle (EPHandle): the rows past it were not received
+        x = torch.cat([x, x.new_zeros(full - rows, x.shape[1])])
+        if topk_weights is not None:
+            topk_weights = torch.cat([topk_weights, topk_weights.new_zeros(full - rows, topk_weights.shape[1])])
     biases = biases + (None,) * (2 - len(biases))
     return pipeline.CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias_0=biases[0],
                                 bias_1=biases[1], per_pair=per_pair, num_sms=num_sms)
