@@ -54,6 +54,14 @@ def check_low_latency(rank: int, world: int, *, seed: int = 0, tokens=(9, 5), hi
                 y_tj = (x[t].float() * (1 + e % num_local)).bfloat16().float()
                 acc[t] += w[t, j] * y_tj
     assert_equal(combined, acc.bfloat16(), "low_latency_combine")
+    # Zero-copy (DeepEP V1): the outputs written into the registered buffer are what the combine reads; x is only
+    # checked (zeros here).
+    registered = buf.get_next_low_latency_combine_buffer(handle)
+    assert registered.shape == y.shape and registered.dtype == torch.bfloat16, registered.shape
+    assert buf.get_next_low_latency_combine_buffer(handle) is registered  # one buffer per call shape
+    registered.copy_(y)
+    zero_copied, _, _ = buf.low_latency_combine(torch.zeros_like(y), idx, w, handle, zero_copy=True)
+    assert_equal(zero_copied, acc.bfloat16(), "low_latency_combine(zero_copy=True)")
     buf.destroy()
     return True
 
@@ -108,11 +116,12 @@ def low_latency_errors(rank: int, world: int):
 
 def low_latency_graph_replay(rank: int, world: int, *, replays: int = 3, num_tokens: int = 32, hidden: int = 512,
                              num_experts: int = 16, num_topk: int = 4, use_fp8: bool = True,
-                             wait_costs: bool = False):
+                             wait_costs: bool = False, zero_copy: bool = False):
     """Issue 4 item 3: low_latency_dispatch + low_latency_combine captured in one CUDA graph and replayed with new
     inputs and new routings copied into the static inputs; dispatch bitwise against the reference, combine against
     the weighted sum, on every replay. With `wait_costs`, the calls also add to `*_wait_recv_cost_stats`, which
-    must not change the results and must only grow."""
+    must not change the results and must only grow; with `zero_copy`, the expert outputs go through
+    `get_next_low_latency_combine_buffer` (and the `x` passed is zeros)."""
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(300 + rank)
     num_local = num_experts // world
@@ -132,7 +141,10 @@ def low_latency_graph_replay(rank: int, world: int, *, replays: int = 3, num_tok
         data = recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)[..., :hidden] if use_fp8 \
             else recv_x.float()
         y = (data * factor).bfloat16()  # a stand-in expert: expert e multiplies by 1 + e
-        combined, _, _ = buf.low_latency_combine(y, idx_s, w_s, handle, combine_wait_recv_cost_stats=costs[1])
+        if zero_copy:
+            buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        combined, _, _ = buf.low_latency_combine(torch.zeros_like(y) if zero_copy else y, idx_s, w_s, handle,
+                                                 zero_copy=zero_copy, combine_wait_recv_cost_stats=costs[1])
         return recv_x, count, y, combined
 
     graph, outs = captured(step)

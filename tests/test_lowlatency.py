@@ -29,7 +29,7 @@ def test_low_latency_unsupported_options_raise(run_ranks):
         assert "x must be a bf16 tensor" in msgs[0]
         assert "dispatch_wait_recv_cost_stats must have dtype torch.int64, got torch.float32" in msgs[1], msgs[1]
         assert "use_logfmt=True (LogFMT combine payloads) is not implemented" in msgs[2]
-        assert "zero_copy=True is not implemented" in msgs[3]
+        assert "zero_copy=True reads the expert outputs from get_next_low_latency_combine_buffer(handle)" in msgs[3]
         assert "out must have dtype" in msgs[4] and "bfloat16" in msgs[4], msgs[4]
         assert "out must have shape [4, 128], got (3, 128)" in msgs[5], msgs[5]
         if rank == 0:
@@ -59,10 +59,10 @@ def test_low_latency_hook_order_is_checked_on_every_transport(run_ranks):
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("use_fp8,wait_costs", [(True, False), (False, False), (True, True)])
-def test_low_latency_graph_replay_on_gpu(pools, use_fp8, wait_costs):
-    assert pools.get(2, "nccl").run(ll_cases.low_latency_graph_replay, use_fp8=use_fp8,
-                                    wait_costs=wait_costs) == [3, 3]
+@pytest.mark.parametrize("use_fp8,extras", [(True, False), (False, False), (True, True)])
+def test_low_latency_graph_replay_on_gpu(pools, use_fp8, extras):
+    assert pools.get(2, "nccl").run(ll_cases.low_latency_graph_replay, use_fp8=use_fp8, wait_costs=extras,
+                                    zero_copy=extras) == [3, 3]
 
 
 @pytest.mark.multigpu

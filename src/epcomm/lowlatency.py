@@ -217,10 +217,45 @@ class LowLatencyMixin:
         """
         self._check_alive("EPBuffer.clean_low_latency_buffer")
 
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle):
-        """Raises: ValueError -- epcomm has no registered zero-copy combine buffer; pass `x` to the combine."""
-        raise ValueError(f"EPBuffer.get_next_low_latency_combine_buffer: rank {self.rank}: epcomm has no zero-copy "
-                         "combine buffer; pass the expert outputs to low_latency_combine (zero_copy=False)")
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Tensor:
+        """The buffer a `low_latency_combine(..., zero_copy=True)` of this handle's shape reads its expert outputs
+        from: write them into it, then combine with `zero_copy=True` (`x` is then only checked, not read).
+
+        One buffer per call shape, allocated at the first request and kept until `destroy()`; every combine of the
+        shape uses it, in stream order (so the expert outputs of the next combine may be written once the previous
+        combine is issued). epcomm's combine reads its input in place either way, so zero-copy saves no copy here:
+        it exists so that code written for DeepEP V1 runs unchanged.
+
+        Args:
+            handle: a `LowLatencyHandle` of this buffer.
+
+        Returns:
+            [L, R * N, H] bf16 on the buffer's device (contents unspecified until written).
+
+        Raises:
+            TypeError: `handle` is not a `LowLatencyHandle`. ValueError: a handle of another buffer; the buffer was
+            destroyed.
+
+        Source: DeepEP V1 `Buffer.get_next_low_latency_combine_buffer` (../shared/reference/peers.md §1.2).
+        """
+        name = "EPBuffer.get_next_low_latency_combine_buffer"
+        self._check_alive(name)
+        c = Checker(name, self.rank, self.device)
+        if not isinstance(handle, LowLatencyHandle):
+            c.fail(TypeError, f"handle must be the LowLatencyHandle of low_latency_dispatch, got "
+                              f"{type(handle).__name__}")
+        c.require(handle.buffer_uid == self.uid, "handle comes from another EPBuffer")
+        return self._zero_copy_buffer(handle, create=True)
+
+    def _zero_copy_buffer(self, handle: LowLatencyHandle, create: bool) -> Optional[Tensor]:
+        """The zero-copy combine buffer of the handle's shape; made when `create`, else None if never handed out."""
+        if getattr(self, "_ll_zero_copy", None) is None:
+            self._ll_zero_copy = {}
+        shape = (handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        buf = self._ll_zero_copy.get(shape)
+        if buf is None and create:
+            buf = self._ll_zero_copy[shape] = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+        return buf
 
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
@@ -396,7 +431,9 @@ class LowLatencyMixin:
             topk_idx: [T, K] -- the routing of the dispatch (the same tensor or equal values).
             topk_weights: [T, K] fp32 -- the weights applied here.
             handle: the `LowLatencyHandle` of the dispatch (every rank combines the same dispatch).
-            use_logfmt, zero_copy: not implemented; must be False.
+            use_logfmt: not implemented; must be False.
+            zero_copy: read the expert outputs from `get_next_low_latency_combine_buffer(handle)` instead of `x`
+                (which is still checked); per rank.
             combine_wait_recv_cost_stats: [R] int64 or None -- as `low_latency_dispatch`'s
                 `dispatch_wait_recv_cost_stats`, for the expert outputs coming back (nvlink: summed over the
                 receiving programs, one per token and channel block).
@@ -425,7 +462,6 @@ class LowLatencyMixin:
             _check_flags(c, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                          return_recv_hook=return_recv_hook)
             c.require(not use_logfmt, "use_logfmt=True (LogFMT combine payloads) is not implemented by epcomm")
-            c.require(not zero_copy, "zero_copy=True is not implemented by epcomm (no registered combine buffer)")
             _check_wait_cost(c, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.num_ranks,
                              self.transport.name == "nvlink")
             c.require(not (async_finish and return_recv_hook), "async_finish=True and return_recv_hook=True cannot "
@@ -454,6 +490,11 @@ class LowLatencyMixin:
                           f"out must not have overlapping rows, got strides {tuple(out.stride())}")
             c.require(handle.calls.received(handle.call_index), "the low_latency_dispatch that made the handle has "
                       "not been received; call its receive hook before combining")
+            if zero_copy:
+                registered = self._zero_copy_buffer(handle, create=False)
+                c.require(registered is not None, "zero_copy=True reads the expert outputs from "
+                          "get_next_low_latency_combine_buffer(handle); call it and write them there first")
+                x = registered
             if handle.area is not None:
                 fast = self._low_latency_nvlink()
                 fast.check_status(name)
