@@ -817,6 +817,12 @@ def narrowed_handle(rank: int, world: int, device: str = "cpu", do_cpu_sync: boo
     handle.recv_src_metadata = handle.recv_src_metadata[:valid]
     got = buf.combine(y[:valid], handle, topk_weights=recv_w[:valid])[0]
     assert_equal(got, want, "combine of the narrowed handle")
+    # A cached dispatch on the narrowed handle returns its rows, which its combine then takes.
+    cached_x, _, cached_w, same, _ = buf.dispatch(x, handle=handle, topk_weights=w)
+    assert same is handle and cached_x.shape[0] == valid == cached_w.shape[0], (cached_x.shape, valid)
+    assert_equal(cached_x, recv_x[:valid], "cached dispatch of the narrowed handle")
+    got = buf.combine((cached_x.float() * 1.5).bfloat16(), handle, topk_weights=cached_w)[0]
+    assert_equal(got, want, "combine of the cached dispatch's rows")
     if valid < y.shape[0]:  # sync-free: the narrowed handle takes the valid rows only
         try:
             buf.combine(y, handle, topk_weights=recv_w)

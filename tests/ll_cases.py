@@ -66,9 +66,10 @@ def check_low_latency(rank: int, world: int, *, seed: int = 0, tokens=(9, 5), hi
     return True
 
 
-def low_latency_wait_costs(rank: int, world: int, late_s: float, device: str = "cpu"):
+def low_latency_wait_costs(rank: int, world: int, late_s: float, device: str = "cpu", late_keeps_none: bool = False):
     """Two low-latency dispatches and combines with `*_wait_recv_cost_stats`; the last rank reaches each call
-    `late_s` late. Returns the two stats as lists."""
+    `late_s` late (and, with `late_keeps_none`, passes no statistics: they are per rank). Returns the two stats
+    as lists (None where not kept)."""
     import time
 
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
@@ -81,13 +82,14 @@ def low_latency_wait_costs(rank: int, world: int, late_s: float, device: str = "
     for _ in range(2):
         if rank == world - 1:
             time.sleep(late_s)
+        keep = not (late_keeps_none and rank == world - 1)
         recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False,
-                                                            dispatch_wait_recv_cost_stats=dispatch_cost)
+                                                            dispatch_wait_recv_cost_stats=dispatch_cost if keep else None)
         if rank == world - 1:
             time.sleep(late_s)
-        buf.low_latency_combine(recv_x, idx, w, handle, combine_wait_recv_cost_stats=combine_cost)
+        buf.low_latency_combine(recv_x, idx, w, handle, combine_wait_recv_cost_stats=combine_cost if keep else None)
     buf.destroy()
-    return dispatch_cost.tolist(), combine_cost.tolist()
+    return (dispatch_cost.tolist(), combine_cost.tolist()) if keep else (None, None)
 
 
 def low_latency_errors(rank: int, world: int):

@@ -39,12 +39,15 @@ def test_low_latency_unsupported_options_raise(run_ranks):
 def test_wait_recv_cost_stats_name_the_late_rank(run_ranks):
     """CPU: rank 1 reaches each call 0.3 s late; rank 0's stats charge rank 1 with it, rank 1's charge nobody, and
     the stats add up over calls (DeepEP V1's `*_wait_recv_cost_stats`, in nanoseconds)."""
-    for rank, (dispatch_cost, combine_cost) in enumerate(run_ranks(2, ll_cases.low_latency_wait_costs, 0.3)):
-        if rank == 0:
-            for cost in (dispatch_cost, combine_cost):
-                assert cost[0] == 0 and 2 * 0.25e9 <= cost[1] < 2 * 5e9, cost  # less the peer's own lag
-        else:
-            assert dispatch_cost == combine_cost == [0, 0], (dispatch_cost, combine_cost)
+    for late_keeps_none in (False, True):  # the statistics are per rank: the late rank may keep none
+        results = run_ranks(2, ll_cases.low_latency_wait_costs, 0.3, late_keeps_none=late_keeps_none)
+        for rank, (dispatch_cost, combine_cost) in enumerate(results):
+            if rank == 0:
+                for cost in (dispatch_cost, combine_cost):
+                    assert cost[0] == 0 and 2 * 0.25e9 <= cost[1] < 2 * 5e9, cost  # less the peer's own lag
+            else:
+                want = None if late_keeps_none else [0, 0]
+                assert dispatch_cost == combine_cost == want, (dispatch_cost, combine_cost)
 
 
 def test_low_latency_hook_order_is_checked_on_every_transport(run_ranks):

@@ -82,7 +82,8 @@ class BucketBuffer(ContextLifecycle):
         TypeError: a group that is not a `ProcessGroup` of this rank; an allocation plan.
         ValueError: bad sizes, more than 8 groups, a group listed twice, ranks listing groups in other orders or
             other numbers of groups (on the ranks of the group where it shows, and on the ranks they share a later
-            group with, in the order of the groups' ranks).
+            group with, in the order of the groups' ranks; where overlapping groups also disagree on the number of
+            groups, a rank may raise it only after `num_cpu_timeout_secs`).
         TimeoutError: a peer did not construct within `num_cpu_timeout_secs`.
     """
 
@@ -136,6 +137,11 @@ class BucketBuffer(ContextLifecycle):
                     raise
                 err = err or e
                 continue
+            except TimeoutError as e:
+                self._destroyed = True
+                if err is not None:  # a peer of this later group stopped at an error of its own: ours is the cause
+                    raise err from e
+                raise
             if stream is None:
                 stream = new_comm_stream(ctx.device)
             ctx.comm_stream, self.contexts[i] = stream, ctx

@@ -640,7 +640,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
         def epilogue():
             with debug.phase("dispatch_epilogue"):
-                return finish(self, call, launched)
+                outputs = finish(self, call, launched)
+                return resolve.narrowed_outputs(call.handle, outputs) if cached else outputs
         result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue)
         if defer_epilogue:
             return result
@@ -704,6 +705,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         try:
             with debug.phase("combine"), self._on_comm_stream(previous_event):
                 self._exchange_header(name, call_id, call.signature() if call else {}, err)
+                call = call if call is None else resolve.padded_if_narrowed(call)
                 if call is not None and syncfree_nvlink.combine_applies(self, call):
                     launched = syncfree_nvlink.combine_launch(self, call, call_id)
                 else:

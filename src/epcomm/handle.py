@@ -21,10 +21,11 @@ def _version_of(t: Tensor) -> Optional[int]:
 class EPHandle:
     """Routing of one dispatch, replayed by cached dispatch and used by combine. Built only by `dispatch`.
 
-    Read-only (assigning a field raises `dataclasses.FrozenInstanceError`), except that `recv_src_metadata` may be
-    narrowed to its first rows, as DeepEP's tests do after a dispatch without CPU sync
+    Read-only (assigning or deleting a field raises `dataclasses.FrozenInstanceError`), except that
+    `recv_src_metadata` may be narrowed to its first rows, as DeepEP's tests do after a dispatch without CPU sync
     (`handle.recv_src_metadata = handle.recv_src_metadata[:num_recv_tokens]`): a non-expand combine then takes
-    `x` with that many rows (reference §11.1: its rows are `recv_src_metadata.shape[0]`).
+    `x` with that many rows (reference §11.1: its rows are `recv_src_metadata.shape[0]`), and a cached dispatch
+    returns that many rows.
 
     Fields (M = allocated received rows, S = allocated expanded rows, R ranks, L local experts):
         do_expand: bool -- layout of the producing dispatch.
@@ -88,6 +89,9 @@ class EPHandle:
             self._check_narrowed(value)
         object.__setattr__(self, name, value)
 
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}: an EPHandle is read-only")
+
     def _check_narrowed(self, value) -> None:
         """`value` is the first rows of the dispatch's `recv_src_metadata`, at least the valid ones.
 
@@ -104,6 +108,8 @@ class EPHandle:
                              f"{getattr(value, 'shape', type(value).__name__)}")
         psum = self.psum_num_recv_tokens_per_scaleup_rank
         if not (psum.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if psum.device.type == "cuda":  # an asynchronous dispatch may still be writing it on the comm stream
+                torch.cuda.synchronize(psum.device)
             valid = int(psum[-1]) if psum.numel() else 0  # a host read (what DeepEP's tests read n from)
             if rows < valid:
                 raise ValueError(f"EPHandle.recv_src_metadata: {valid} rows were received; narrowing to {rows} "

@@ -124,8 +124,8 @@ class LowLatencyMixin:
     def _low_latency_header(self, call: str, signature: dict, err: Optional[BaseException],
                             cost: Optional[Tensor] = None) -> int:
         """The portable path's header exchange (CPU; a no-op on GPU), or `err` raised: on CPU on every rank. The op
-        of `signature` tells the low-latency calls from the regular calls their portable path makes. With `cost`
-        ([R] int64, CPU), every rank sends the host clock (`time.time_ns`) at which it reached the exchange, and
+        of `signature` tells the low-latency calls from the regular calls their portable path makes. Every rank
+        sends the host clock (`time.time_ns`) at which it reached the exchange; with `cost` ([R] int64, CPU),
         `cost[s] += max(0, rank s's time - this rank's)`: how long this rank waited there for each rank.
 
         Returns:
@@ -136,10 +136,9 @@ class LowLatencyMixin:
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs` (the buffer is unusable after it).
         """
         call_id = self._next_call_id()
-        now = time.time_ns() if cost is not None else 0
+        now = time.time_ns()  # sent whether or not this rank keeps statistics: a peer may
         try:
-            rows = self._exchange_header(call, call_id, signature, err,
-                                         None if cost is None else torch.full((self.num_ranks,), now))
+            rows = self._exchange_header(call, call_id, signature, err, torch.full((self.num_ranks,), now))
         except TimeoutError as e:
             self._mark_broken(call, e)
         if cost is not None and rows is not None:
@@ -278,8 +277,9 @@ class LowLatencyMixin:
                 source rank's rows, to find slow ranks; per rank. nvlink: the device clock (`%globaltimer`) in the
                 receive, summed over the receiving programs (DeepEP V1 sums SM clock cycles over its receiving
                 warps); a rank whose rows were there at once adds 0. CPU: the host clock (`time.time_ns`) at the
-                call's header exchange, `max(0, arrival of rank s - arrival of this rank)`. The collective
-                transport on GPU raises (no header to time).
+                call's header exchange, `max(0, arrival of rank s - arrival of this rank)` (exact on one host;
+                across hosts the clocks' offset counts too). The collective transport on GPU raises (no header
+                to time).
             use_fp8: cast to float8_e4m3fn per 1x128 block inside the call (default) or send BF16; the same on
                 every rank.
             round_scale: power-of-two fp32 scales; per rank (each rank's rows carry their own scales).

@@ -350,8 +350,10 @@ class PPBuffer(ContextLifecycle):
         unreceived = [(s, d, rows[d][R + s], rows[s][d]) for s in range(R) for d in range(R)
                       if rows[s][d] != rows[d][R + s]]
         if unreceived:
-            pairs = "; ".join(f"group rank {s} sent {sent} messages to group rank {d}, which received {got} "
-                              f"(sends #{got}..#{sent - 1} are unreceived)" for s, d, got, sent in unreceived)
+            pairs = "; ".join(f"group rank {s} sent {sent} message{'s' * (sent != 1)} to group rank {d}, which "
+                              f"received {got} (" + (f"send #{got} is" if sent - got == 1 else
+                                                     f"sends #{got}..#{sent - 1} are") + " unreceived)"
+                              for s, d, got, sent in unreceived)
             raise ValueError(f"PPBuffer.destroy: rank {self.rank}: {pairs}; receive every message before destroy() "
                              "(the buffer is still usable, and every rank raised this)")
 

@@ -6,6 +6,8 @@ path (`pipeline.py`) consumes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -128,7 +130,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
     rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
     layout_name = "expand" if handle.do_expand else "non-expand"
     c.require(x.shape[0] == rows, f"x has {x.shape[0]} rows but the handle's {layout_name} layout has {rows} "
-                                  f"({'handle.num_expanded_tokens' if handle.do_expand else 'received rows'})")
+                                  f"({'handle.num_expanded_tokens' if handle.do_expand else 'the rows of handle.recv_src_metadata'})")
     per_pair = handle.do_expand and not buf.allow_multiple_reduction
     if topk_weights is not None:
         c.require(not per_pair, "topk_weights must be None for an expand-layout combine when the buffer has "
@@ -151,14 +153,35 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
                    is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank,
                    which="combine")
     num_sms = resolve_sms(buf, c, num_sms, num_qps, handle.num_experts, handle.num_topk)
-    full = handle.full_recv_src_metadata.shape[0]
-    if not handle.do_expand and rows < full:  # a narrowed handle (EPHandle): the rows past it were not received
-        x = torch.cat([x, x.new_zeros(full - rows, x.shape[1])])
-        if topk_weights is not None:
-            topk_weights = torch.cat([topk_weights, topk_weights.new_zeros(full - rows, topk_weights.shape[1])])
     biases = biases + (None,) * (2 - len(biases))
     return pipeline.CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias_0=biases[0],
                                 bias_1=biases[1], per_pair=per_pair, num_sms=num_sms)
+
+
+def padded_if_narrowed(call: pipeline.CombineCall) -> pipeline.CombineCall:
+    """A non-expand combine of a narrowed handle (`EPHandle`: `recv_src_metadata` cut to its first n rows): `x` and
+    `topk_weights` of n rows, padded with zero rows to the dispatch's allocation, whose rows past n were not
+    received. Called on the stream the combine runs on, so that the padding is ordered before it."""
+    full = call.handle.full_recv_src_metadata.shape[0]
+    rows = call.x.shape[0]
+    if call.handle.do_expand or rows >= full:
+        return call
+    w = call.topk_weights
+    return dataclasses.replace(
+        call, x=torch.cat([call.x, call.x.new_zeros(full - rows, call.x.shape[1])]),
+        topk_weights=None if w is None else torch.cat([w, w.new_zeros(full - rows, w.shape[1])]))
+
+
+def narrowed_outputs(handle, outputs: tuple) -> tuple:
+    """A cached non-expand dispatch on a narrowed handle returns the handle's rows: `(recv_x, recv_topk_idx,
+    recv_topk_weights, handle)` cut to `recv_src_metadata.shape[0]` rows (views), so that its combine takes them."""
+    rows = handle.recv_src_metadata.shape[0]
+    if handle.do_expand or rows >= handle.full_recv_src_metadata.shape[0]:
+        return outputs
+    recv_x, recv_topk_idx, recv_w, out_handle = outputs
+    recv_x = tuple(t[:rows] for t in recv_x) if isinstance(recv_x, tuple) else recv_x[:rows]
+    return (recv_x, None if recv_topk_idx is None else recv_topk_idx[:rows],
+            None if recv_w is None else recv_w[:rows], out_handle)
 
 
 def _warn_if_grad(buf, call: str, *tensors) -> None:

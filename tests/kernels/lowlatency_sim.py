@@ -264,11 +264,42 @@ def check_wait_costs() -> None:
         assert cost[0] == 5 and cost[1] >= 7 + 50_000_000, (kind, cost)
 
 
+@triton.jit
+def _timed_wait(flags_ptr, status_ptr, cost_ptr, target, timeout_ns, R: tl.constexpr, R_POW2: tl.constexpr):
+    from epcomm.kernels._signal_triton import _wait_all_timed
+    _wait_all_timed(flags_ptr, target, timeout_ns, status_ptr, cost_ptr, R, R_POW2, False)
+
+
+def check_timed_wait_order() -> None:
+    """`_wait_all_timed` charges each rank until its own flag is seen: rank 0's flag is up at once, rank 1's comes
+    up during the wait, rank 2's well after it (set by a thread while the interpreted kernel polls); so rank 0
+    costs nothing and rank 1 less than rank 2 (the interpreter counts a millisecond per poll)."""
+    import threading
+    import time
+
+    flags = torch.tensor([1, 0, 0, 0], dtype=torch.int64)
+    cost = torch.tensor([3, 0, 0, 0], dtype=torch.int64)
+    status = torch.zeros(1, dtype=torch.int64)
+
+    def arrive():  # the kernel's first read comes well within the first second (the interpreter's set-up)
+        time.sleep(1.0)
+        flags[1] = 1
+        time.sleep(0.5)
+        flags[2] = 1
+    helper = threading.Thread(target=arrive)
+    helper.start()
+    _timed_wait[(1,)](flags, status.data_ptr(), cost, 1, 600 * 10**9, R=3, R_POW2=4)
+    helper.join()
+    assert int(status[0]) == 0, status
+    assert cost[0] == 3 and 0 < cost[1] < cost[2] and cost[3] == 0, cost
+
+
 def run(case: str) -> None:
     gen = torch.Generator().manual_seed(len(case))
     if case == "cast":
         return check_cast()
     if case == "wait-costs":
+        check_timed_wait_order()
         return check_wait_costs()
     if case == "combine-waits":
         return check_combine_waits()
