@@ -2,7 +2,7 @@
 (`epcomm.bench.timing.Timer.measure_graph`), slower of 2 ranks, at 1 / 128 / 256 tokens per rank (dsv3-decode
 shape, FP8 dispatch, BF16 combine).
 
-Run on a machine with 2 GPUs: `python benchmarks/lowlatency_sweep.py`. Each row sets the module constants of
+Run on a machine with 2 GPUs: `python benchmarks/lowlatency_sweep.py` (`EPCOMM_LL_SWEEP_RANKS=1`: one GPU, one rank). Each row sets the module constants of
 `epcomm.lowlatency_nvlink` (blocks of 128 channels per dispatch item, combine rows per item, fused programs per
 SM, programs per SM that send the fused combine's rows for other ranks); the defaults there came from this sweep (benchmarks/results/decode-ll_2xH200-NV18_2026-11-30.md).
 """
@@ -66,4 +66,5 @@ def body(rank: int, world: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(body, args=(2, 29537), nprocs=2)
+    world = int(os.environ.get("EPCOMM_LL_SWEEP_RANKS", "2"))  # 1: the kernels alone on one GPU (nothing crosses)
+    mp.spawn(body, args=(world, 29537), nprocs=world)
