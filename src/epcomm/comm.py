@@ -92,7 +92,8 @@ class CommContext:
         failed = [r for r, row in enumerate(rows) if row[2] != STATUS_OK]
         # The `agree` names the ranks passed different values for (compared even when a rank failed), on the
         # error raised as `disagreed`: a caller building several contexts decides from it whether to go on.
-        disagreed = tuple(name for i, name in enumerate(agree) if len({row[3 + i] for row in rows}) > 1)
+        differs = [(i, name) for i, name in enumerate(agree) if len({row[3 + i] for row in rows}) > 1]
+        disagreed = tuple(name for _, name in differs)
         if failed:
             self.broken = "construction failed"
             messages = gather_messages(lambda t: self.exchange(t, f"{owner} construction messages",
@@ -106,8 +107,9 @@ class CommContext:
             raise exc
         if disagreed:
             self.broken = "construction failed"
-            values = [row[3 + list(agree).index(disagreed[0])] for row in rows]
-            exc = ValueError(f"{owner}: rank {self.rank}: group ranks disagree on {disagreed[0]} ("
+            i, first = differs[0]
+            values = [row[3 + i] for row in rows]
+            exc = ValueError(f"{owner}: rank {self.rank}: group ranks disagree on {first} ("
                              + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")")
             exc.disagreed = disagreed
             raise exc

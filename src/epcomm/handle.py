@@ -99,10 +99,11 @@ class EPHandle:
             ValueError: anything else (another tensor, other columns, fewer rows than were received).
         """
         full = self.full_recv_src_metadata
-        rows = value.shape[0] if isinstance(value, Tensor) and value.dim() == 2 else -1
-        if not (isinstance(value, Tensor) and value.dim() == 2 and value.dtype == full.dtype
-                and value.shape[1] == full.shape[1] and 0 <= rows <= full.shape[0]
-                and (rows == 0 or (value.data_ptr() == full.data_ptr() and value.stride() == full.stride()))):
+        prefix = (isinstance(value, Tensor) and value.dim() == 2 and value.dtype == full.dtype
+                  and value.shape[1] == full.shape[1] and value.shape[0] <= full.shape[0]
+                  and (value.shape[0] == 0 or (value.data_ptr() == full.data_ptr()
+                                               and value.stride() == full.stride())))
+        if not prefix:
             raise ValueError(f"EPHandle.recv_src_metadata may only be narrowed to its first rows "
                              f"(handle.recv_src_metadata[:n], n <= {full.shape[0]}), got "
                              f"{getattr(value, 'shape', type(value).__name__)}")
@@ -111,9 +112,10 @@ class EPHandle:
             if psum.device.type == "cuda":  # an asynchronous dispatch may still be writing it on the comm stream
                 torch.cuda.synchronize(psum.device)
             valid = int(psum[-1]) if psum.numel() else 0  # a host read (what DeepEP's tests read n from)
-            if rows < valid:
-                raise ValueError(f"EPHandle.recv_src_metadata: {valid} rows were received; narrowing to {rows} "
-                                 "would drop received rows (narrow to n >= psum_num_recv_tokens_per_scaleup_rank[-1])")
+            if value.shape[0] < valid:
+                raise ValueError(f"EPHandle.recv_src_metadata: {valid} rows were received; narrowing to "
+                                 f"{value.shape[0]} would drop received rows (narrow to n >= "
+                                 "psum_num_recv_tokens_per_scaleup_rank[-1])")
 
     @property
     def topk_idx(self) -> Tensor:

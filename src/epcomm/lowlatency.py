@@ -16,10 +16,9 @@ moves.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -137,8 +136,9 @@ class LowLatencyMixin:
         """
         call_id = self._next_call_id()
         now = time.time_ns()  # sent whether or not this rank keeps statistics: a peer may
+        stamps = torch.full((self.num_ranks,), now) if self.device.type == "cpu" else None  # no header on GPU
         try:
-            rows = self._exchange_header(call, call_id, signature, err, torch.full((self.num_ranks,), now))
+            rows = self._exchange_header(call, call_id, signature, err, stamps)
         except TimeoutError as e:
             self._mark_broken(call, e)
         if cost is not None and rows is not None:

@@ -129,8 +129,9 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
     _warn_if_grad(buf, "combine", x, topk_weights)
     rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
     layout_name = "expand" if handle.do_expand else "non-expand"
+    rows_of = "handle.num_expanded_tokens" if handle.do_expand else "the rows of handle.recv_src_metadata"
     c.require(x.shape[0] == rows, f"x has {x.shape[0]} rows but the handle's {layout_name} layout has {rows} "
-                                  f"({'handle.num_expanded_tokens' if handle.do_expand else 'the rows of handle.recv_src_metadata'})")
+                                  f"({rows_of})")
     per_pair = handle.do_expand and not buf.allow_multiple_reduction
     if topk_weights is not None:
         c.require(not per_pair, "topk_weights must be None for an expand-layout combine when the buffer has "
