@@ -1,11 +1,12 @@
 """Host time of an eager full and cached dispatch on 2 GPUs, by epcomm phase and by function, with no device
 synchronisation inside a call (unlike `EPCOMM_PHASE_TIMES`, which synchronises around each phase).
 
-Usage: python benchmarks/host_phases.py
+Usage: python benchmarks/host_phases.py [--ranks 1] [--profile]
 The dsv3 shape (4096 tokens, hidden 7168, 256 experts, top-8), BF16, nvlink. Each line: the median over 20 calls of
 the host time spent inside that range per call, in us, inclusive of what it calls; both ranks print. The ranges are
 `debug.phase`'s and a list of functions of the dispatch path (wrapped for the run). Host-bound calls
 (benchmarks/results/dsv3-s11_*) spend their time here: a range that costs much names the Python to cut.
+`--profile`: rank 0 also prints the 40 functions of most own time over 20 full dispatches (cProfile).
 """
 import contextlib
 import functools
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def body(rank, world, port):
+def body(rank, world, port, profile=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
@@ -93,9 +94,24 @@ def body(rank, world, port):
         for k, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
             lines.append(f"   {statistics.median(v):8.1f} us  {k}")
     print("\n".join(lines), flush=True)
+    if profile and rank == 0:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        for _ in range(20):
+            torch.cuda.synchronize()
+            prof.enable()
+            ops["full"]()
+            prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
     buf.destroy()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    mp.spawn(body, args=(2, 29597), nprocs=2)
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    mp.spawn(body, args=(args.ranks, 29597, args.profile), nprocs=args.ranks)

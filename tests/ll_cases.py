@@ -92,6 +92,38 @@ def low_latency_wait_costs(rank: int, world: int, late_s: float, device: str = "
     return (dispatch_cost.tolist(), combine_cost.tolist()) if keep else (None, None)
 
 
+def low_latency_collective_refuses_wait_costs(rank: int, world: int):
+    """The collective transport on GPU exchanges no header to time the ranks by: `*_wait_recv_cost_stats` are refused
+    on every rank before anything moves (the statistics stay untouched), and the buffer works afterwards (the same
+    combine, bitwise). Returns the two messages."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=256, transport="collective", explicitly_destroy=True)
+    gen = torch.Generator().manual_seed(30 + rank)
+    idx, w = random_routing(gen, 8, 4 * world, 2, masked_ratio=0.2)
+    x = torch.randn(8, 256, generator=gen).bfloat16()
+    x, idx, w = x.to(device), idx.to(device), w.to(device)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 8, 4 * world, use_fp8=False)
+    first, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    cost = torch.randint(0, 1000, (world,), generator=gen).to(device)
+    before = cost.clone()
+    msgs = []
+    for call in (lambda: buf.low_latency_dispatch(x, idx, 8, 4 * world, use_fp8=False,
+                                                  dispatch_wait_recv_cost_stats=cost),
+                 lambda: buf.low_latency_combine(recv_x, idx, w, handle, combine_wait_recv_cost_stats=cost)):
+        try:
+            call()
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("")
+    assert_equal(cost, before, "wait-cost statistics after the refused calls")
+    recv_again, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 8, 4 * world, use_fp8=False)
+    again, _, _ = buf.low_latency_combine(recv_again, idx, w, handle)
+    assert_equal(again, first, "combine after the refused calls")
+    buf.destroy()
+    return msgs
+
+
 def low_latency_errors(rank: int, world: int):
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=128)
     gen = torch.Generator().manual_seed(rank)

@@ -78,6 +78,17 @@ def test_wait_recv_cost_stats_name_the_late_rank_on_gpu(pools):
         assert cost[1] >= 2 * 0.25e9 and cost[0] < cost[1] // 10, cost
 
 
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_wait_recv_cost_stats_refused_on_collective_gpu(pools):
+    """The collective transport on GPU exchanges no header to time the ranks by: every rank refuses the statistics
+    (named in the message) before any data moves."""
+    for rank, msgs in enumerate(pools.get(2, "nccl").run(ll_cases.low_latency_collective_refuses_wait_costs)):
+        for name, msg in zip(("dispatch_wait_recv_cost_stats", "combine_wait_recv_cost_stats"), msgs):
+            assert f"rank {rank}: {name} is measured on the nvlink transport" in msg, msg
+            assert "collective transport on GPU" in msg, msg
+
+
 def test_hardware_fp8_cast_only_where_triton_has_fp8(monkeypatch):
     """The send kernels use the hardware FP8 conversion on NVIDIA GPUs of compute capability 8.9 and up only (Triton
     has no float8e4nv below: an A100 keeps the integer spelling)."""
