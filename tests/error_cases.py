@@ -258,7 +258,8 @@ def construct_one_bad(rank: int, world: int, kind: str):
                        "tokens": dict(num_max_tokens_per_rank=N + 1),
                        "size": dict(num_bytes=4 << 20), "hidden": dict(hidden=2 * H), "topk": dict(num_topk=4),
                        "topk_default": dict(num_topk=32), "topk_33": dict(num_topk=33),
-                       "topk_type": dict(num_topk=8.0),
+                       "topk_type": dict(num_topk=8.0), "tokens_type": dict(num_max_tokens_per_rank=8.5),
+                       "hidden_type": dict(hidden="64"), "bytes_type": dict(num_bytes=float(4 << 20)),
                        "half": dict(dtype=torch.float16), "fp8": dict(use_fp8_dispatch=True),
                        "reduction": dict(allow_multiple_reduction=False)}.get(kind, {}))
     if rank == 0 and kind == "transport":

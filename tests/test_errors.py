@@ -216,6 +216,9 @@ def test_nvlink_on_cpu_names_the_rank(run_ranks):
     ("topk_33", ValueError, r"num_topk must be in \[0, 32\] \(0 sizes for 32; every call's top-k is at most 32\), "
                             r"got 33"),
     ("topk_type", TypeError, r"num_topk must be an int, got float"),
+    ("tokens_type", TypeError, r"num_max_tokens_per_rank must be an int, got float 8.5"),
+    ("hidden_type", TypeError, r"hidden must be an int, got str '64'"),
+    ("bytes_type", TypeError, r"num_bytes must be an int, got float 4194304.0"),
     ("env", ValueError, r"EPCOMM_FUSED_SYNC_FREE_ROWS must be an integer >= 0, got '4k'"),
     ("env_return", ValueError, r"EPCOMM_NVLINK_RETURN must be 'push' or 'pull', got 'fetch'"),
     ("env_chunks", ValueError, r"EPCOMM_RETURN_CHUNKS must be an integer in \[1, 64\], got '0'"),

@@ -144,9 +144,13 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                                   f"got {dtype}")
             c.require(transport in _TRANSPORT_CODES, f"transport={transport!r} is unknown; expected one of "
                                                      f"{sorted(_TRANSPORT_CODES)}")
-            if isinstance(num_topk, bool) or not isinstance(num_topk, numbers.Integral):
-                c.fail(TypeError, f"num_topk must be an int, got {type(num_topk).__name__}")
-            num_topk = int(num_topk)  # numpy ints too
+            for arg, value in (("num_topk", num_topk), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                               ("hidden", hidden), ("num_bytes", 0 if num_bytes is None else num_bytes)):
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                    c.fail(TypeError, f"{arg} must be an int, got {type(value).__name__} {value!r}")
+            # numpy ints too
+            num_topk, num_max_tokens_per_rank, hidden = int(num_topk), int(num_max_tokens_per_rank), int(hidden)
+            num_bytes = None if num_bytes is None else int(num_bytes)
             c.require(0 <= num_topk <= sizing.MAX_TOPK, f"num_topk must be in [0, {sizing.MAX_TOPK}] (0 sizes for "
                                                         f"{sizing.MAX_TOPK}; every call's top-k is at most "
                                                         f"{sizing.MAX_TOPK}), got {num_topk}")
