@@ -11,8 +11,10 @@ non-expand tests use that to find the local expert of each received column from 
 
 import contextlib
 import sys
+import time
 
 import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -235,6 +237,15 @@ def _invalid_combination(rank, world_size):
         with pytest.raises(ValueError, match=rf"rank {rank}: the handle has num_experts=4 but this dispatcher has "
                                              r"num_experts=8"):
             TokenDispatcher(buffer, 8, do_expand=False).combine(recv_x, non_expand)
+        y = TokenDispatcher(buffer, 4, do_expand=False).combine(recv_x, non_expand)  # still in step
+        assert torch.equal(y, 2 * x), (y, x)
+        # Only rank 0 passes the wrong handle: rank 1, inside its combine, raises at once too (not at the timeout).
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=rf"TokenDispatcher.combine: rank 0: the handle has do_expand=False" if
+                           rank == 0 else r"EPBuffer.combine: rank 1: group rank 0 rejected the call.*the handle has "
+                                          r"do_expand=False but this dispatcher has do_expand=True"):
+            (expand if rank == 0 else TokenDispatcher(buffer, 4, do_expand=False)).combine(recv_x, non_expand)
+        assert time.monotonic() - start < TIMEOUT_S / 2
         y = TokenDispatcher(buffer, 4, do_expand=False).combine(recv_x, non_expand)  # still in step
         assert torch.equal(y, 2 * x), (y, x)
     # FP8 (data, scales) on every rank: the dispatch runs, then every rank raises (no rank is left waiting).

@@ -222,18 +222,18 @@ class TokenDispatcher:
             TypeError: wrong types or dtypes, a bias that is not None, a tensor or a pair.
             ValueError: shapes that do not match the handle, a handle from another buffer, a modified `topk_idx`,
                 ranks that disagree on the call; a handle whose layout (`do_expand`, `num_experts`,
-                `expert_alignment`) is not this dispatcher's (raised before any exchange, on the rank that passes
-                it: where the rows of both layouts have one count, the buffer could not tell them apart).
+                `expert_alignment`) is not this dispatcher's (where the rows of both layouts have one count, the
+                buffer could not tell them apart; on CPU every rank raises, on GPU the rank that passes it).
             TimeoutError: a peer did not arrive within the buffer's `num_cpu_timeout_secs`.
         """
         if isinstance(handle, EPHandle):
             for arg, mine, theirs in (("do_expand", self.do_expand, handle.do_expand),
                                       ("num_experts", self.num_experts, handle.num_experts),
                                       ("expert_alignment", self.expert_alignment, handle.expert_alignment)):
-                if mine != theirs:
-                    raise ValueError(f"TokenDispatcher.combine: rank {self.buffer.rank}: the handle has {arg}="
-                                     f"{theirs} but this dispatcher has {arg}={mine}; pass the handle that this "
-                                     "dispatcher's dispatch returned")
+                if mine != theirs:  # through the combine's header: peers inside their combine raise too
+                    self.buffer._reject_call("EPBuffer.combine", ValueError(
+                        f"TokenDispatcher.combine: rank {self.buffer.rank}: the handle has {arg}={theirs} but this "
+                        f"dispatcher has {arg}={mine}; pass the handle that this dispatcher's dispatch returned"))
         if bias is None or isinstance(bias, Tensor):
             bias_0, bias_1 = bias, None
         elif isinstance(bias, (tuple, list)) and len(bias) == 2:

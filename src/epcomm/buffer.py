@@ -500,6 +500,14 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 self.num_ranks, self.device)
         agreement.check(call, self.rank, recv_rows, local_error, gather)
 
+    def _reject_call(self, call: str, err: BaseException) -> None:
+        """Raise `err`, found by a wrapper (`TokenDispatcher`) before it reached `call`: on CPU through that call's
+        header exchange, so that peers inside `call` raise too ("group rank r rejected the call") instead of waiting
+        for the timeout; on GPU on this rank only, as every header-free call."""
+        self._check_alive(call)
+        self._exchange_header(call, self._next_call_id(), {}, err)
+        raise err  # GPU; on CPU the exchange has raised
+
     def _exchange_header(self, call: str, call_id: int, signature: dict, err: Optional[BaseException],
                          values_R: Optional[Tensor] = None) -> Optional[list]:
         """Header-only exchange for calls without counts (combine, cached dispatch, low-latency calls): CPU only
