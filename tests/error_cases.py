@@ -182,15 +182,19 @@ def dispatch_vs_combine(rank: int, world: int):
 
 
 def two_buffers(rank: int, world: int):
-    """Two buffers on one group: rank 0 dispatches on the first, rank 1 on the second; both raise at that call."""
+    """Two buffers on one group: rank 0 dispatches on the first, rank 1 on the second; both raise at that call, and
+    the next calls on either buffer are in step (each rank took its call id back). Returns the message, or None."""
     first = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
     second = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
     x, idx, w = _inputs(rank)
+    msg = None
     try:
         (first if rank == 0 else second).dispatch(x, idx, w, num_experts=E)
     except ValueError as e:
-        return str(e)
-    return None
+        msg = str(e)
+    got = [buf.dispatch(x, idx, w, num_experts=E)[0] for buf in (first, second)]
+    assert torch.equal(got[0], got[1]) and got[0].shape[1] == H, "the buffers disagree after the mismatch"
+    return msg
 
 
 def missing_peer(rank: int, world: int, timeout_s: float):

@@ -478,8 +478,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return self._call_id
 
     def _take_back_call_id(self, call_id: int) -> None:
-        """The transport found the ranks in different calls at `call_id` (another buffer's call on a peer): the
-        peers never made this call, so the next one reuses its id."""
+        """The ranks were in different calls at `call_id` (another buffer's call on a peer, found by the transport's
+        frames or by the header's buffer id): the peers never made this call, so the next one reuses its id."""
         self._call_id = min(self._call_id, call_id - 1)
 
     def _warn_once(self, key: str, msg: str) -> None:
@@ -489,9 +489,21 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
     def agree(self, call: str, recv_rows: list, local_error: Optional[BaseException]) -> None:
         """Raise on every rank when any rank failed or the ranks disagree (see agreement.py)."""
+        col = 2 + agreement.SIGNATURE_FIELDS.index("buffer")
+        if any(row[col] != recv_rows[self.rank][col] for row in recv_rows):
+            # A peer made its call on another buffer of the group: this buffer's call never happened there, so
+            # every rank takes its call id back (after any message exchange below) and the next calls are in step.
+            mine = recv_rows[self.rank][1]
+            try:
+                self._agree(call, recv_rows, local_error)
+            finally:
+                self._take_back_call_id(mine)
+            return
         # Ranks that got out of step resume at the furthest call, so a caller that recovers can go on.
         self._call_id = max(self._call_id, max(row[1] for row in recv_rows))
+        self._agree(call, recv_rows, local_error)
 
+    def _agree(self, call: str, recv_rows: list, local_error: Optional[BaseException]) -> None:
         def gather(msg: str) -> list:  # a call of its own: a timeout here must not see the header's keys
             call_id = self._next_call_id()
             return agreement.gather_messages(
