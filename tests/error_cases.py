@@ -365,3 +365,18 @@ def construct_two_bad(rank: int, world: int):
     except (TypeError, ValueError) as e:
         return str(e)
     return None
+
+
+def numpy_ints(rank: int, world: int):
+    """numpy integers where ints are asked for (num_experts, expert_alignment, the constructor's sizes): the same
+    results as Python ints."""
+    import numpy as np
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=np.int64(N), hidden=np.int32(H), num_cpu_timeout_secs=20)
+    x, idx, w = _inputs(rank)
+    want = buf.dispatch(x, idx, w, num_experts=E, do_expand=True, expert_alignment=2)
+    got = buf.dispatch(x, idx, w, num_experts=np.int64(E), do_expand=True, expert_alignment=np.int32(2))
+    for a, b in ((want[0], got[0]), (want[2], got[2])):
+        assert torch.equal(a, b)
+    assert got[3].num_experts == E and type(got[3].num_experts) is int
+    return True

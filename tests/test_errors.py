@@ -274,3 +274,7 @@ def test_barrier_while_peer_dispatches(run_ranks):
 def test_inputs_requiring_grad_warn(run_ranks):
     for caught in run_ranks(2, error_cases.grad_warning):
         assert any("not recorded by autograd; use epcomm.TokenDispatcher" in m for m in caught), caught
+
+
+def test_numpy_ints_are_ints(run_ranks):
+    assert run_ranks(2, error_cases.numpy_ints) == [True, True]

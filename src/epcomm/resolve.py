@@ -62,14 +62,13 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
     else:
         if num_experts is None:
             c.fail(ValueError, "num_experts is required for a non-cached dispatch")
-        c.positive_int("num_experts", num_experts)
+        num_experts = c.positive_int("num_experts", num_experts)
         c.require(num_experts % buf.num_ranks == 0, f"num_experts={num_experts} must be a multiple of the group "
                                                      f"size {buf.num_ranks}")
         n = buf.num_max_tokens_per_rank if n is None else n
         c.require(isinstance(n, int) and n > 0, f"num_max_tokens_per_rank must be > 0 (pass it to dispatch or "
                                                 f"EPBuffer), got {n}")
-        expert_alignment = 1 if expert_alignment is None else expert_alignment
-        c.positive_int("expert_alignment", expert_alignment)
+        expert_alignment = c.positive_int("expert_alignment", 1 if expert_alignment is None else expert_alignment)
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         topk_idx = check_topk_idx(c, topk_idx, xs.num_tokens)
         if buf.device.type == "cpu" or (do_cpu_sync and not defer_value_checks):

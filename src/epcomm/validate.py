@@ -7,6 +7,8 @@ messages name the call, the group rank, the argument, the expected and the actua
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,8 +50,10 @@ class Checker:
         return t
 
     def positive_int(self, name: str, v, minimum: int = 1) -> int:
-        if isinstance(v, bool) or not isinstance(v, int):
+        """`v` as a Python int (numpy ints too), or a TypeError / ValueError naming `name`."""
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             self.fail(TypeError, f"{name} must be an int, got {type(v).__name__}")
+        v = int(v)
         if v < minimum:
             self.fail(ValueError, f"{name} must be >= {minimum}, got {v}")
         return v
