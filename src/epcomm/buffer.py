@@ -451,6 +451,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return self
 
     def __exit__(self, *exc) -> None:
+        """`with EPBuffer(...) as buf:` ends with the collective `destroy()` when the block completes. When an
+        exception leaves the block, only this rank's resources are freed (its peers may never reach a collective
+        call); a peer whose block completes then waits in its `destroy()` for this rank until
+        `num_cpu_timeout_secs` and raises TimeoutError: an error on one rank ends the job on every rank."""
         if exc[0] is None:
             self.destroy()
         else:  # an exception is propagating: peers may not reach a collective destroy; free local resources
