@@ -109,7 +109,10 @@ def check_mode(
                           dtype=DTYPES.get(dtype, torch.bfloat16), explicitly_destroy=True, transport=transport)
     if force_blocked:  # the nvlink layout (per-sender blocks even with CPU sync) over the collective transport
         buf.transport.writes_blocks = True
-    stats = torch.zeros(num_experts // world, dtype=torch.int32, device=device)
+    # Stats are added to (`+=`), never overwritten: start from nonzero counts.
+    stats_seed = torch.randint(0, 50, (num_experts // world,), generator=torch.Generator().manual_seed(11),
+                               dtype=torch.int32).to(device)
+    stats = stats_seed.clone()
     kwargs = dict(num_experts=num_experts, expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync,
                   do_expand=do_expand, use_tma_aligned_col_major_sf=col_major_sf)
     if defer:
@@ -144,6 +147,9 @@ def check_mode(
         assert_equal(rows(recv_x, count), r_x, "recv_x")
     assert_equal(rows(recv_w, count), r_w, "recv_topk_weights")
     assert_equal(rows(recv_idx, count), r_idx, "recv_topk_idx")
+    if do_cpu_sync:  # exactly the received rows (without CPU sync: worst-case rows, valid prefix checked above)
+        got_rows = (recv_x[0] if dtype == "fp8" else recv_x).shape[0]
+        assert got_rows == count, f"recv_x has {got_rows} rows, the reference {count}"
 
     # Handle fields (reference §10, §24).
     meta = handle.recv_src_metadata
@@ -153,7 +159,7 @@ def check_mode(
         assert_equal(meta[:num_valid, 2:].long(), r_handle.row_ptr, "recv_src_metadata[:, 2:]")
     n_ref = torch.tensor(r_handle.num_recv_per_expert, dtype=torch.int32, device=device)
     assert_equal(handle.num_unaligned_recv_tokens_per_expert, n_ref, "num_unaligned_recv_tokens_per_expert")
-    assert_equal(stats, n_ref, "cumulative_local_expert_recv_stats")
+    assert_equal(stats - stats_seed, n_ref, "cumulative_local_expert_recv_stats (added)")
     aligned = (n_ref + expert_alignment - 1) // expert_alignment * expert_alignment
     if do_cpu_sync:
         assert handle.num_recv_tokens_per_expert_list == aligned.tolist()
@@ -184,6 +190,10 @@ def check_mode(
             buf.destroy()
         return dict(num_valid=num_valid)
     y = recv_x * (1 + torch.rand(recv_x.shape, generator=gen, dtype=torch.float64)).to(recv_x.dtype).to(device)
+    if y.shape[0] > count:  # rows past the valid extent (no CPU sync) are not the combine's: garbage must not count
+        y = y.clone()
+        y[count:] = (1000 * (1 + torch.rand(y[count:].shape, generator=gen, dtype=torch.float64))).to(y.dtype).to(
+            device)
     biases = [torch.randn(num_tokens, hidden, generator=gen, dtype=torch.float64).to(recv_x.dtype).to(device)
               for _ in range(num_bias)]
     bias = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
