@@ -93,6 +93,7 @@ def scenarios():
         "expert_ids_without_expand": bad(emit_expert_ids=lambda a: True),
         "defer_without_async": bad(defer_epilogue=lambda a: True),
         "previous_event_without_comm_alloc": bad(previous_event=lambda a: epcomm.EPBuffer.capture()),
+        "previous_event_type": bad(previous_event=lambda a: "ev", allocate_on_comm_stream=lambda a: True),
         "do_handle_copy": bad(do_handle_copy=lambda a: True),
         "num_qps_too_many": bad(num_qps=lambda a: 10_000),
         "capacity_hidden": bad(x=lambda a: torch.randn(6, 64 * 1024).bfloat16()),

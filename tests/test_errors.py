@@ -45,6 +45,8 @@ EXPECTED = {
     "expert_ids_without_expand": (ValueError, r"emit_expert_ids=True requires do_expand=True"),
     "defer_without_async": (ValueError, r"defer_epilogue=True requires async_with_compute_stream=True"),
     "previous_event_without_comm_alloc": (ValueError, r"previous_event requires allocate_on_comm_stream=True"),
+    "previous_event_type": (TypeError, r"previous_event must be None, an EventHandle \(EPBuffer.capture\(\)\) or an "
+                                       r"EventOverlap, got str"),
     "do_handle_copy": (ValueError, r"do_handle_copy must be False"),
     "num_qps_too_many": (ValueError, r"num_qps=10000 exceeds num_allocated_qps=65"),
     "capacity_hidden": (ValueError, r"the call needs \d+ bytes .*hidden=65536.* but the buffer has num_bytes=\d+; "

@@ -42,8 +42,10 @@ def on_comm_stream(device: torch.device, comm: Optional["torch.cuda.Stream"], pr
     if device.type != "cuda":
         yield
         return
-    if previous_event is not None and getattr(previous_event, "event", None) is not None:
-        comm.wait_event(previous_event.event)
+    event = getattr(previous_event, "event", None)  # an EventHandle's CUDA event; an EventOverlap's EventHandle
+    event = getattr(event, "event", event)
+    if event is not None:
+        comm.wait_event(event)
     else:
         comm.wait_stream(torch.cuda.current_stream(device.index))
     with switched_to(comm):

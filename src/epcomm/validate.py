@@ -174,5 +174,10 @@ def check_event_options(c: Checker, *, previous_event, allocate_on_comm_stream: 
                         async_with_compute_stream: bool, defer_epilogue: bool) -> None:
     c.require(not defer_epilogue or async_with_compute_stream,
               "defer_epilogue=True requires async_with_compute_stream=True (reference §3.5)")
+    from .events import EventHandle, EventOverlap
+
+    if previous_event is not None and not isinstance(previous_event, (EventHandle, EventOverlap)):
+        c.fail(TypeError, f"previous_event must be None, an EventHandle (EPBuffer.capture()) or an EventOverlap, "
+                          f"got {type(previous_event).__name__}")
     c.require(previous_event is None or allocate_on_comm_stream,
               "previous_event requires allocate_on_comm_stream=True (reference §3.4)")
