@@ -586,8 +586,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             expert_alignment: each expert's segment is padded to a multiple of it; default 1.
             num_sms: SM hint for GPU transports (0 = `get_theoretical_num_sms`); ignored on CPU (warns once).
             num_qps: accepted; must not exceed `num_allocated_qps`.
-            previous_event: the comm stream waits for it instead of the current stream; needs
-                `allocate_on_comm_stream=True`.
+            previous_event: an `EventHandle` (`EPBuffer.capture()`) or an `EventOverlap` (DeepEP V1 style); the
+                comm stream waits for it instead of the current stream; needs `allocate_on_comm_stream=True`.
+                Anything else raises TypeError.
             async_with_compute_stream: return without making the current stream wait; wait on the event.
             allocate_on_comm_stream: outputs belong to the comm stream's allocator pool.
             handle: an `EPHandle` from an earlier dispatch of this buffer: replay its routing (cached dispatch).
