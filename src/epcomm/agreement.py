@@ -29,6 +29,7 @@ SIGNATURE_FIELDS = (
     "num_sf_packs", "sf_dtype", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync", "fused_exact", "buffer",
 )
 HEADER_LEN = 2 + len(SIGNATURE_FIELDS)
+BUFFER_COL = 2 + SIGNATURE_FIELDS.index("buffer")  # the header column of the buffer id
 _BOOL_FIELDS = ("do_expand", "fp8", "has_topk_weights", "do_cpu_sync", "fused_exact")
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4, torch.float8_e4m3fn: 5,
                 torch.int32: 6}

@@ -10,7 +10,6 @@ file is over the ~500-line guide only because dispatch and combine document ever
 
 from __future__ import annotations
 
-import numbers
 import operator
 import random
 import socket
@@ -144,13 +143,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                                   f"got {dtype}")
             c.require(transport in _TRANSPORT_CODES, f"transport={transport!r} is unknown; expected one of "
                                                      f"{sorted(_TRANSPORT_CODES)}")
-            for arg, value in (("num_topk", num_topk), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-                               ("hidden", hidden), ("num_bytes", 0 if num_bytes is None else num_bytes)):
-                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                    c.fail(TypeError, f"{arg} must be an int, got {type(value).__name__} {value!r}")
-            # numpy ints too
-            num_topk, num_max_tokens_per_rank, hidden = int(num_topk), int(num_max_tokens_per_rank), int(hidden)
-            num_bytes = None if num_bytes is None else int(num_bytes)
+            num_topk = c.integer("num_topk", num_topk)
+            num_max_tokens_per_rank = c.integer("num_max_tokens_per_rank", num_max_tokens_per_rank)
+            hidden = c.integer("hidden", hidden)
+            num_bytes = None if num_bytes is None else c.integer("num_bytes", num_bytes)
             c.require(0 <= num_topk <= sizing.MAX_TOPK, f"num_topk must be in [0, {sizing.MAX_TOPK}] (0 sizes for "
                                                         f"{sizing.MAX_TOPK}; every call's top-k is at most "
                                                         f"{sizing.MAX_TOPK}), got {num_topk}")
@@ -493,7 +489,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
     def agree(self, call: str, recv_rows: list, local_error: Optional[BaseException]) -> None:
         """Raise on every rank when any rank failed or the ranks disagree (see agreement.py)."""
-        col = 2 + agreement.SIGNATURE_FIELDS.index("buffer")
+        col = agreement.BUFFER_COL
         if any(row[col] != recv_rows[self.rank][col] for row in recv_rows):
             # A peer made its call on another buffer of the group: this buffer's call never happened there, so
             # every rank takes its call id back (after any message exchange below) and the next calls are in step.

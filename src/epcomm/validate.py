@@ -8,7 +8,6 @@ messages name the call, the group rank, the argument, the expected and the actua
 from __future__ import annotations
 
 import numbers
-
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import sizing
+from .events import EventHandle, EventOverlap
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -49,11 +49,15 @@ class Checker:
                     self.fail(ValueError, f"{name} must have shape {_fmt(shape)}, got {tuple(t.shape)} (dim {i})")
         return t
 
-    def positive_int(self, name: str, v, minimum: int = 1) -> int:
-        """`v` as a Python int (numpy ints too), or a TypeError / ValueError naming `name`."""
+    def integer(self, name: str, v) -> int:
+        """`v` as a Python int (numpy ints too; not bool), or a TypeError naming `name`."""
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            self.fail(TypeError, f"{name} must be an int, got {type(v).__name__}")
-        v = int(v)
+            self.fail(TypeError, f"{name} must be an int, got {type(v).__name__} {v!r}")
+        return int(v)
+
+    def positive_int(self, name: str, v, minimum: int = 1) -> int:
+        """`v` as a Python int (`integer`) of at least `minimum`, or a TypeError / ValueError naming `name`."""
+        v = self.integer(name, v)
         if v < minimum:
             self.fail(ValueError, f"{name} must be >= {minimum}, got {v}")
         return v
@@ -174,8 +178,6 @@ def check_event_options(c: Checker, *, previous_event, allocate_on_comm_stream: 
                         async_with_compute_stream: bool, defer_epilogue: bool) -> None:
     c.require(not defer_epilogue or async_with_compute_stream,
               "defer_epilogue=True requires async_with_compute_stream=True (reference §3.5)")
-    from .events import EventHandle, EventOverlap
-
     if previous_event is not None and not isinstance(previous_event, (EventHandle, EventOverlap)):
         c.fail(TypeError, f"previous_event must be None, an EventHandle (EPBuffer.capture()) or an EventOverlap, "
                           f"got {type(previous_event).__name__}")
