@@ -1,12 +1,14 @@
-"""Host time of an eager full and cached dispatch on 2 GPUs, by epcomm phase and by function, with no device
-synchronisation inside a call (unlike `EPCOMM_PHASE_TIMES`, which synchronises around each phase).
+"""Host time of eager calls (full and cached dispatch, combine with and without weights back) on 2 GPUs, by epcomm
+phase and by function, with no device synchronisation inside a call (unlike `EPCOMM_PHASE_TIMES`, which
+synchronises around each phase).
 
-Usage: python benchmarks/host_phases.py [--ranks 1] [--profile]
+Usage: python benchmarks/host_phases.py [--ranks 1] [--profile full,cached,combine,combine-w]
 The dsv3 shape (4096 tokens, hidden 7168, 256 experts, top-8), BF16, nvlink. Each line: the median over 20 calls of
 the host time spent inside that range per call, in us, inclusive of what it calls; both ranks print. The ranges are
 `debug.phase`'s and a list of functions of the dispatch path (wrapped for the run). Host-bound calls
 (benchmarks/results/dsv3-s11_*) spend their time here: a range that costs much names the Python to cut.
-`--profile`: rank 0 also prints the 40 functions of most own time over 20 full dispatches (cProfile).
+`--profile OPS`: rank 0 also prints, for each op named, the 40 functions of most own time over 20 calls (cProfile),
+then epcomm's 40 functions of most cumulative time.
 """
 import contextlib
 import functools
@@ -19,17 +21,16 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from host_wall import dsv3_ops
 
 
 def body(rank, world, port, profile=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    import epcomm
     import epcomm.debug as dbg
     from epcomm import buffer as bufmod
     from epcomm import exact_nvlink, pipeline, recv_plan, resolve
-    from epcomm.routing import make_routing
     from epcomm.transport import nvlink, pull
     acc = defaultdict(float)
 
@@ -65,14 +66,7 @@ def body(rank, world, port, profile=False):
                         (bufmod.EPBuffer, "_finish"), (bufmod.EPBuffer, "agree"), (resolve, "resolve_dispatch"),
                         (bufmod.EPBuffer, "_exchange_header"), (bufmod.EPBuffer, "dispatch")]:
         wrap(owner, attr, f"{owner.__name__}.{attr}")
-    gen = torch.Generator().manual_seed(rank)
-    idx, w = make_routing("dsv3", 4096, generator=gen)
-    idx, w = idx.cuda(), w.cuda()
-    x = torch.randn(4096, 7168, device="cuda").bfloat16()
-    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4096, hidden=7168, num_topk=8)
-    handle = buf.dispatch(x, idx, w, num_experts=256)[3]
-    ops = {"full": lambda: buf.dispatch(x, idx, w, num_experts=256),
-           "cached": lambda: buf.dispatch(x, handle=handle, topk_weights=w)}
+    buf, ops = dsv3_ops(rank)  # the calls host_wall.py times
     lines = []
     for name, fn in ops.items():
         for _ in range(5):
@@ -94,16 +88,20 @@ def body(rank, world, port, profile=False):
         for k, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
             lines.append(f"   {statistics.median(v):8.1f} us  {k}")
     print("\n".join(lines), flush=True)
-    if profile and rank == 0:
+    for name in (profile or "").split(","):
+        if not name or rank != 0:
+            continue
         import cProfile
         import pstats
         prof = cProfile.Profile()
         for _ in range(20):
             torch.cuda.synchronize()
             prof.enable()
-            ops["full"]()
+            ops[name]()
             prof.disable()
+        print(f"== cProfile of 20 {name} calls", flush=True)
         pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("epcomm", 40)
     buf.destroy()
     dist.destroy_process_group()
 
@@ -112,6 +110,6 @@ if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile", default="", help="comma-separated ops to profile: full,cached,combine,combine-w")
     args = parser.parse_args()
     mp.spawn(body, args=(args.ranks, 29597, args.profile), nprocs=args.ranks)

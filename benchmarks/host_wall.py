@@ -18,10 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def body(rank: int, world: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+def dsv3_ops(rank: int) -> tuple:
+    """A buffer of the dsv3 shape and the eager calls to time on it (name -> call), after one full dispatch."""
     import epcomm
     from epcomm.routing import make_routing
 
@@ -30,10 +28,17 @@ def body(rank: int, world: int, args) -> None:
     x = torch.randn(4096, 7168, device="cuda").bfloat16()
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4096, hidden=7168, num_topk=8)
     recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=256)
-    ops = {"full": lambda: buf.dispatch(x, idx, w, num_experts=256),
-           "cached": lambda: buf.dispatch(x, handle=handle, topk_weights=w),
-           "combine": lambda: buf.combine(recv_x, handle),
-           "combine-w": lambda: buf.combine(recv_x, handle, topk_weights=recv_w)}
+    return buf, {"full": lambda: buf.dispatch(x, idx, w, num_experts=256),
+                 "cached": lambda: buf.dispatch(x, handle=handle, topk_weights=w),
+                 "combine": lambda: buf.combine(recv_x, handle),
+                 "combine-w": lambda: buf.combine(recv_x, handle, topk_weights=recv_w)}
+
+
+def body(rank: int, world: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    buf, ops = dsv3_ops(rank)
     line = []
     for name, fn in ops.items():
         for _ in range(5):
