@@ -77,11 +77,13 @@ def check_mode(
     transport: str = "auto",
     force_blocked: bool = False,
     group=None,
+    emit_expert_ids: bool = False,
 ):
     """Dispatch, cached dispatch and combine against the reference in one mode; returns counts.
 
     `groups`: lists of world ranks; every rank creates every group and runs in the one that holds it (as its
     group rank). `group`: an existing process group to run in instead (this rank must belong to it). `buffer`: reuse this buffer instead of making (and destroying) one.
+    `emit_expert_ids` (expand only): also check `handle.recv_expert_ids` against the reference's segments.
     """
     if group is not None:
         rank, world = group.rank(), group.size()
@@ -115,6 +117,8 @@ def check_mode(
     stats = stats_seed.clone()
     kwargs = dict(num_experts=num_experts, expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync,
                   do_expand=do_expand, use_tma_aligned_col_major_sf=col_major_sf)
+    if emit_expert_ids:
+        kwargs["emit_expert_ids"] = True
     if defer:
         event = buf.dispatch(x, topk_idx, weights, stats, async_with_compute_stream=True, defer_epilogue=True,
                              **kwargs)
@@ -171,11 +175,17 @@ def check_mode(
     assert_equal(handle.psum_num_recv_tokens_per_expert, psum_expected.to(torch.int32), "psum per expert")
     counts = torch.tensor(r_handle.recv_counts, device=device)
     assert_equal(handle.psum_num_recv_tokens_per_scaleup_rank, counts.cumsum(0).to(torch.int32), "psum per rank")
+    if emit_expert_ids:
+        expert_ids = check_recv_expert_ids(handle, r_handle, (recv_x[0] if dtype == "fp8" else recv_x).shape[0])
+    else:
+        assert handle.recv_expert_ids is None, "recv_expert_ids without emit_expert_ids"
 
     # Cached dispatch replays positions bitwise and returns the same handle object.
     c_x, c_idx, c_w, c_handle, _ = buf.dispatch(x, handle=handle, topk_weights=weights, do_expand=do_expand,
                                                 use_tma_aligned_col_major_sf=col_major_sf)
     assert c_handle is handle
+    if emit_expert_ids:  # the cached call keeps the handle's ids (reference §9.12: non-cached only)
+        assert_equal(handle.recv_expert_ids, expert_ids, "recv_expert_ids after a cached dispatch")
     for a, b, what in ((c_x, recv_x, "cached recv_x"), (c_w, recv_w, "cached recv_topk_weights"),
                        (c_idx, recv_idx, "cached recv_topk_idx")):
         if isinstance(a, tuple):
@@ -222,6 +232,26 @@ def check_mode(
     if buffer is None:
         buf.destroy()
     return dict(num_valid=num_valid, num_local=num_local, recv_rows=tuple(recv_x.shape))
+
+
+def check_recv_expert_ids(handle, r_handle, rows: int) -> torch.Tensor:
+    """`handle.recv_expert_ids` (reference §9.12): [rows] int32 (`rows` the allocated expanded rows), the local
+    expert id on each real row of its segment (segments start at the aligned sums of the reference's counts),
+    -1 on alignment padding and on the unused tail of a sync-free dispatch; every (received row, position) with a
+    local expert points at a row of that expert. Returns a copy of the ids."""
+    ids = handle.recv_expert_ids
+    assert ids is not None, "emit_expert_ids=True left handle.recv_expert_ids None"
+    assert ids.dtype == torch.int32 and tuple(ids.shape) == (rows,), (ids.dtype, tuple(ids.shape), rows)
+    want = torch.full((rows,), -1, dtype=torch.int32)
+    start, alignment = 0, r_handle.expert_alignment
+    for e, n_e in enumerate(r_handle.num_recv_per_expert):
+        want[start: start + n_e] = e
+        start += (n_e + alignment - 1) // alignment * alignment
+    assert_equal(ids.cpu(), want, "handle.recv_expert_ids")
+    has = r_handle.row_ptr >= 0
+    assert_equal(ids.cpu()[r_handle.row_ptr[has].cpu()].long(), r_handle.recv_local_idx[has].cpu(),
+                 "recv_expert_ids at the reference's row pointers")
+    return ids.clone()
 
 
 def combine_counts_ranks(rank: int, world: int, seed: int = 0):
@@ -281,6 +311,21 @@ def routing_alignment_counts(rank, world, gen):
     ids = [other * 5 + e for e, c in enumerate(counts) for _ in range(c)]
     idx = torch.tensor(ids, dtype=torch.int64).unsqueeze(1)
     return idx, torch.rand(len(ids), 1, generator=gen)
+
+
+def routing_masked_tails(rank, world, gen, num_tokens=13, num_experts=12, num_topk=4):
+    """-1 selections at any position (some rows -1 in their first columns only, some in their last), whole rows of
+    -1 (the first, a middle and the last token: sent nowhere) and zero weights on selections that do route."""
+    idx, w = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio=0.35)
+    idx[1, :2] = -1
+    idx[2, 2:] = -1
+    for t in (0, num_tokens // 2, num_tokens - 1):
+        idx[t] = -1
+    zero = (torch.rand(idx.shape, generator=gen) < 0.3) | (idx < 0)
+    routed = (idx >= 0).nonzero()
+    if len(routed):  # at least one routed selection carries weight 0
+        zero[routed[0, 0], routed[0, 1]] = True
+    return idx, w.masked_fill(zero, 0.0)
 
 
 def reused_buffer(rank: int, world: int):
@@ -842,3 +887,167 @@ def narrowed_handle(rank: int, world: int, device: str = "cpu", do_cpu_sync: boo
             raise AssertionError("the narrowed handle took every row")
     buf.destroy()
     return valid
+
+
+def syncfree_matches_synced(rank: int, world: int, *, do_expand: bool, expert_alignment: int = 1, seed: int = 0,
+                            hidden: int = 24, num_experts: int = 12, num_topk: int = 4, n: int = 16):
+    """A sync-free dispatch (`do_cpu_sync=False`) of a routing with -1 tails (`routing_masked_tails`: rows of
+    -1, -1 in leading and trailing columns, zero weights on routed selections) against the CPU-synced dispatch of
+    the same inputs on the same buffer, and both against the reference: the valid rows and the handle's fields
+    bitwise, the worst-case tails as docs/decisions.md says (-1 ids and metadata, 0 weights, -1 expert ids), then a
+    combine (expert outputs past the valid extent are garbage it must ignore) and a cached dispatch on each handle,
+    bitwise equal. A rank with no tokens at all (the last of three) takes part. Returns the number of valid rows."""
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    num_tokens = 0 if world > 2 and rank == world - 1 else 13
+    idx, w = routing_masked_tails(rank, world, gen, num_tokens=max(num_tokens, 3), num_experts=num_experts,
+                                  num_topk=num_topk)
+    idx, w = idx[:num_tokens], w[:num_tokens]
+    x = make_x(gen, num_tokens, hidden, "bf16")
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk,
+                          explicitly_destroy=True)
+    kw = dict(num_experts=num_experts, do_expand=do_expand, expert_alignment=expert_alignment,
+              emit_expert_ids=do_expand)
+    synced = buf.dispatch(x, idx, w, do_cpu_sync=True, **kw)
+    free = buf.dispatch(x, idx, w, do_cpu_sync=False, **kw)
+    r_x, r_idx, r_w, r_handle = ref.dispatch(x, idx, w, num_experts, num_max_tokens_per_rank=n,
+                                             expert_alignment=expert_alignment, do_expand=do_expand)
+    rows, valid = r_x.shape[0], len(r_handle.recv_g)
+    (s_x, s_idx, s_w, s_h, _), (f_x, f_idx, f_w, f_h, _) = synced, free
+    for got, want, what in ((s_x, r_x, "recv_x"), (s_w, r_w, "recv_topk_weights"), (s_idx, r_idx, "recv_topk_idx")):
+        assert_equal(got, want, f"CPU-synced {what}")
+    for got, want, what in ((f_x, s_x, "recv_x"), (f_w, s_w, "recv_topk_weights"), (f_idx, s_idx, "recv_topk_idx")):
+        assert_equal(None if got is None else got[:rows], want, f"sync-free {what} (valid rows)")
+    num_local = num_experts // world
+    alloc = world * n if not do_expand else f_x.shape[0]
+    assert f_x.shape[0] == alloc and f_w.shape[0] == alloc, (f_x.shape, f_w.shape, alloc)
+    assert bool((f_w[rows:] == 0).all()), "sync-free weights past the valid extent must be 0"
+    if not do_expand:
+        assert bool((f_idx[rows:] == -1).all()), "sync-free recv_topk_idx past the valid extent must be -1"
+    else:
+        assert alloc == layout_worst(world, n, num_topk, num_local, expert_alignment), alloc
+    # Handles: the same counts and rows; the sync-free one has worst-case sizes and no host list.
+    for field in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                  "num_unaligned_recv_tokens_per_expert", "dst_buffer_slot_idx"):
+        assert_equal(getattr(f_h, field), getattr(s_h, field), f"handle.{field}")
+    assert int(f_h.psum_num_recv_tokens_per_scaleup_rank[-1]) == valid
+    assert_equal(f_h.recv_src_metadata[:valid], s_h.recv_src_metadata, "handle.recv_src_metadata (valid rows)")
+    assert bool((f_h.recv_src_metadata[valid:] == -1).all()), "metadata past the valid extent must be -1"
+    assert f_h.num_recv_tokens_per_expert_list == [] and f_h.num_recv_tokens == world * n
+    assert s_h.num_recv_tokens == valid
+    if do_expand:
+        check_recv_expert_ids(s_h, r_handle, rows)
+        check_recv_expert_ids(f_h, r_handle, alloc)
+    # Combine: the same expert outputs on the valid rows (garbage past them on the sync-free handle), biases and
+    # weights: bitwise the same sums and weights, and the reference's.
+    y = (s_x.double() * (1 + torch.rand(s_x.shape, generator=gen, dtype=torch.float64))).to(s_x.dtype)
+    garbage = torch.rand(alloc - rows, hidden, generator=gen, dtype=torch.float64)
+    garbage[::2] = float("nan")  # a tail row that were summed (even times 0) would show
+    garbage[1::4] = float("inf")
+    y_free = torch.cat([y, garbage.to(y.dtype)])
+    bias = tuple(make_x(gen, num_tokens, hidden, "bf16") for _ in range(2))
+    w_free = torch.cat([s_w, torch.full((alloc - rows,) + tuple(s_w.shape[1:]), float("nan"))])
+    got_s = buf.combine(y, s_h, topk_weights=s_w, bias=bias)
+    got_f = buf.combine(y_free, f_h, topk_weights=w_free, bias=bias)
+    c_ref, cw_ref = ref.combine(y, r_handle, topk_weights=r_w, bias=bias)
+    for got, what in ((got_s, "CPU-synced"), (got_f, "sync-free")):
+        assert_equal(got[0], c_ref, f"{what} combined_x")
+        assert_equal(got[1], cw_ref, f"{what} combined_topk_weights")
+    assert_equal(got_f[1], torch.where(idx >= 0, w, torch.zeros_like(w)), "weights round trip (zeros kept)")
+    # Cached dispatch of new data on both handles: the same valid rows.
+    x2 = make_x(gen, num_tokens, hidden, "bf16")
+    w2 = torch.rand(w.shape, generator=gen).masked_fill(idx < 0, 0.0)
+    c_s = buf.dispatch(x2, handle=s_h, topk_weights=w2)
+    c_f = buf.dispatch(x2, handle=f_h, topk_weights=w2)
+    r2_x, _, r2_w, _ = ref.dispatch(x2, idx, w2, num_experts, num_max_tokens_per_rank=n,
+                                    expert_alignment=expert_alignment, do_expand=do_expand)
+    assert_equal(c_s[0], r2_x, "cached recv_x on the CPU-synced handle")
+    assert_equal(c_f[0][:rows], r2_x, "cached recv_x on the sync-free handle (valid rows)")
+    assert_equal(c_f[2][:rows], r2_w, "cached recv_topk_weights on the sync-free handle (valid rows)")
+    buf.destroy()
+    return valid
+
+
+def layout_worst(world: int, n: int, num_topk: int, num_local: int, alignment: int) -> int:
+    """Reference §9.5: the sync-free expand allocation."""
+    a = alignment
+    return (world * n * min(num_topk, num_local) + (a - 1) * num_local + a - 1) // a * a
+
+
+def deferred_combine_bias(rank: int, world: int, *, do_expand: bool, num_bias: int = 2, seed: int = 0):
+    """A deferred combine (`async_with_compute_stream=True, defer_epilogue=True`) reads its bias at the first wait,
+    not at the call (reference §3.5: "tensors referenced by the epilogue (e.g. bias) are read at wait time, so a
+    bias produced after the launch but before the wait is legal"), and the expert outputs `x` at the call
+    (`pipeline.combine_launch`: the epilogue "may run after the caller has reused x"). The bias tensors are
+    overwritten in place between the call and the wait, and so is `x`: the result is the reference's sum of the
+    call-time `x` with the wait-time bias, bitwise, while a non-deferred combine adds the bias it was given."""
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    num_tokens, hidden, num_experts, num_topk = 11, 40, 8, 3
+    idx, w = random_routing(gen, num_tokens, num_experts, num_topk)
+    x = make_x(gen, num_tokens, hidden, "bf16")
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=num_topk,
+                          explicitly_destroy=True)
+    recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts, do_expand=do_expand)
+    _, _, r_w, r_handle = ref.dispatch(x, idx, w, num_experts, do_expand=do_expand)
+    y = (recv_x.double() * (1 + torch.rand(recv_x.shape, generator=gen, dtype=torch.float64))).to(recv_x.dtype)
+    y_at_call = y.clone()
+    biases = [make_x(gen, num_tokens, hidden, "bf16") for _ in range(num_bias)]
+    old = [b.clone() for b in biases]
+    new = [make_x(gen, num_tokens, hidden, "bf16") for _ in range(num_bias)]
+    bias = biases[0] if num_bias == 1 else tuple(biases)
+    event = buf.combine(y, handle, topk_weights=recv_w, bias=bias, async_with_compute_stream=True,
+                        defer_epilogue=True)
+    assert isinstance(event, epcomm.EventOverlap)
+    for b, fresh in zip(biases, new):
+        b.copy_(fresh)  # produced after the call, before the wait
+    y.copy_(make_x(gen, y.shape[0], hidden, "bf16"))  # the caller reuses its expert outputs
+    combined_x, combined_w = event.wait()
+    want_new = ref.combine(y_at_call, r_handle, topk_weights=r_w, bias=new[0] if num_bias == 1 else tuple(new))
+    want_old = ref.combine(y_at_call, r_handle, topk_weights=r_w, bias=old[0] if num_bias == 1 else tuple(old))
+    assert not torch.equal(want_new[0], want_old[0]), "the two biases must give different sums"
+    assert_equal(combined_x, want_new[0], "deferred combined_x (bias read at the wait)")
+    assert_equal(combined_w, want_new[1], "deferred combined_topk_weights")
+    assert event.wait() is None, "a second wait must return None"
+    # Not deferred (async or not): the bias given to the call, whatever happens to it afterwards.
+    for b, before in zip(biases, old):
+        b.copy_(before)
+    for async_op in (False, True):
+        got = buf.combine(y_at_call, handle, topk_weights=recv_w, bias=bias, async_with_compute_stream=async_op)
+        for b, fresh in zip(biases, new):
+            b.copy_(fresh)
+        assert_equal(got[0], want_old[0], f"combined_x (async_with_compute_stream={async_op})")
+        for b, before in zip(biases, old):
+            b.copy_(before)
+    buf.destroy()
+    return True
+
+
+def fp8_scale_columns(rank: int, world: int, *, num_sf_packs: int, sf_dtype: str = "fp32", do_expand: bool = False,
+                      do_cpu_sync: bool = True, hidden: int = 256, seed: int = 0):
+    """FP8 dispatch with `num_sf_packs` scale columns, whatever `hidden` implies (`epcomm.fp8.num_sf_packs(256)` is
+    2 fp32 columns; 1 packed UE8M0 int32): dispatch does not check the count against hidden and moves the scales as
+    opaque bytes (reference §9.11: `[T, P]`, `P = num_sf_packs`, transported unchanged), so any P >= 1 arrives
+    bitwise where the reference puts it, in both layouts, and a cached dispatch replays it. Random scale bits."""
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    num_tokens, num_experts, num_topk = 9 + 4 * rank, 8, 3
+    idx, w = random_routing(gen, num_tokens, num_experts, num_topk)
+    data = per_token_cast_to_fp8(torch.randn(num_tokens, hidden, generator=gen, dtype=torch.float64))[0]
+    if sf_dtype == "fp32":
+        sf = torch.rand(num_tokens, num_sf_packs, generator=gen) * 4 + 0.5
+    else:
+        sf = torch.randint(-2 ** 31, 2 ** 31 - 1, (num_tokens, num_sf_packs), generator=gen, dtype=torch.int32)
+    n = 16
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=n, hidden=hidden, num_topk=num_topk, use_fp8_dispatch=True,
+                          explicitly_destroy=True)
+    kw = dict(num_experts=num_experts, do_expand=do_expand, expert_alignment=2, do_cpu_sync=do_cpu_sync)
+    recv_x, _, recv_w, handle, _ = buf.dispatch((data, sf), idx, w, **kw)
+    r_x, _, r_w, _ = ref.dispatch((data, sf), idx, w, num_experts, num_max_tokens_per_rank=n, expert_alignment=2,
+                                  do_expand=do_expand)
+    rows = r_x[0].shape[0]
+    assert recv_x[1].shape[1] == num_sf_packs and recv_x[1].dtype == sf.dtype, (recv_x[1].shape, recv_x[1].dtype)
+    assert_equal(recv_x[0][:rows], r_x[0], "recv_x data")
+    assert_equal(recv_x[1][:rows], r_x[1], "recv_x scales")
+    assert_equal(recv_w[:rows], r_w, "recv_topk_weights")
+    cached = buf.dispatch((data, sf), handle=handle)
+    assert_equal(cached[0][1][:rows], r_x[1], "cached recv_x scales")
+    buf.destroy()
+    return rows

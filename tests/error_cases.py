@@ -12,6 +12,7 @@ import time
 import torch
 
 import epcomm
+from epcomm.fp8 import per_token_cast_to_fp8
 
 H, E, K, N = 32, 8, 2, 16
 
@@ -49,15 +50,35 @@ def scenarios():
             return buf.combine(**args)
         return run
 
-    def cached(mutate):
+    def cached(mutate, **first):  # `first`: arguments of the dispatch that makes the handle
         def run(buf, rank):
             x, idx, w = _inputs(rank)
-            _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+            _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E, **first)
             args = dict(x=x, handle=handle, do_expand=False)
             if rank == 1:
                 mutate(args, idx)
             return buf.dispatch(**args)
         return run
+
+    def fp8_scales(rank1_columns):  # every rank passes FP8 x; rank 1's scales have `rank1_columns` columns
+        def run(buf, rank):
+            x, idx, w = _inputs(rank)
+            data, sf = per_token_cast_to_fp8(x.double())
+            if rank == 1:
+                sf = torch.rand(sf.shape[0], rank1_columns) + 0.5
+            return buf.dispatch((data, sf), idx, w, num_experts=E)
+        return run
+
+    def expand_combine_without_multiple_reduction(buf, rank):
+        # reference §11.1, §24 item 17: expand layout and allow_multiple_reduction=False reject topk_weights
+        nomr = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20,
+                               allow_multiple_reduction=False)
+        try:
+            x, idx, w = _inputs(rank)
+            recv_x, _, recv_w, handle, _ = nomr.dispatch(x, idx, w, num_experts=E, do_expand=True)
+            return nomr.combine(recv_x, handle, topk_weights=recv_w if rank == 1 else None)
+        finally:
+            nomr.destroy()
 
     return {
         "x_int_dtype": bad(x=lambda a: a["x"].int()),
@@ -104,6 +125,12 @@ def scenarios():
         "disagree_alignment": bad(expert_alignment=lambda a: 4),
         "disagree_dtype": bad(x=lambda a: a["x"].half()),
         "disagree_sync": bad(do_cpu_sync=lambda a: False),
+        "disagree_topk": bad(topk_idx=lambda a: torch.rand(6, E, generator=torch.Generator().manual_seed(9)).topk(
+            K + 1, dim=1).indices, topk_weights=lambda a: torch.rand(6, K + 1)),
+        "disagree_fp8": bad(x=lambda a: per_token_cast_to_fp8(a["x"].double())),
+        "disagree_scale_columns": fp8_scales(2),
+        "disagree_weights_given": bad(topk_weights=lambda a: None),
+        "disagree_combine_weights_given": combine(lambda a, x: a.update(topk_weights=None)),
         "combine_rows": combine(lambda a, x: a.update(x=a["x"][:-1])),
         "combine_x_sparse": combine(lambda a, x: a.update(x=a["x"].to_sparse())),
         "combine_x_fp8_tuple": combine(lambda a, x: a.update(x=(a["x"], a["x"]))),
@@ -111,12 +138,22 @@ def scenarios():
         "combine_bias_shape": combine(lambda a, x: a.update(bias=x[:-1])),
         "combine_bias_dtype": combine(lambda a, x: a.update(bias=x.float())),
         "combine_weights_shape": combine(lambda a, x: a.update(topk_weights=a["topk_weights"][:, :1])),
+        "combine_weights_dtype": combine(lambda a, x: a.update(topk_weights=a["topk_weights"].double())),
+        "combine_expand_weights_dtype": combine(lambda a, x: a.update(topk_weights=a["topk_weights"].half()),
+                                                expand=True),
+        "combine_expand_weights_without_multiple_reduction": expand_combine_without_multiple_reduction,
         "combine_handle_type": combine(lambda a, x: a.update(handle=object())),
         "combine_topk_idx_modified": combine(lambda a, x: a["handle"].topk_idx.add_(0)),
         "cached_with_topk_idx": cached(lambda a, idx: a.update(topk_idx=idx)),
         "cached_with_cpu_sync": cached(lambda a, idx: a.update(do_cpu_sync=True)),
         "cached_layout_mismatch": cached(lambda a, idx: a.update(do_expand=True)),
         "cached_num_experts_mismatch": cached(lambda a, idx: a.update(num_experts=2 * E)),
+        "cached_tokens_mismatch": cached(lambda a, idx: a.update(num_max_tokens_per_rank=N // 2)),
+        "cached_alignment_mismatch": cached(lambda a, idx: a.update(expert_alignment=4)),
+        # The handle's own values differ from the buffer's / the defaults; the caller passes those instead.
+        "cached_tokens_vs_buffer": cached(lambda a, idx: a.update(num_max_tokens_per_rank=N),
+                                          num_max_tokens_per_rank=N // 2),
+        "cached_alignment_vs_handle": cached(lambda a, idx: a.update(expert_alignment=1), expert_alignment=4),
         "cached_stats": cached(lambda a, idx: a.update(
             cumulative_local_expert_recv_stats=torch.zeros(E // 2, dtype=torch.int32))),
         "cached_topk_idx_modified": cached(lambda a, idx: a["handle"].topk_idx.mul_(1)),
@@ -381,3 +418,37 @@ def numpy_ints(rank: int, world: int):
         assert torch.equal(a, b)
     assert got[3].num_experts == E and type(got[3].num_experts) is int
     return True
+
+
+def per_call_disagreements(rank: int, world: int):
+    """The last rank of the group differs from the others in one per-call argument at a time (the top-k width,
+    an FP8 x beside bf16 x, topk_weights given or not, in dispatch and in combine): every rank raises a
+    ValueError at once (no hang), and a good call after each works on every rank. Returns, per case, the class
+    name, the message and the seconds the failed call took."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
+    odd = rank == world - 1
+    gen = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(6 + rank, H, generator=gen).bfloat16()
+    experts = 4 * world
+    scores = torch.rand(x.shape[0], experts, generator=gen)
+    idx = {k: scores.topk(k, dim=1).indices for k in (K, K + 1)}
+    w = {k: torch.rand(x.shape[0], k, generator=gen) for k in (K, K + 1)}
+    recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx[K], w[K], num_experts=experts)
+    cases = {
+        "topk": lambda: buf.dispatch(x, idx[K + 1 if odd else K], w[K + 1 if odd else K], num_experts=experts),
+        "fp8": lambda: buf.dispatch(per_token_cast_to_fp8(x.double()) if odd else x, idx[K], w[K], num_experts=experts),
+        "weights": lambda: buf.dispatch(x, idx[K], None if odd else w[K], num_experts=experts),
+        "combine_weights": lambda: buf.combine(recv_x, handle, topk_weights=None if odd else recv_w),
+    }
+    out = {}
+    for name, call in cases.items():
+        start = time.monotonic()
+        try:
+            call()
+            out[name] = None
+        except (TypeError, ValueError) as e:
+            out[name] = (type(e).__name__, str(e), time.monotonic() - start)
+        got = buf.dispatch(x, idx[K], w[K], num_experts=experts)  # in step after the failed call
+        assert torch.equal(got[0], recv_x), f"{name}: the next dispatch differs"
+    buf.destroy()
+    return out

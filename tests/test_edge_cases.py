@@ -19,8 +19,9 @@ import ep_cases
     dict(tokens=(16, 16)),                                     # exactly num_max_tokens_per_rank tokens
     dict(num_topk=1, num_experts=4),
     dict(num_topk=32, num_experts=64, hidden=16),
+    dict(routing=ep_cases.routing_masked_tails, num_experts=12, expert_alignment=2),  # -1 tails, zero weights
 ], ids=["empty-rank", "recv-nothing", "all-masked", "all-local", "one-expert", "alignment-counts", "exactly-N",
-        "top1", "top32"])
+        "top1", "top32", "masked-tails"])
 def test_edge_case(run_ranks, case, do_expand):
     for sync in (True, False):
         run_ranks(2, ep_cases.check_mode, do_expand=do_expand, do_cpu_sync=sync, num_bias=2, **case)
@@ -117,3 +118,24 @@ def test_narrowed_handle_combines_the_valid_rows(run_ranks, do_cpu_sync):
 def test_narrowed_handle_combines_the_valid_rows_on_gpu(pools, do_cpu_sync):
     valid = pools.get(2, "nccl").run(ep_cases.narrowed_handle, device="cuda", do_cpu_sync=do_cpu_sync)
     assert all(v > 0 for v in valid), valid
+
+
+@pytest.mark.parametrize("do_expand, expert_alignment", [(False, 1), (True, 1), (True, 4)],
+                         ids=["nonexpand", "expand-a1", "expand-a4"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_sync_free_tails_match_cpu_synced(run_ranks, world, do_expand, expert_alignment):
+    """`do_cpu_sync=False` with -1 selections (leading, trailing, whole rows of -1) and zero weights on routed
+    selections: valid rows, handle fields, combine and cached dispatch bitwise equal to the CPU-synced call and the
+    reference; tails -1 / 0 (docs/decisions.md contracts; reference §9.4, §9.5, §9.8, §24 item 8). With 3 ranks
+    the last one has no tokens."""
+    valid = run_ranks(world, ep_cases.syncfree_matches_synced, do_expand=do_expand, expert_alignment=expert_alignment,
+                      seed=world)
+    assert sum(valid) > 0, valid
+
+
+@pytest.mark.parametrize("num_bias", [1, 2])
+@pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
+def test_deferred_combine_reads_bias_at_wait(run_ranks, do_expand, num_bias):
+    """Reference §3.5: a deferred combine reads `bias` when its event is first waited on (a bias written after the
+    call, before the wait, is the one added), and its expert outputs at the call."""
+    assert run_ranks(2, ep_cases.deferred_combine_bias, do_expand=do_expand, num_bias=num_bias) == [True, True]

@@ -57,12 +57,23 @@ EXPECTED = {
     "combine_bias_shape": (ValueError, r"bias must have shape \[6, 32\], got \(5, 32\)"),
     "combine_bias_dtype": (TypeError, r"bias must have dtype torch\.bfloat16, got torch\.float32"),
     "combine_weights_shape": (ValueError, r"topk_weights must have shape \[\d+, 2\], got \(\d+, 1\)"),
+    "combine_weights_dtype": (TypeError, r"topk_weights must have dtype torch\.float32, got torch\.float64"),
+    "combine_expand_weights_dtype": (TypeError, r"topk_weights must have dtype torch\.float32, got torch\.float16"),
+    "combine_expand_weights_without_multiple_reduction": (
+        ValueError, r"topk_weights must be None for an expand-layout combine when the buffer has "
+                    r"allow_multiple_reduction=False \(reference §11\.1\)"),
     "combine_handle_type": (TypeError, r"handle must be an EPHandle from dispatch, got object"),
     "combine_topk_idx_modified": (ValueError, r"topk_idx tensor passed to dispatch was modified in place"),
     "cached_with_topk_idx": (ValueError, r"topk_idx must be None when handle is given"),
     "cached_with_cpu_sync": (ValueError, r"do_cpu_sync must be None or False with handle"),
     "cached_layout_mismatch": (ValueError, r"do_expand=True does not match the handle's do_expand=False"),
     "cached_num_experts_mismatch": (ValueError, r"num_experts=16 does not match the handle's num_experts=8"),
+    "cached_tokens_mismatch": (ValueError, r"num_max_tokens_per_rank=8 does not match the handle's "
+                                           r"num_max_tokens_per_rank=16; pass the values of the dispatch"),
+    "cached_alignment_mismatch": (ValueError, r"expert_alignment=4 does not match the handle's expert_alignment=1"),
+    "cached_tokens_vs_buffer": (ValueError, r"num_max_tokens_per_rank=16 does not match the handle's "
+                                            r"num_max_tokens_per_rank=8"),
+    "cached_alignment_vs_handle": (ValueError, r"expert_alignment=1 does not match the handle's expert_alignment=4"),
     "cached_stats": (ValueError, r"cumulative_local_expert_recv_stats must be None with handle"),
     "cached_topk_idx_modified": (ValueError, r"modified in place after the dispatch"),
     "cached_token_count": (ValueError, r"x has 5 tokens but the handle's dispatch had 6"),
@@ -75,6 +86,17 @@ DISAGREE = {
     "disagree_alignment": r"ranks disagree on expert_alignment \(rank 0: 1, rank 1: 4\)",
     "disagree_dtype": r"ranks disagree on dtype \(rank 0: torch.bfloat16, rank 1: torch.float16\)",
     "disagree_sync": r"ranks disagree on do_cpu_sync \(rank 0: True, rank 1: False\)",
+    # Per-call arguments (docs/decisions.md "What ranks must agree on"; reference §9.2, §9.11, §11.1).
+    "disagree_topk": r"ranks disagree on num_topk \(rank 0: 2, rank 1: 3\); every rank must pass topk_idx with the "
+                     r"same number of columns",
+    "disagree_fp8": r"ranks disagree on dtype \(rank 0: torch\.bfloat16, rank 1: torch\.float8_e4m3fn\); every "
+                    r"rank must pass x in the same dtype",
+    "disagree_scale_columns": r"ranks disagree on the scale columns of x \(x\[1\]\.shape\[1\]\) \(rank 0: 1, "
+                              r"rank 1: 2\)",
+    "disagree_weights_given": r"^EPBuffer\.dispatch: .*ranks disagree on topk_weights \(rank 0: a tensor, rank 1: "
+                              r"None\); every rank must pass topk_weights on every rank or on none",
+    "disagree_combine_weights_given": r"^EPBuffer\.combine: .*ranks disagree on topk_weights \(rank 0: a tensor, "
+                                      r"rank 1: None\)",
 }
 
 
@@ -105,6 +127,28 @@ def test_disagreeing_ranks_raise_everywhere(outcomes, name):
         cls, msg = outcomes[rank][name]
         assert cls == "ValueError" and re.search(DISAGREE[name], msg), msg
         assert f"rank {rank}: " in msg
+
+
+@pytest.fixture(scope="module")
+def three_rank_disagreements(pools):
+    return pools.get(3).run(error_cases.per_call_disagreements, timeout=120)
+
+
+@pytest.mark.parametrize("case, field, values", [
+    ("topk", "num_topk", "rank 0: 2, rank 1: 2, rank 2: 3"),
+    ("fp8", "dtype", "rank 0: torch.bfloat16, rank 1: torch.bfloat16, rank 2: torch.float8_e4m3fn"),
+    ("weights", "topk_weights", "rank 0: a tensor, rank 1: a tensor, rank 2: None"),
+    ("combine_weights", "topk_weights", "rank 0: a tensor, rank 1: a tensor, rank 2: None"),
+])
+def test_per_call_disagreement_on_three_ranks(three_rank_disagreements, case, field, values):
+    """One of three ranks differs in a per-call argument (top-k width, FP8 x beside bf16 x, topk_weights given or
+    not): every rank raises promptly naming the argument and each rank's value, and the next call works
+    (docs/decisions.md "What ranks must agree on"; reference §9.2, §11.1)."""
+    for rank in range(3):
+        got = three_rank_disagreements[rank][case]
+        assert got is not None and got[0] == "ValueError", (rank, got)
+        assert f"rank {rank}: ranks disagree on {field} ({values})" in got[1], got[1]
+        assert got[2] < 10, f"rank {rank} took {got[2]:.1f} s"
 
 
 def test_two_offenders_each_raise_their_own_and_the_peer_names_both(run_ranks):

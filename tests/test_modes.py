@@ -82,3 +82,33 @@ def test_per_rank_options_may_differ(run_ranks, mode):
 
 def test_per_rank_dispatch_flags_may_differ(run_ranks):
     assert run_ranks(2, ep_cases.per_rank_dispatch_flags) == [True, True]
+
+
+@pytest.mark.parametrize("mode", [
+    dict(do_cpu_sync=True, expert_alignment=4),
+    dict(do_cpu_sync=False, expert_alignment=3, num_bias=1),
+    dict(do_cpu_sync=True, expert_alignment=1, dtype="fp8"),
+    dict(do_cpu_sync=False, expert_alignment=8, dtype="fp8", use_ue8m0=True),
+    dict(do_cpu_sync=True, expert_alignment=2, defer=True, num_bias=2),
+], ids=["sync-a4", "nosync-a3", "fp8-sync-a1", "fp8-ue8m0-nosync-a8", "sync-a2-defer"])
+def test_recv_expert_ids_match_reference(run_ranks, mode):
+    """`emit_expert_ids=True` (reference §9.12): `handle.recv_expert_ids` is [S] int32 with the local expert id of
+    every real row of each segment and -1 on padding and on the sync-free tail, at the rows the reference's row
+    pointers name; a cached dispatch keeps it. Both sync modes, deferred, FP8; 2 and 3 ranks (one empty)."""
+    run_ranks(2, ep_cases.check_mode, seed=21, do_expand=True, emit_expert_ids=True, **mode)
+    if mode.get("dtype", "bf16") == "bf16":
+        run_ranks(3, ep_cases.check_mode, seed=22, tokens=(9, 0, 14), num_experts=12, num_topk=3, do_expand=True,
+                  emit_expert_ids=True, **mode)
+
+
+@pytest.mark.parametrize("num_sf_packs, sf_dtype", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (11, "fp32"),
+                                                    (1, "int32"), (5, "int32")])
+@pytest.mark.parametrize("do_expand, do_cpu_sync", [(False, True), (True, False)], ids=["nonexpand-sync",
+                                                                                       "expand-nosync"])
+def test_fp8_scale_columns_are_not_tied_to_hidden(run_ranks, num_sf_packs, sf_dtype, do_expand, do_cpu_sync):
+    """FP8 x = (data [T, H], scales [T, P]) (reference §9.11): P is not checked against hidden (256: 2 fp32
+    columns of 1x128 blocks, 1 packed UE8M0 int32); the scales are opaque bytes, so any P >= 1 (fewer, as many,
+    more than H / 32) arrives bitwise where the reference puts it, and a cached dispatch replays it."""
+    rows = run_ranks(2, ep_cases.fp8_scale_columns, num_sf_packs=num_sf_packs, sf_dtype=sf_dtype,
+                     do_expand=do_expand, do_cpu_sync=do_cpu_sync)
+    assert all(r > 0 for r in rows), rows

@@ -571,7 +571,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
         Args:
             x: [T, H] bf16/fp16/fp32/fp64, or the FP8 tuple `(data [T, H] float8_e4m3fn, scales [T, P] fp32 or
-                int32 packed UE8M0, any strides)`.
+                int32 packed UE8M0, any strides)`. P >= 1 is not checked against H: the scales move as opaque bytes
+                (1x128 blocks: `epcomm.fp8.num_sf_packs(H)`, i.e. ceil(H / 128) fp32 or ceil(H / 512) int32).
             topk_idx: [T, K] int64 or int32 -- global expert id per selection, -1 = none; ids in
                 `[-1, num_experts)`, no expert twice in a row, K <= 32. Must be None with `handle`.
             topk_weights: [T, K] fp32 (fp64 when x is fp64) or None -- delivered beside the rows.
@@ -702,7 +703,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             handle: the `EPHandle` of the dispatch whose rows these are.
             topk_weights: [M, K] (non-expand) or [S] (expand) fp32 (fp64 for fp64 x) or None -- carried back
                 to the owner of each selection; not allowed in expand layout without multiple reduction.
-            bias: None, a tensor, or a pair `(bias_0, bias_1)`; each [T, H] in x's dtype -- added first.
+            bias: None, a tensor, or a pair `(bias_0, bias_1)`; each [T, H] in x's dtype -- added first. With
+                `defer_epilogue=True` it is read at the event's first wait, not by the call (reference §3.5).
             num_sms, num_qps: as dispatch (num_sms 0 = the handle's).
             previous_event, async_with_compute_stream, allocate_on_comm_stream, defer_epilogue: as dispatch.
 
