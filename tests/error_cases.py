@@ -69,6 +69,14 @@ def scenarios():
             return buf.dispatch((data, sf), idx, w, num_experts=E)
         return run
 
+    def other_dispatch_handle(then):  # two dispatches; rank 1 passes the second's handle, rank 0 the first's
+        def run(buf, rank):
+            x, idx, w = _inputs(rank)
+            made = [buf.dispatch(x, idx, w, num_experts=E) for _ in range(2)]
+            recv_x, _, _, handle, _ = made[1 if rank == 1 else 0]
+            return then(buf, x, recv_x, handle)
+        return run
+
     def expand_combine_without_multiple_reduction(buf, rank):
         # reference §11.1, §24 item 17: expand layout and allow_multiple_reduction=False reject topk_weights
         nomr = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20,
@@ -131,6 +139,9 @@ def scenarios():
         "disagree_scale_columns": fp8_scales(2),
         "disagree_weights_given": bad(topk_weights=lambda a: None),
         "disagree_combine_weights_given": combine(lambda a, x: a.update(topk_weights=None)),
+        # Rows and handle agree on each rank, but the ranks combine (or replay) different dispatches.
+        "disagree_combine_handle": other_dispatch_handle(lambda buf, x, recv_x, h: buf.combine(recv_x, h)),
+        "disagree_cached_handle": other_dispatch_handle(lambda buf, x, recv_x, h: buf.dispatch(x, handle=h)),
         "combine_rows": combine(lambda a, x: a.update(x=a["x"][:-1])),
         "combine_x_sparse": combine(lambda a, x: a.update(x=a["x"].to_sparse())),
         "combine_x_fp8_tuple": combine(lambda a, x: a.update(x=(a["x"], a["x"]))),

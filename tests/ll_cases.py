@@ -408,6 +408,43 @@ def low_latency_hook_order(rank: int, world: int):
     return msgs
 
 
+def low_latency_handles_and_clean(rank: int, world: int):
+    """Ranks that combine the handles of different dispatches raise on every rank (CPU); a shape whose receive hook
+    was dropped refuses its next calls until `clean_low_latency_buffer` (collective, same shape on every rank)
+    resets it; then the dropped hook and the handles from before the reset raise, and new calls give the right
+    sums (identity experts: the fp32 sum of w_k * x in ascending k, rounded once). Returns the messages in order.
+    On GPU (no header travels with a combine there) the handles' part is left out."""
+    buf, idx, w, x = _small_call(rank)
+    idx, w, x = idx.to(buf.device), w.to(buf.device), x.to(buf.device)
+    msgs = []
+    expect = _expecter(msgs)
+    one = rank == 1
+    want = torch.zeros(x.shape, dtype=torch.float32, device=buf.device)
+    for k in range(idx.shape[1]):
+        want = torch.where((idx[:, k] >= 0)[:, None], want + w[:, k:k + 1] * x.float(), want)
+    want = want.bfloat16()
+    first = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    second = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    if buf.device.type == "cpu":
+        mine = second if one else first
+        expect(lambda: buf.low_latency_combine(mine[0], idx, w, mine[2]))
+    assert torch.equal(buf.low_latency_combine(first[0], idx, w, first[2])[0], want)  # the same handle everywhere
+    lost = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, return_recv_hook=True)  # its hook is dropped
+    buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    expect(lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False))
+    expect(lambda: buf.clean_low_latency_buffer(4, 128, 8 if one else 4))
+    expect(lambda: buf.clean_low_latency_buffer(4, 0 if one else 128, 4))
+    buf.clean_low_latency_buffer(4, 128, 4)
+    expect(lost[4])
+    expect(lambda: buf.low_latency_combine(first[0], idx, w, first[2]))
+    for _ in range(3):  # past the two calls a shape may have in flight
+        recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, return_recv_hook=True)
+        hook()
+        assert torch.equal(buf.low_latency_combine(recv_x, idx, w, handle)[0], want)
+    buf.destroy()
+    return msgs
+
+
 def low_latency_vs_regular_calls(rank: int, world: int):
     """A low-latency call on rank 0 and the regular call its portable path is built on, of the same shape, on rank
     1 (a sync-free expand dispatch; a combine of the same handle) raise on every rank, and the buffer works

@@ -97,6 +97,12 @@ DISAGREE = {
                               r"None\); every rank must pass topk_weights on every rank or on none",
     "disagree_combine_weights_given": r"^EPBuffer\.combine: .*ranks disagree on topk_weights \(rank 0: a tensor, "
                                       r"rank 1: None\)",
+    # Rank 0 passes the handle of the first of two dispatches, rank 1 the second's (each named by its call id).
+    "disagree_combine_handle": r"^EPBuffer\.combine: .*ranks disagree on handle \(rank 0: the handle of call #\d+, "
+                               r"rank 1: the handle of call #\d+\); every rank must pass the handle of the same "
+                               r"dispatch",
+    "disagree_cached_handle": r"^EPBuffer\.dispatch: .*ranks disagree on handle \(rank 0: the handle of call #\d+, "
+                              r"rank 1: the handle of call #\d+\)",
 }
 
 

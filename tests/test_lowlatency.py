@@ -50,6 +50,38 @@ def test_wait_recv_cost_stats_name_the_late_rank(run_ranks):
                 assert dispatch_cost == combine_cost == want, (dispatch_cost, combine_cost)
 
 
+def test_low_latency_other_dispatch_handles_and_clean(run_ranks):
+    """Handles of different dispatches on different ranks raise on every rank (docs/decisions.md "What ranks must
+    agree on"); clean_low_latency_buffer recovers a shape whose hook was dropped and voids its old hooks and
+    handles (DeepEP V1 `clean_low_latency_buffer`, ../shared/reference/peers.md §1.2)."""
+    for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_handles_and_clean)):
+        assert len(msgs) == 6, msgs
+        assert re.search(rf"^EPBuffer\.low_latency_combine: rank {rank}: ranks disagree on handle \(rank 0: the "
+                         r"handle of call #\d+, rank 1: the handle of call #\d+\)", msgs[0]), msgs[0]
+        assert "receive hook of the call two calls before this one" in msgs[1], msgs[1]
+        assert msgs[2].startswith(f"EPBuffer.clean_low_latency_buffer: rank {rank}: ranks disagree on num_experts "
+                                  "(rank 0: 4, rank 1: 8)"), msgs[2]
+        assert ("hidden must be >= 1, got 0" if rank == 1 else "group rank 1 rejected the call") in msgs[3], msgs[3]
+        assert msgs[4].startswith(f"low-latency receive hook (low_latency_dispatch): rank {rank}: "
+                                  "clean_low_latency_buffer reset this call shape"), msgs[4]
+        assert msgs[5].startswith(f"EPBuffer.low_latency_combine: rank {rank}: clean_low_latency_buffer reset"), \
+            msgs[5]
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_low_latency_clean_on_gpu(pools):
+    """nvlink: clean_low_latency_buffer clears the areas of a shape whose hook was dropped, between two barriers,
+    and the calls after it are right; its argument checks and disagreements raise on every rank."""
+    for rank, msgs in enumerate(pools.get(2, "nccl").run(ll_cases.low_latency_handles_and_clean)):
+        assert len(msgs) == 5, msgs
+        assert "receive hook of the call two calls before this one" in msgs[0], msgs[0]
+        assert "ranks disagree on num_experts (rank 0: 4, rank 1: 8)" in msgs[1], msgs[1]
+        assert ("hidden must be >= 1, got 0" if rank == 1 else "group rank 1 rejected the call") in msgs[2], msgs[2]
+        assert "clean_low_latency_buffer reset this call shape" in msgs[3], msgs[3]
+        assert "clean_low_latency_buffer reset" in msgs[4], msgs[4]
+
+
 def test_low_latency_hook_order_is_checked_on_every_transport(run_ranks):
     hook_msg, recv_msg = "receive hook of the call two calls before this one", "has not been received"
     for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_hook_order)):
@@ -149,7 +181,7 @@ def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
         else:  # the peer of the rank with the bad argument raises too
             assert all("group rank 1 rejected the call" in msgs[i] for i in (0, 1, 5, 6)), msgs
         assert "num_max_dispatch_tokens_per_rank must be an int, got bool" in msgs[2], msgs[2]
-        assert "round_scale=True require use_fp8=True" in msgs[3], msgs[3]
+        assert "round_scale=True requires use_fp8=True" in msgs[3], msgs[3]
         assert "async_finish=True and return_recv_hook=True cannot be combined" in msgs[4], msgs[4]
         assert "handle comes from another EPBuffer" in msgs[7], msgs[7]
         assert "topk_idx was modified in place" in msgs[8], msgs[8]

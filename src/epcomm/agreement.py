@@ -22,11 +22,12 @@ _EXC = {STATUS_TYPE: TypeError, STATUS_VALUE: ValueError}
 _STATUS = {TypeError: STATUS_TYPE, ValueError: STATUS_VALUE}
 
 OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "barrier", 5: "destroy", 6: "low_latency_dispatch",
-       7: "low_latency_combine"}
-OP_BARRIER, OP_DESTROY, OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE = 4, 5, 6, 7
+       7: "low_latency_combine", 8: "clean_low_latency_buffer"}
+OP_BARRIER, OP_DESTROY, OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE, OP_CLEAN_LOW_LATENCY = 4, 5, 6, 7, 8
 SIGNATURE_FIELDS = (
     "op", "hidden", "num_topk", "dtype", "num_experts", "do_expand", "expert_alignment", "fp8",
     "num_sf_packs", "sf_dtype", "num_max_tokens_per_rank", "has_topk_weights", "do_cpu_sync", "fused_exact", "buffer",
+    "handle",
 )
 HEADER_LEN = 2 + len(SIGNATURE_FIELDS)
 BUFFER_COL = 2 + SIGNATURE_FIELDS.index("buffer")  # the header column of the buffer id
@@ -48,6 +49,9 @@ _ARGUMENT_NAMES = {
                      "pass FP8 scales with the same number of columns"),
     "sf_dtype": ("the scales' dtype of x (x[1].dtype)", lambda v: DTYPE_NAMES.get(v, "?"),
                  "pass FP8 scales of the same dtype"),
+    # The call id of the dispatch that made the handle (`EPHandle._dispatch_id`), the same on every rank.
+    "handle": ("handle", lambda v: f"the handle of call #{v}",
+               "pass the handle of the same dispatch (the one every rank made at the same point)"),
 }
 
 
@@ -162,7 +166,8 @@ def check(
         desc = ", ".join(f"rank {s}: call #{c} ({o})" for s, (c, o) in enumerate(zip(calls, ops)))
         raise ValueError(f"{call}: rank {rank}: ranks are at different calls on this buffer ({desc}); every rank "
                          "must make the same dispatch/combine calls in the same order")
-    low_latency = [row[2] in (OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE) for row in recv_RC]
+    low_latency = [row[2] in (OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE, OP_CLEAN_LOW_LATENCY)
+                   for row in recv_RC]
     for i, field in enumerate(SIGNATURE_FIELDS):
         values = [row[2 + i] for row in recv_RC]
         if len(set(values)) > 1:

@@ -395,7 +395,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         """
         self._barrier("EPBuffer.barrier", agreement.OP_BARRIER, wait_comm_stream, with_cpu_sync)
 
-    def _barrier(self, name: str, op: int, wait_comm_stream: bool = True, with_cpu_sync: bool = False) -> None:
+    def _barrier(self, name: str, op: int, wait_comm_stream: bool = True, with_cpu_sync: bool = False,
+                 signature: Optional[dict] = None, err: Optional[BaseException] = None) -> None:
+        """The barrier's exchange (on every transport and device) carries `signature` beside the op, and `err`, this
+        rank's failed check: every rank raises when one failed or they disagree."""
         self._check_alive(name)
         cuda = self.device.type == "cuda"
         if cuda and with_cpu_sync:
@@ -403,14 +406,14 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         if cuda and wait_comm_stream:
             torch.cuda.current_stream().wait_stream(self._comm_stream)
         call_id = self._next_call_id()
-        head = agreement.header(agreement.STATUS_OK, call_id, {"op": op}, self.uid)
+        head = agreement.header(agreement.status_of(err), call_id, {"op": op} | (signature or {}), self.uid)
         try:
             recv = streams.ordered_exchange(self.transport, self._comm_stream, self.device,
                                             agreement.pack(head, None, self.num_ranks, self.device), call_id,
                                             label=name)
         except TimeoutError as e:
             self._mark_broken(name, e)
-        self.agree(name, recv.tolist(), None)
+        self.agree(name, recv.tolist(), err)
         if cuda and wait_comm_stream:
             self._comm_stream.wait_stream(torch.cuda.current_stream())
         if cuda and with_cpu_sync:
@@ -631,6 +634,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, handle, do_handle_copy,
                     do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf,
                     defer_value_checks=exact_nvlink.enabled(self))
+            call.call_id = call_id  # a new handle keeps it: ranks that combine other dispatches' handles disagree
         except (TypeError, ValueError) as e:
             err = e
         cached = handle is not None

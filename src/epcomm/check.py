@@ -38,6 +38,7 @@ from .validate import Checker, XSpec, check_capacity
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 H200_SMS, H200_NVLINK_GBS = 132, 0.9 * 18 * 26.5625  # what EPBuffer.get_theoretical_num_sms assumes off-GPU
+H200_MEMORY_GIB = 141
 
 
 def _positive(text: str) -> int:
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="device of the planned run (default: cuda with --transport nvlink, else cpu)")
     p.add_argument("--ranks-per-host", type=_positive, default=None, help="default: every rank on one host")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="memory of one device in GiB: the buffer must fit in it (default: only a note when the "
+                        "buffer exceeds an H200's 141 GiB)")
     return p
 
 
@@ -155,7 +159,7 @@ def check_constraints(r: Report, a) -> tuple:
                               + (f" ({E // R} experts per rank)" if E % R == 0 else ""),
                               f"use a multiple of {R}, e.g. {E - E % R or R} or {E - E % R + R}")
     ok_k = r.check(1 <= K <= sizing.MAX_TOPK, f"1 <= num_topk <= {sizing.MAX_TOPK}: num_topk = {K}",
-                   "topk_idx may have at most 32 columns")
+                   f"topk_idx has 1 to {sizing.MAX_TOPK} columns (--topk)")
     if ok_e and ok_k and K > E:
         r.line("NOTE", f"num_topk {K} > num_experts {E}: ids in a row are distinct, so >= {K - E} columns are -1")
     rows_ok = True
@@ -192,6 +196,12 @@ def check_constraints(r: Report, a) -> tuple:
         _capacity(r, "EPBuffer.combine", a, a.nb, is_fp8=False, elem=dt.itemsize)
 
     r.head(f"transport {chosen!r} on {dev.type}")
+    if a.device_memory_gib is not None:
+        r.check(a.nb <= a.device_memory_gib * (1 << 30), f"the buffer fits one device's memory: {_b(a.nb)} <= "
+                f"{a.device_memory_gib:g} GiB", "lower num_max_tokens_per_rank (--tokens) or hidden, or use FP8")
+    elif a.nb > H200_MEMORY_GIB * (1 << 30):
+        r.line("NOTE", f"the buffer alone takes {_b(a.nb)} per rank, more than an H200 holds ({H200_MEMORY_GIB} "
+                       "GiB); --device-memory-gib checks it against your device")
     elem_d, elem_c = (1 if a.fp8 else dt.itemsize), dt.itemsize
     if chosen == "nvlink":
         r.check(dev.type == "cuda", f"nvlink runs on CUDA devices: --device {dev.type}", "use --device cuda")
@@ -305,7 +315,8 @@ def walkthrough(a) -> str:
         (f"    use_fp8_dispatch={a.fp8}, allow_multiple_reduction={amr}, transport={a.transport!r},", ""),
         (f"    dtype=torch.{str(DTYPES[d])[6:]})", f"-> transport {a.chosen!r} on {a.device}"), ("", ""),
         ("", f"Router: x [T <= {N}, {H}] {d} -> scores [T, {E}] -> top-{K}"),
-        (f"topk_weights, topk_idx = router(x).softmax(-1).topk({K}, dim=-1)", f"[T, {K}] fp32, [T, {K}] int64"),
+        (f"topk_weights, topk_idx = router(x).float().softmax(-1).topk({K}, dim=-1)",
+         f"[T, {K}] fp32, [T, {K}] int64"),
         *([("x_fp8 = per_token_cast_to_fp8(x)", f"(data [T, {H}] e4m3, scales [T, {fp8.num_sf_packs(H)}] fp32)")]
           if a.fp8 else []),
         (f"event = buffer.dispatch({xin}, topk_idx, topk_weights, num_experts={E},", "returns an EventOverlap"),

@@ -93,7 +93,8 @@ class EventOverlap:
         if self.event is None:
             raise ValueError(
                 f"EventOverlap.{method}: event is None (the call was synchronous); "
-                "pass async_with_compute_stream=True to get an event to wait on"
+                "pass async_with_compute_stream=True (async_finish=True for the low-latency calls) to get an event to "
+                "wait on"
             )
         self.event.current_stream_wait()
         hook, self.hook_after_wait = self.hook_after_wait, None

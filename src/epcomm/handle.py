@@ -76,6 +76,7 @@ class EPHandle:
     _topk_idx_version: Optional[int] = field(repr=False)
     _plan: Any = field(repr=False)
     _buffer_uid: int = field(repr=False)
+    _dispatch_id: int = field(default=0, repr=False)  # the call id of the dispatch that made it (same on every rank)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "full_recv_src_metadata", self.recv_src_metadata)  # [M, K + 2], as dispatched

@@ -31,6 +31,7 @@ from .kernels import weighted_reduce_torch
 from .lowlatency_nvlink import CallBook, Layout, LowLatencyNVLink
 from .streams import capturing
 from .handle import EPHandle
+from .resolve import warn_if_grad
 from .validate import TOPK_IDX_DTYPES, Checker, check_topk_idx, check_topk_values
 
 
@@ -208,13 +209,56 @@ class LowLatencyMixin:
         return self._ll_nvlink
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Accepted for API compatibility (no-op): the nvlink kernels' flags are counters that never need
-        clearing, and the portable path keeps no state between calls.
+        """Reset the low-latency calls of one shape to their state before the first call (collective: every rank
+        calls it with the same shape). Calls in order never need it (the nvlink kernels' flags are counters that
+        only grow); it recovers a shape whose receive hooks were dropped, for example by an exception between a
+        call and its hook, after which the next calls of the shape would raise "the receive hook of the call two
+        calls before this one ... has not been called".
+
+        Every rank synchronises its device (no low-latency kernel may still be waiting for a peer: a rank whose call
+        waits for one that never comes meets the device timeout first), then the areas of every top-k width and row
+        format of this shape are cleared between two barriers. The hooks and handles of earlier calls of the shape
+        are void: calling such a hook, or combining such a handle, raises `ValueError`.
+
+        Args:
+            num_max_dispatch_tokens_per_rank, hidden, num_experts: the shape of the calls to reset (as passed to
+                `low_latency_dispatch`); a shape with no calls yet is left as it is.
 
         Raises:
-            ValueError: the buffer was destroyed.
+            TypeError / ValueError: an argument that is not a positive int, num_experts not a multiple of the
+                group size, ranks that pass different shapes (every rank raises); the buffer was destroyed.
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+
+        Source: DeepEP V1 `Buffer.clean_low_latency_buffer` (../shared/reference/peers.md §1.2).
         """
-        self._check_alive("EPBuffer.clean_low_latency_buffer")
+        name = "EPBuffer.clean_low_latency_buffer"
+        self._check_alive(name)
+        c = Checker(name, self.rank, self.device)
+        err, shape = None, {}
+        try:
+            n = c.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+            h = c.positive_int("hidden", hidden)
+            e = c.positive_int("num_experts", num_experts)
+            c.require(e % self.num_ranks == 0, f"num_experts={e} must be a multiple of the group size "
+                                               f"{self.num_ranks}")
+            shape = dict(num_max_tokens_per_rank=n, hidden=h, num_experts=e)
+        except (TypeError, ValueError) as ex:
+            err = ex
+        op = agreement.OP_CLEAN_LOW_LATENCY
+        self._barrier(name, op, with_cpu_sync=True, signature=shape, err=err)  # every rank's kernels are done
+
+        def of_shape(layout: Layout) -> bool:
+            return (layout.num_max_tokens, layout.hidden, layout.num_local_experts) == (n, h, e // self.num_ranks)
+        fast = getattr(self, "_ll_nvlink", None)  # made by the first low-latency call on nvlink
+        if fast is not None:
+            for (layout, _), area in fast.areas.items():
+                if of_shape(layout):
+                    area.reset()
+        for layout, book in (getattr(self, "_ll_calls", None) or {}).items():
+            if of_shape(layout):
+                book.retired = True
+                self._ll_calls[layout] = CallBook()
+        self._barrier(name, op, with_cpu_sync=True, signature=shape)  # no peer writes into an area not yet cleared
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Tensor:
         """The buffer a `low_latency_combine(..., zero_copy=True)` of this handle's shape reads its expert outputs
@@ -299,12 +343,14 @@ class LowLatencyMixin:
             call e - 2, so that call's hook must have been called before call e is issued (checked; ValueError).
 
         Raises:
-            TypeError / ValueError: bad arguments, unsupported options, N past the buffer's capacity (portable path),
-                a hook two calls back not yet called, ranks that disagree (on CPU) or ranks where one makes this call
-                and another a `dispatch`. On CPU every rank raises; on GPU the offending rank raises before any data
-                moves (no header is exchanged, docs/decisions.md; nvlink checks the shape and `use_fp8` /
-                `use_ue8m0` at the first call of each such pair only), and `topk_idx` values are not read (that would synchronise): ids outside
-                [-1, num_experts) or repeated in a row give unspecified results there.
+            TypeError / ValueError: bad arguments, unsupported options (`async_finish=True` with
+                `return_recv_hook=True`, as in DeepEP V1; `round_scale` or `use_ue8m0` without `use_fp8`), N past the
+                buffer's capacity (portable path), a hook two calls back not yet called, ranks that disagree (on
+                CPU) or ranks where one makes this call and another a `dispatch`. On CPU every rank raises; on GPU
+                the offending rank raises before any data moves (no header is exchanged, docs/decisions.md; nvlink
+                checks the shape and `use_fp8` / `use_ue8m0` at the first call of each such pair only), and
+                `topk_idx` values are not read (that would synchronise): ids outside [-1, num_experts) or repeated
+                in a row give unspecified results there.
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs` (CPU; the buffer is unusable after
                 it), or an earlier low-latency call of this buffer timed out on the GPU (nvlink; the message names
                 the rank that never signalled).
@@ -315,6 +361,7 @@ class LowLatencyMixin:
         name = "EPBuffer.low_latency_dispatch"
         self._check_alive(name)
         c = Checker(name, self.rank, self.device)
+        warn_if_grad(self, "low_latency_dispatch", x)
         fast = None
         try:
             n = c.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
@@ -325,8 +372,9 @@ class LowLatencyMixin:
                          return_recv_hook=return_recv_hook)
             _check_wait_cost(c, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks,
                              self.transport.name == "nvlink")
-            c.require(use_fp8 or not (use_ue8m0 or round_scale), "use_ue8m0=True and round_scale=True require "
-                      "use_fp8=True")
+            scale_options = [f"{k}=True" for k, v in (("use_ue8m0", use_ue8m0), ("round_scale", round_scale)) if v]
+            c.require(use_fp8 or not scale_options, f"{' and '.join(scale_options)} "
+                      f"require{'s' if len(scale_options) == 1 else ''} use_fp8=True (they shape the FP8 scales)")
             c.require(not (async_finish and return_recv_hook), "async_finish=True and return_recv_hook=True cannot "
                       "be combined (with a hook, the data is complete when the hook returns)")
             if not isinstance(x, Tensor) or x.dtype != torch.bfloat16:
@@ -378,7 +426,7 @@ class LowLatencyMixin:
                 scales = unpack_ue8m0(scales, num_sf_packs(x.shape[1]))
             payload = (data, scales)
         else:
-            payload = x
+            payload = x.detach()  # this call warned about gradients already (not the dispatch below)
         try:
             recv, _, _, handle, _ = self.dispatch(payload, topk_idx, None, cumulative_local_expert_recv_stats,
                                                   num_experts=num_experts, num_max_tokens_per_rank=n, do_expand=True,
@@ -414,7 +462,7 @@ class LowLatencyMixin:
                                      calls=calls, call_index=call_index)
         recv_count = handle.num_unaligned_recv_tokens_per_expert.clone()
         event = EventOverlap(EventHandle(self.device) if async_finish else None)
-        received = calls.book(0, call_index, return_recv_hook)  # the data is complete: the hook only books it
+        received = calls.book(0, call_index, return_recv_hook, self.rank)  # the data is complete: the hook books it
         return recv_x, recv_count, ll_handle, event, (received if return_recv_hook else None)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
@@ -445,10 +493,12 @@ class LowLatencyMixin:
             has been called (its first call receives; later calls do nothing).
 
         Raises:
-            TypeError / ValueError: bad arguments, unsupported options, a handle of another buffer, a routing
-                edited in place since the dispatch, a dispatch whose receive hook has not been called, the
-                hook of the combine two calls back not yet called, or ranks where one makes this call and another a
-                `combine`. Where each raises: as `low_latency_dispatch`.
+            TypeError / ValueError: bad arguments, unsupported options (`use_logfmt=True`; `async_finish=True`
+                with `return_recv_hook=True`), a handle of another buffer or from before a
+                `clean_low_latency_buffer` of its shape, a routing edited in place since the dispatch, a dispatch
+                whose receive hook has not been called, the hook of the combine two calls back not yet called, ranks
+                that pass the handles of different dispatches (CPU), or ranks where one makes this call and another
+                a `combine`. Where each raises: as `low_latency_dispatch`.
             TimeoutError: as `low_latency_dispatch`.
 
         Source: DeepEP V1 `Buffer.low_latency_combine` (../shared/reference/peers.md §1.2); nvlink kernels in
@@ -457,6 +507,7 @@ class LowLatencyMixin:
         name = "EPBuffer.low_latency_combine"
         self._check_alive(name)
         c = Checker(name, self.rank, self.device)
+        warn_if_grad(self, "low_latency_combine", x, topk_weights)
         fast = None
         try:
             _check_flags(c, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
@@ -471,6 +522,7 @@ class LowLatencyMixin:
                                   f"{type(handle).__name__}")
             c.require(handle.buffer_uid == self.uid, "handle comes from another EPBuffer; combine on the buffer "
                       "whose low_latency_dispatch made it")
+            handle.calls.check_not_retired(name, self.rank)
             num_local, rows = handle.num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank
             c.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,), shape=(num_local, rows, handle.hidden))
             c.tensor("topk_idx", topk_idx, ndim=2, dtypes=TOPK_IDX_DTYPES, shape=tuple(handle.topk_idx.shape))
@@ -487,7 +539,8 @@ class LowLatencyMixin:
             if out is not None:
                 c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
                 c.require(out.shape[0] <= 1 or out.stride(0) >= out.shape[1] * out.stride(1),
-                          f"out must not have overlapping rows, got strides {tuple(out.stride())}")
+                          f"out's rows must not overlap (stride(0) >= {out.shape[1]} x stride(1)), got strides "
+                          f"{tuple(out.stride())}; pass a row-major [T, H] tensor or a view of one")
             c.require(handle.calls.received(handle.call_index), "the low_latency_dispatch that made the handle has "
                       "not been received; call its receive hook before combining")
             if zero_copy:
@@ -529,6 +582,6 @@ class LowLatencyMixin:
             out.copy_(combined)
             combined = out
         event = EventOverlap(EventHandle(self.device) if async_finish else None)
-        received = handle.calls.book(1, call_index, return_recv_hook)  # the sum is complete: the hook only books it
+        received = handle.calls.book(1, call_index, return_recv_hook, self.rank)  # the sum is complete already
         return combined, event, (received if return_recv_hook else None)
 

@@ -110,11 +110,14 @@ class CallBook:
     """The low-latency calls of one call shape: how many of each kind (0 dispatch, 1 combine) were issued, and which
     have a receive hook not yet called. Call e of a kind reuses what call e - 2 used (the nvlink area), so that call
     must have been received before call e is issued: two calls of a shape and kind may be in flight, as in DeepEP
-    V1. Every transport keeps this rule, so code that runs on CPU runs on nvlink."""
+    V1. Every transport keeps this rule, so code that runs on CPU runs on nvlink. `clean_low_latency_buffer`
+    retires the book of a shape it resets (the shape starts again with a new one): the handles and hooks of its calls
+    then raise instead of reading rows that are gone."""
 
     def __init__(self):
         self.issued = [0, 0]
         self.pending: list = [set(), set()]
+        self.retired = False
 
     def next_call(self, kind: int, rank: int) -> int:
         """The index of the next call of `kind` (booked by `book` once it is launched).
@@ -130,12 +133,26 @@ class CallBook:
                              "and kind may be in flight: call e reuses the area of call e - 2)")
         return e
 
-    def book(self, kind: int, e: int, hook: bool) -> Callable:
-        """Record launched call `e`; returns `received()`, which its receive calls (once or more)."""
+    def book(self, kind: int, e: int, hook: bool, rank: int) -> Callable:
+        """Record launched call `e`; returns `received()`, which its receive calls (once or more).
+
+        `received()` raises ValueError once the book is retired (`clean_low_latency_buffer` reset the shape)."""
         self.issued[kind] = e + 1
         if hook:
             self.pending[kind].add(e)
-        return lambda: self.pending[kind].discard(e)
+
+        def received() -> None:
+            self.check_not_retired(f"low-latency receive hook ({_KIND_NAMES[kind]})", rank)
+            self.pending[kind].discard(e)
+        return received
+
+    def check_not_retired(self, call: str, rank: int) -> None:
+        """Raises: ValueError -- `clean_low_latency_buffer` reset this shape after the call that made the hook or
+        handle was issued."""
+        if self.retired:
+            raise ValueError(f"{call}: rank {rank}: clean_low_latency_buffer reset this call shape after the "
+                             "low_latency_dispatch / low_latency_combine this hook or handle belongs to; its rows "
+                             "are gone: make the call again")
 
     def received(self, e: int) -> bool:
         """Whether dispatch call `e` has been received (its hook called, or it had none)."""
@@ -160,6 +177,15 @@ class Area:
         self.layout, self.local, self.delta16 = layout, local, delta16
         self.send_items = [None, None]
         self.state = torch.zeros(8, dtype=torch.int64, device=local.device)
+        self.calls = CallBook()
+
+    def reset(self) -> None:
+        """Back to the state of a new area (`clean_low_latency_buffer`; no kernel of it may be in flight on any
+        rank): flags, counts and call counters zero, the send items not fixed yet, a new `CallBook`."""
+        self.local.zero_()
+        self.state.zero_()
+        self.send_items = [None, None]
+        self.calls.retired = True
         self.calls = CallBook()
 
 
@@ -236,8 +262,8 @@ class LowLatencyNVLink:
                 raise ValueError(f"low-latency receive hook: rank {self.rank}: the buffer was destroyed before the "
                                  "hook was called")
             if not done[0]:
+                received()  # raises (and launches nothing) when clean_low_latency_buffer reset the shape
                 done[0] = True
-                received()
                 launch()
         return hook
 
@@ -295,14 +321,14 @@ class LowLatencyNVLink:
                 cost_arg, x.shape[0], x.stride(0), topk.stride(0), self.rank, self.timeout_ns, **offsets,
                 POW2_SCALES=pow2_scales, C=num_c, CHUNK=_CHUNK, HW_FP8=self.hw_fp8, **recv_opts, **shape)
             self._note_occupancy(variant, launched, 4)
-            area.calls.book(0, e, hook)
+            area.calls.book(0, e, hook, self.rank)
             return recv_x, count, item_map, e, None
 
         ticket = torch.empty(1, dtype=torch.int64, device=self.device)
         k.dispatch_send[(n, num_c)](
             x, topk, area.local, area.delta16, area.state, ticket, status, x.shape[0], x.stride(0), topk.stride(0),
             self.rank, self.timeout_ns, **offsets, POW2_SCALES=pow2_scales, CHUNK=_CHUNK, HW_FP8=self.hw_fp8, **shape)
-        received = area.calls.book(0, e, hook)
+        received = area.calls.book(0, e, hook, self.rank)
 
         def launch() -> None:
             k.dispatch_recv[(rows, num_c)](
@@ -347,7 +373,7 @@ class LowLatencyNVLink:
                 SEND_BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, KB=num_kb, BLOCK_H=recv_block, HC=num_hc,
                 HAS_COST=cost is not None, num_warps=4, enable_fp_fusion=False, **self._common(lay))
             self._note_occupancy(variant, launched, 4)
-            area.calls.book(1, e, hook)
+            area.calls.book(1, e, hook, self.rank)
             if target is not out:
                 out.copy_(target)
             return None
@@ -356,7 +382,7 @@ class LowLatencyNVLink:
         k.combine_send[(self.num_ranks * lay.num_max_tokens, num_kb)](
             x, item_map, area.local, area.delta16, area.state, ticket, status, self.rank, self.timeout_ns, **offsets,
             BLOCK_H=send_block, NUM_CH=num_ch, KP=kp, num_warps=4, **self._common(lay))
-        received = area.calls.book(1, e, hook)
+        received = area.calls.book(1, e, hook, self.rank)
 
         def launch() -> None:
             k.combine_recv[(max(num_tokens, 1), num_hc)](

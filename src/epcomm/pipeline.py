@@ -93,6 +93,7 @@ class DispatchCall:
     col_major_sf: bool
     num_sms: int
     handle: Optional[object] = None
+    call_id: int = 0  # this call's id (`EPBuffer._next_call_id`): a new handle keeps it (`EPHandle._dispatch_id`)
 
     def signature(self, op: int) -> dict:
         return dict(
@@ -101,7 +102,7 @@ class DispatchCall:
             fp8=self.x.is_fp8, num_sf_packs=self.x.sf.shape[1] if self.x.is_fp8 else 0,
             sf_dtype=agreement.dtype_code(self.x.sf.dtype) if self.x.is_fp8 else 0,  # fp32 or packed UE8M0 int32
             num_max_tokens_per_rank=self.n, has_topk_weights=self.topk_weights is not None,
-            do_cpu_sync=self.do_cpu_sync,
+            do_cpu_sync=self.do_cpu_sync, handle=0 if self.handle is None else self.handle._dispatch_id,
         )
 
 
@@ -364,7 +365,7 @@ def new_handle(buf, call: DispatchCall, plan: Plan, *, num_recv_tokens_per_exper
         num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=recv_src_metadata,
         dst_buffer_slot_idx=dst_buffer_slot_idx, recv_expert_ids=recv_expert_ids,
         _topk_idx=call.topk_idx, _topk_idx_version=EPHandle.capture_version(call.topk_idx), _plan=plan,
-        _buffer_uid=buf.uid,
+        _buffer_uid=buf.uid, _dispatch_id=call.call_id,
     )
 
 
@@ -412,7 +413,8 @@ class CombineCall:
         return dict(op=3, hidden=self.x.shape[1], num_topk=h.num_topk, dtype=agreement.dtype_code(self.x.dtype),
                     num_experts=h.num_experts, do_expand=h.do_expand, expert_alignment=h.expert_alignment,
                     num_max_tokens_per_rank=h.num_max_tokens_per_rank,
-                    has_topk_weights=self.topk_weights is not None, do_cpu_sync=h._plan.exact)
+                    has_topk_weights=self.topk_weights is not None, do_cpu_sync=h._plan.exact,
+                    handle=h._dispatch_id)
 
 
 def combine_record_spec(x: Tensor, weights: Optional[Tensor], num_topk: int) -> RecordSpec:

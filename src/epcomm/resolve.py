@@ -32,7 +32,7 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
             c.fail(TypeError, f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
     do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
     xs = check_x(c, x, allow_fp8=True)
-    _warn_if_grad(buf, "dispatch", xs.data, topk_weights)
+    warn_if_grad(buf, "dispatch", xs.data, topk_weights)
     if handle is not None:
         if not isinstance(handle, EPHandle):
             c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
@@ -125,7 +125,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
     except ValueError as e:
         c.fail(ValueError, str(e))
     x = check_x(c, x, allow_fp8=False).data
-    _warn_if_grad(buf, "combine", x, topk_weights)
+    warn_if_grad(buf, "combine", x, topk_weights)
     rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
     layout_name = "expand" if handle.do_expand else "non-expand"
     rows_of = "handle.num_expanded_tokens" if handle.do_expand else "the rows of handle.recv_src_metadata"
@@ -184,8 +184,8 @@ def narrowed_outputs(handle, outputs: tuple) -> tuple:
             None if recv_w is None else recv_w[:rows], out_handle)
 
 
-def _warn_if_grad(buf, call: str, *tensors) -> None:
+def warn_if_grad(buf, call: str, *tensors) -> None:
     """EPBuffer calls record no autograd graph; say so once instead of dropping gradients silently."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         buf._warn_once(f"grad-{call}", f"EPBuffer.{call}: inputs require grad but EPBuffer calls are not recorded "
                                        "by autograd; use epcomm.TokenDispatcher for training")

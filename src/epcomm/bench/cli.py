@@ -155,7 +155,13 @@ def make_plan(opts: argparse.Namespace) -> Plan:
         try:
             num_sms.append(int(v))
         except ValueError:
-            raise ValueError(f"--num-sms takes integers or 'all', got {v!r}") from None
+            raise ValueError(f"--num-sms takes integers >= 0 or 'all', got {v!r}") from None
+        if num_sms[-1] < 0:
+            raise ValueError(f"--num-sms takes integers >= 0 (0 = epcomm's default) or 'all', got {v!r}")
+    for name, path in (("--json", opts.json), ("--plot", opts.plot)):  # before the run, not after it
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):
+            raise ValueError(f"{name} {path!r}: the folder {folder!r} does not exist")
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     skew = None if opts.skew == "none" else opts.skew
     dtypes = DTYPES if opts.dtype == "both" else (opts.dtype,)
