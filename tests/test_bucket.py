@@ -3,6 +3,7 @@ sessions, several groups, every user mistake pinned. Rank-side bodies live in co
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,8 +81,21 @@ EXPECTED = {
     "ar_non_contiguous": ("ValueError", r"srcs must be contiguous"),
     "ar_list_index": ("TypeError", r"srcs\[1\] must be torch.float32"),
     "scale_type": ("TypeError", r"scale must be a float, got str"),
+    "scale_nan": ("ValueError", r"scale must be finite, got nan"),
+    "allocate_dtype": ("TypeError", r"dtype must be a torch.dtype, got str 'float'"),
     "ambiguous_group": ("ValueError", r"group=None is ambiguous with 2 groups registered; pass the group"),
     "unknown_group": ("ValueError", r"the group is not registered with this buffer"),
+    # Rank 1 alone passes a group the buffer does not hold: rank 0 raises too (the call's header), in step after.
+    "unknown_group_on_one_rank": ("ValueError", r"rank 1: the group is not registered with this buffer"),
+    # The buckets of one call run at once: the same bucket twice, or overlapping ones, would race.
+    "duplicate_bucket": ("ValueError", r"srcs\[0\] and srcs\[1\] overlap in the storage \(bytes \[64, 320\) and "
+                                       r"\[64, 320\)\); the buckets of one call run at once"),
+    "overlapping_buckets": ("ValueError", r"srcs\[0\] and srcs\[1\] overlap in the storage \(bytes \[0, 64\) and "
+                                          r"\[32, 96\)\)"),
+    "session_staging_over_bucket": ("ValueError", r"srcs\[0\] is staged in an area the session carved from the "
+                                                  r"start of the storage"),
+    "session_wait_after_next_session": ("ValueError", r"the first wait\(\) of this call came after a later session "
+                                                      r"reused the staging area"),
     "session_mixed_groups": ("ValueError", r"all collectives of one session must use the same group"),
     "bad_op": ("ValueError", r"op must be 'all_gather', 'reduce_scatter' or 'all_reduce', got 'broadcast'"),
     "num_bytes": ("ValueError", r"allocation_plan_or_num_bytes must be a positive multiple of 2 MiB"),
@@ -142,8 +156,12 @@ def bucket_error_cases(rank, world):
         "ar_non_contiguous": out(buf.all_reduce, f32.view(8, 8).t()),
         "ar_list_index": out(buf.all_reduce, [f32, st[0:64].view(torch.int32)]),
         "scale_type": out(buf.all_reduce, f32, "2"),
+        "scale_nan": out(buf.all_reduce, f32, float("nan")),
         "ambiguous_group": out(two.all_reduce, two.storage[:64].view(torch.float32)),
         "unknown_group": out(buf.all_reduce, f32, 1.0, dup),
+        "unknown_group_on_one_rank": out(buf.all_reduce, f32, 1.0, dup if rank == 1 else None),
+        "duplicate_bucket": out(buf.all_reduce, [f32, f32]),
+        "overlapping_buckets": out(buf.all_reduce, [st[0:64].view(torch.float32), st[32:96].view(torch.float32)]),
         "bad_op": out(buf.get_theoretical_num_sms, "broadcast"),
         "num_bytes": out(BucketBuffer, None, 3 << 20),
         "plan": out(BucketBuffer, None, [1, 2]),
@@ -154,6 +172,21 @@ def bucket_error_cases(rank, world):
     with two.session() as s:
         s.all_reduce(torch.ones(16), group=dup).wait()
         r["session_mixed_groups"] = out(s.all_reduce, torch.ones(16), 1.0, dist.group.WORLD)
+    # After the rejected calls the ranks are in step: a gather of each rank's value gives every rank's.
+    mine = st[rank * 4:(rank + 1) * 4].view(torch.float32).fill_(7.0 + rank)
+    assert buf.all_gather(mine).wait().tolist() == [7.0 + s for s in range(world)]
+    vals = st[64:64 + 256].view(torch.float32)
+    vals.copy_(torch.arange(64.0) + rank)  # small integers: the sum is exact in any order
+    assert torch.equal(buf.all_reduce(vals, np.float32(0.5)).wait(),
+                       (torch.arange(64.0) * world + sum(range(world))) * 0.5)  # a numpy scale
+    dst = torch.zeros(4 * world)
+    with buf.session() as s:
+        r["session_staging_over_bucket"] = out(s.all_reduce, [torch.ones(16), st[0:64].view(torch.float32)])
+        r["allocate_dtype"] = out(s.allocate, (3,), "float")
+        pending = s.all_gather(torch.full((4,), 1.0 + rank), dst)
+    with buf.session() as s:
+        s.all_gather(torch.full((4,), 50.0 + rank)).wait()
+    r["session_wait_after_next_session"] = out(pending.wait)
     two.destroy()
     buf.destroy()
     r["destroyed"] = out(buf.all_reduce, f32)

@@ -152,6 +152,7 @@ class BucketBuffer(ContextLifecycle):
         self.storage = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
         self.nccl_comm_handles = [None] * len(groups)
         self._session: Optional[BucketSession] = None
+        self._sessions_opened = 0  # sessions entered so far (a call's carved staging is valid until the next one)
         self._warned: set = set()
 
     # -- helpers -------------------------------------------------------------------------------------

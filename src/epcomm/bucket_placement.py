@@ -15,6 +15,8 @@ Shape legend (docs/shapes.md): R ranks of the bucket's group.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -60,19 +62,56 @@ class _Bucket:
     stage_from: Optional[Tensor] = None  # session: user tensor copied into `stage_to` before the collective
     stage_to: Optional[Tensor] = None
     copy_to: Optional[Tensor] = None  # session: user dst that receives `result` at wait()
+    carved: bool = False  # session: `out` is an area the session carved (reused by the next session)
+
+
+def _open_call(buf: BucketBuffer, session: Optional[BucketSession], call: str, group) -> tuple:
+    """`(ctx, checker, err)` of a call. A lookup that fails on this rank (a group that is not the buffer's, a closed
+    session, a group other than the session's) comes back as `err` with the buffer's only group, so that the call
+    still meets its peers' header and every rank raises; with several groups the peers' group is unknown, and the
+    rank raises alone."""
+    try:
+        ctx, c = session._context(call, group) if session else buf._begin(call, group)
+        return ctx, c, None
+    except ValueError as e:
+        if len(buf.contexts) != 1:
+            raise
+        return buf.contexts[0], buf.contexts[0].checker(call), e
+
+
+def _check_disjoint(c, buckets: list, names: list, storage: Tensor) -> None:
+    """The storage bytes each bucket's collective reads or writes must be its own: the collectives of one call run
+    concurrently (the same bucket twice, or overlapping buckets, would race)."""
+    base, spans = storage.data_ptr(), []
+    for b, name in zip(buckets, names):
+        ends = [(t.data_ptr() - base, t.data_ptr() - base + t.nbytes) for t in (b.inp, b.out)
+                if t.device == storage.device and 0 <= t.data_ptr() - base < storage.numel()]
+        if ends:
+            spans.append((min(a for a, _ in ends), max(e for _, e in ends), name, b.carved))
+    spans.sort()
+    for (a0, e0, n0, s0), (a1, e1, n1, s1) in zip(spans, spans[1:]):
+        if a1 < e0:
+            staged = (f"; {n0 if s0 else n1} is staged in an area the session carved from the start of the storage, "
+                      "which must hold no bucket of the call") if s0 or s1 else ""
+            c.fail(ValueError, f"{n0} and {n1} overlap in the storage (bytes [{a0}, {e0}) and [{a1}, {e1})); the "
+                               "buckets of one call run at once, so each needs bytes of its own: pass a bucket once, "
+                               f"or make the calls one after the other{staged}")
 
 
 def gather_call(buf: BucketBuffer, srcs, dsts, group, num_sms, session: Optional[BucketSession]) -> BucketEvent:
     """`all_gather` of `buf` (session None) or of `session`: check every bucket, place it, launch."""
     call = "BucketBuffer.all_gather"
-    ctx, c = session._context(call, group) if session else buf._begin(call, group)
+    ctx, c, err = _open_call(buf, session, call, group)
     try:
+        if err is not None:
+            raise err
         srcs_l, single = _as_list(c, "srcs", srcs)
         dsts_l = [None] * len(srcs_l) if dsts is None else _like(c, srcs_l, single, dsts)
         if num_sms:
             c.fail(ValueError, f"num_sms must be None or 0 for all_gather (copy-engine driven), got {num_sms}")
-        buckets = [_gather_bucket(buf, c, ctx, "srcs" if single else f"srcs[{i}]", s, d, session)
-                   for i, (s, d) in enumerate(zip(srcs_l, dsts_l))]
+        names = ["srcs" if single else f"srcs[{i}]" for i in range(len(srcs_l))]
+        buckets = [_gather_bucket(buf, c, ctx, name, s, d, session) for name, s, d in zip(names, srcs_l, dsts_l)]
+        _check_disjoint(c, buckets, names, buf.storage)
     except (TypeError, ValueError) as e:
         _agree(ctx, call, "all_gather", e, [])
         raise
@@ -122,15 +161,17 @@ def _gather_bucket(buf: BucketBuffer, c, ctx, name: str, src, dst, session) -> _
     out = session._carve(c, R * src.nbytes)
     shard = out[r * src.nbytes:(r + 1) * src.nbytes]
     return _Bucket(inp=shard, out=out, result=out.view(src.dtype), stage_from=src,
-                   stage_to=shard.view(src.dtype).view(src.shape), copy_to=dst)
+                   stage_to=shard.view(src.dtype).view(src.shape), copy_to=dst, carved=True)
 
 
 def reduce_call(buf: BucketBuffer, op: str, srcs, dsts, comm_precision, scale, group, num_sms,
                 session: Optional[BucketSession]) -> BucketEvent:
     """`reduce_scatter` / `all_reduce` (`op`) of `buf` (session None) or of `session`: check, place, launch."""
     call = f"BucketBuffer.{op}"
-    ctx, c = session._context(call, group) if session else buf._begin(call, group)
+    ctx, c, err = _open_call(buf, session, call, group)
     try:
+        if err is not None:
+            raise err
         buckets, single, sms = _reduce_buckets(buf, c, ctx, op, srcs, dsts, comm_precision, scale, num_sms, session)
     except (TypeError, ValueError) as e:
         _agree(ctx, call, op, e, [])
@@ -147,9 +188,8 @@ def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precisi
     sms = _reduction_options(buf, c, ctx, op, comm_precision, scale, num_sms)
     r, R = ctx.rank, ctx.num_ranks
     shards_out = R if op == "reduce_scatter" else 1
-    buckets = []
-    for i, (src, dst) in enumerate(zip(srcs_l, dsts_l)):
-        name = "srcs" if single else f"srcs[{i}]"
+    buckets, names = [], ["srcs" if single else f"srcs[{i}]" for i in range(len(srcs_l))]
+    for name, src, dst in zip(names, srcs_l, dsts_l):
         dname = name.replace("srcs", "dsts")
         src = _check_tensor(buf, c, name, src)
         if src.dtype != torch.float32:
@@ -178,14 +218,17 @@ def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precisi
                 start = dst_off - (r * dst.nbytes if op == "reduce_scatter" else 0)
                 if start >= 0 and start + src.nbytes <= buf.num_bytes and start % 32 == 0:
                     flat = buf.storage[start:start + src.nbytes].view(torch.float32)
-            flat = session._carve(c, src.nbytes).view(torch.float32) if flat is None else flat
+            carved = flat is None
+            flat = session._carve(c, src.nbytes).view(torch.float32) if carved else flat
             stage = flat.view(src.shape)
         out = flat[r * n:(r + 1) * n] if op == "reduce_scatter" else flat
         result = out if op == "reduce_scatter" else src if stage is None else stage
         same = dst is not None and dst.data_ptr() == out.data_ptr()
         buckets.append(_Bucket(inp=flat, out=out, result=dst if same else result, stage_to=stage,
                                stage_from=None if stage is None else src,
-                               copy_to=dst if dst is not None and not same else None))
+                               copy_to=dst if dst is not None and not same else None,
+                               carved=stage is not None and carved))
+    _check_disjoint(c, buckets, names, buf.storage)
     return buckets, single, sms
 
 
@@ -232,8 +275,10 @@ def _reduction_options(buf: BucketBuffer, c, ctx, op: str, comm_precision: str, 
     if comm_precision != "fp32":
         c.fail(ValueError, f"comm_precision must be 'fp32', got {comm_precision!r} (the reference's 'bf16' needs "
                            "a pure-RDMA group; epcomm's collective path reduces in fp32)")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         c.fail(TypeError, f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        c.fail(ValueError, f"scale must be finite, got {scale}")
     if num_sms is None:
         return buf.get_theoretical_num_sms(op, ctx.group)
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0:
@@ -307,8 +352,14 @@ def _launch(buf: BucketBuffer, ctx: CommContext, call: str, op: str, buckets: li
             if cuda and t is not None:
                 t.record_stream(stream)
     event = EventHandle(stream=stream) if cuda else EventHandle()
+    # Carved staging belongs to its session: the next session carves the same bytes again.
+    session_number = buf._sessions_opened if any(b.carved for b in buckets) else None
 
     def results():
+        if session_number is not None and buf._sessions_opened != session_number:
+            raise ValueError(f"{call}: rank {ctx.rank}: the first wait() of this call came after a later session "
+                             "reused the staging area its results were in; wait for a session's events before the "
+                             "next session opens (or give it dsts inside the storage)")
         out = []
         for b in buckets:
             if b.copy_to is not None:

@@ -56,6 +56,7 @@ class BucketSession:
         if b._session is not None:
             c.fail(ValueError, "a session is already open on this buffer; sessions do not nest")
         b._session, self._open, self._offset, self._ctx = self, True, 0, None
+        b._sessions_opened += 1
         b.all_gather, b.reduce_scatter, b.all_reduce = self.all_gather, self.reduce_scatter, self.all_reduce
         return self
 
@@ -97,12 +98,14 @@ class BucketSession:
             One tensor for one shape, a tuple for a list; views into `storage` (64-byte aligned), not zeroed.
 
         Raises:
-            TypeError: bad shapes. SessionOutOfStorage (a ValueError and a RuntimeError): they do not fit.
+            TypeError: bad shapes or dtype. SessionOutOfStorage (a ValueError and a RuntimeError): they do not fit.
         """
         _, c = self._context("BucketSession.allocate", group)
         one = isinstance(shapes, int) or (isinstance(shapes, (tuple, list, torch.Size))
                                            and all(isinstance(d, int) for d in shapes))
         items = [shapes] if one else shapes
+        if not isinstance(dtype, torch.dtype):
+            c.fail(TypeError, f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
         if not isinstance(items, (list, tuple)):
             c.fail(TypeError, f"shapes must be a shape or a list of shapes, got {type(shapes).__name__}")
         out = []
