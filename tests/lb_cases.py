@@ -186,6 +186,10 @@ def error_scenarios() -> dict:
         return lambda rank, a: {**a, key: bad(rank, a[key], value)}
 
     self_host = torch.tensor([[2, 3], [0, 3]], dtype=torch.int32)  # rank 1 holds expert 3 (its own)
+    # 2 x 40 slots (80 values: more than one row of the exchange that brings the mappings for the message).
+    long_map = torch.tensor([[2 + c % 2 for c in range(40)], [c % 2 for c in range(40)]], dtype=torch.int32)
+    long_odd = long_map.clone()
+    long_odd[1, 37] = -1
     return {
         "payload_type": pre(set_("redundant_expert_weights", "weights")),
         "payload_none": pre(set_("expert_weights", [torch.ones(L, 8), None])),
@@ -215,6 +219,14 @@ def error_scenarios() -> dict:
         "disagree_bytes": pre(lambda rank, a: {**a, "redundant_expert_weights": bad(rank, a[
             "redundant_expert_weights"], torch.zeros(C, 4)), "expert_weights": bad(rank, a["expert_weights"],
                                                                                    torch.ones(L, 4))}),
+        "disagree_bytes_payloads": pre(lambda rank, a: {
+            **a, "redundant_expert_weights": [a["redundant_expert_weights"], torch.zeros(C, 3 + rank)],
+            "expert_weights": [a["expert_weights"], torch.ones(L, 3 + rank)]}),
+        "disagree_grad_dtype": red(lambda rank, a: {**a, "redundant_expert_grads": bad(rank, a[
+            "redundant_expert_grads"], torch.zeros(C, 8, dtype=torch.float64)), "expert_grads": bad(
+            rank, a["expert_grads"], torch.ones(L, 8, dtype=torch.float64))}),
+        "disagree_long_mapping": pre(lambda rank, a: {**a, "redundant_expert_weights": torch.zeros(40, 8),
+                                                      "redundancy_mapping": bad(rank, long_map, long_odd)}),
     }
 
 

@@ -272,3 +272,37 @@ def test_raw_all_to_all(run_ranks):
     assert run_ranks(2, raw_all_to_all_rows) == [3 + 4, 5 + 7]
     assert payload_row_bytes(7168, torch.bfloat16) == 14336
     assert payload_row_bytes(7168, torch.float8_e4m3fn) == 7168 + 4 * 56
+
+
+class _FakeCollectivesPool:
+    """Stands in for the worker pool of `epcomm-bench --suite collectives`: every op's check passes, but for
+    `bad` on rank 1, with fixed times."""
+
+    def __init__(self, bad=None):
+        self.bad = bad
+
+    def run(self, fn, *args, timeout=None):
+        if fn.__name__ == "device_info":
+            return [dict(device="cpu")] * 2
+        op = args[0]
+        return [dict(check=f"{op} out: 1 of 64 differ" if op == self.bad and rank == 1 else None, bytes=256,
+                     times={"epcomm": [1e-5, 2e-5], "torch": [2e-5, 3e-5]}) for rank in range(2)]
+
+
+@pytest.mark.parametrize("bad", [None, "all_reduce"])
+def test_bench_collectives_prints_its_verdict(capsys, bad):
+    """Like the main suite, `--suite collectives` says under its header that every op matched bitwise; a failed
+    check prints FAILED instead (and exits 1)."""
+    from epcomm.bench.collectives import run_suite
+
+    status = run_suite(["--suite", "collectives", "--ops", "barrier,all_reduce", "--iters", "2", "--warmup", "0"],
+                       pool=_FakeCollectivesPool(bad))
+    out = capsys.readouterr().out
+    header = out.split("\n\n")[0]
+    verdict = ("  correctness: every op below matched its torch.distributed equivalent bitwise on small-integer "
+               "data before it was timed (barrier: no data to check)")
+    if bad is None:
+        assert status == 0 and verdict in header.splitlines() and "FAILED" not in out, out
+    else:
+        assert status == 1 and "correctness" not in out, out
+        assert "FAILED all_reduce: rank 1: all_reduce out: 1 of 64 differ" in header.splitlines(), out

@@ -174,6 +174,39 @@ def test_plan_errors():
         plan.map_topk_idx(torch.zeros(2, 2, dtype=torch.int64), layer=1)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 1\], got 2"):
         plan.map_topk_idx(torch.zeros(2, 2, dtype=torch.int64), rank=2)
+    for shape in ((2,), (1, 2, 2), ()):
+        with pytest.raises(ValueError, match=re.escape(f"RedundancyPlan.map_topk_idx: topk_idx must be 2-D [T, K] "
+                                                       f"(tokens x top-k), got shape {shape}")):
+            plan.map_topk_idx(torch.zeros(shape, dtype=torch.int64))
+
+
+def test_plans_compare_by_value():
+    load = torch.tensor([[10.0, 1, 1, 1], [1, 1, 10, 1]])
+    plan, again = plan_redundant_experts(load, 2, 1), plan_redundant_experts(load.clone(), 2, 1)
+    assert plan == again and not plan != again and hash(plan) == hash(again) and {plan: 1}[again] == 1
+    other = plan_redundant_experts(load.flip(0), 2, 1)
+    assert plan != other and not plan == other
+    assert plan != plan_redundant_experts(load, 2, 0)  # ints and tensor shapes differ
+    # A tensor field of another dtype (same values) or one value apart: not equal.
+    import dataclasses
+    assert plan != dataclasses.replace(plan, redundancy_mapping=plan.redundancy_mapping.long())
+    shares = plan.copy_shares.clone()
+    shares[0, 0, 0] += 1e-9
+    assert plan != dataclasses.replace(plan, copy_shares=shares)
+    assert plan != "plan" and plan != None  # noqa: E711 -- another type: not equal, no error
+    kw = dict(num_groups=2, num_nodes=1, num_gpus=2)
+    placed = hierarchical_placement(load, 8, **kw)
+    assert placed == hierarchical_placement(load.clone(), 8, **kw) and placed != hierarchical_placement(
+        load.flip(0), 8, **kw)
+    assert hash(placed) == hash(hierarchical_placement(load, 8, **kw)) and placed != plan
+
+
+def test_planned_tensors_compare_by_identity():
+    alloc = BufferAllocator()
+    for _ in range(2):
+        alloc.allocate((2, 4), torch.float32)
+    first, second = alloc.allocations
+    assert first == first and first != second and first in alloc.allocations and len({first, second}) == 2
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -103,11 +103,22 @@ EXPECTED = {
                                       r"torch\.float64; a pair shares one dtype"),
     "grad_elements": (ValueError, R, r"redundant_expert_grads holds 8 elements per expert but expert_grads holds 4"),
 }
-DISAGREE = {
-    "disagree_mapping": r"ranks disagree on the redundancy_mapping: group ranks \[1\] differ from rank 0",
-    "disagree_op": r"ranks disagree on the operation \(lb_prefetch_weights vs lb_reduce_grads\) \(rank 0: 1, "
-                   r"rank 1: 2\)",
-    "disagree_bytes": r"ranks disagree on the bytes per expert or dtypes of the payloads: group ranks \[1\]",
+DISAGREE = {  # each rank's value (docs/decisions.md "Errors and timeouts"), the mapping's first difference
+    "disagree_mapping": r"ranks disagree on the redundancy_mapping \(rank 0: \[\[2, 3\], \[0, 1\]\], rank 1: "
+                        r"\[\[2, -1\], \[0, 1\]\]\); first difference: redundancy_mapping\[0, 1\] is 3 on rank 0 but "
+                        r"-1 on rank 1; every rank must pass the same redundancy_mapping$",
+    "disagree_long_mapping": r"ranks disagree on the redundancy_mapping \(rank 0: crc32 0x[0-9a-f]{8}, rank 1: crc32 "
+                             r"0x[0-9a-f]{8}\); first difference: redundancy_mapping\[1, 37\] is 1 on rank 0 but -1 "
+                             r"on rank 1;",
+    "disagree_op": r"ranks disagree on the operation \(rank 0: EPBuffer\.lb_prefetch_weights, rank 1: "
+                   r"EPBuffer\.lb_reduce_grads\); every rank must make the same call",
+    "disagree_bytes": r"ranks disagree on the bytes per expert of redundant_expert_weights \(rank 0: 32, rank 1: 16\); "
+                      r"every rank must pass payloads with the same bytes per expert$",
+    "disagree_bytes_payloads": r"ranks disagree on the bytes per expert of each payload \(rank 0: \[32, 12\], rank 1: "
+                               r"\[32, 16\]\)",
+    "disagree_grad_dtype": r"ranks disagree on the dtype x elements per expert of redundant_expert_grads \(rank 0: "
+                           r"torch\.float32 x 8, rank 1: torch\.float64 x 8\); every rank must pass gradients of the "
+                           r"same dtypes and elements per expert$",
 }
 
 
@@ -138,6 +149,15 @@ def test_disagreeing_lb_calls_raise_everywhere(outcomes, name):
         cls, msg = outcomes[rank][name]
         with pytest.raises(ValueError, match=f"rank {rank}: " + DISAGREE[name]):
             raise {"ValueError": ValueError, "TypeError": TypeError}[cls](msg)
+
+
+def test_disagreement_lists_each_rank_compactly():
+    from epcomm.lb import _per_rank, _reference_rank
+
+    assert _per_rank(["a", "b"]) == "rank 0: a, rank 1: b"
+    # Past 8 ranks the ranks that agree are listed together, in runs.
+    assert _per_rank(["x"] * 3 + ["y"] + ["x"] * 8) == "ranks 0-2, 4-11: x; rank 3: y"
+    assert _reference_rank([5, 7, 7]) == 1 and _reference_rank([5, 7]) == 0  # the majority; ties: lowest rank
 
 
 def test_missing_peer_times_out_naming_it():

@@ -30,7 +30,7 @@ from .sizing import ALLOCATION_ALIGNMENT, align
 __all__ = ["BufferAllocator", "PlannedTensor"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlannedTensor:
     """One entry of a plan.
 
@@ -38,6 +38,9 @@ class PlannedTensor:
         tensor: the placeholder (meta until `materialize`, then a view of the storage; same Python object).
         offset: int -- byte offset of the tensor in the region, a multiple of the plan's alignment.
         num_bytes: int -- bytes of the tensor (`numel * element size`).
+
+    Entries compare and hash by identity (`a == b` is `a is b`): an entry is one place in one plan, and its
+    placeholder has no values to compare (comparing the tensors element-wise made `==` raise).
     """
 
     tensor: Tensor

@@ -24,7 +24,7 @@ experts, G GPUs, T tokens, K top-k.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -53,6 +53,10 @@ class RedundancyPlan:
         physical_to_logical: [layers, R * (L + C)] int64 -- logical expert of each physical expert.
         rank_load: [layers, R] float64 -- planned load per rank (`load` split by `copy_shares`).
         baseline_rank_load: [layers, R] float64 -- load per rank without replicas.
+
+    Equality: `plan_a == plan_b` compares every field, tensors by shape, dtype, device and values
+    (`torch.equal`), so two plans from the same load are equal and a replan can be checked against the plan in
+    use; a plan is hashable, consistently with that. `plan_a is plan_b` is identity.
     """
 
     num_ranks: int
@@ -65,6 +69,13 @@ class RedundancyPlan:
     physical_to_logical: Tensor
     rank_load: Tensor
     baseline_rank_load: Tensor
+
+    def __eq__(self, other) -> bool:
+        return _fields_equal(self, other)
+
+    def __hash__(self) -> int:
+        return hash((self.num_ranks, self.num_local_experts, self.num_redundant_slots,
+                     tuple(self.redundancy_mapping.reshape(-1).tolist())))
 
     @property
     def num_layers(self) -> int:
@@ -99,11 +110,14 @@ class RedundancyPlan:
 
         Raises:
             TypeError: `topk_idx` is not an int32/int64 tensor, or `layer`/`rank` is not an int.
-            ValueError: ids outside [-1, E), `layer` or `rank` out of range.
+            ValueError: `topk_idx` not 2-D, ids outside [-1, E), `layer` or `rank` out of range.
         """
         if not isinstance(topk_idx, Tensor) or topk_idx.dtype not in (torch.int64, torch.int32):
             got = topk_idx.dtype if isinstance(topk_idx, Tensor) else type(topk_idx).__name__
             raise TypeError(f"RedundancyPlan.map_topk_idx: topk_idx must be an int64 or int32 tensor, got {got}")
+        if topk_idx.dim() != 2:
+            raise ValueError(f"RedundancyPlan.map_topk_idx: topk_idx must be 2-D [T, K] (tokens x top-k), got shape "
+                             f"{tuple(topk_idx.shape)}")
         _check_int("RedundancyPlan.map_topk_idx", "layer", layer, 0, self.num_layers - 1)
         _check_int("RedundancyPlan.map_topk_idx", "rank", rank, 0, self.num_ranks - 1)
         dev, num_experts = topk_idx.device, self.num_experts
@@ -283,6 +297,8 @@ class HierarchicalPlacement:
         replica_counts: [layers, E] int64 -- copies of each expert (>= 1).
         node_of_group: [layers, num_groups] int64 -- the node each expert group was packed onto.
         gpu_load: [layers, G] float64 -- planned load per GPU, each copy carrying `load / replica_count`.
+
+    Equality: as `RedundancyPlan`'s, field by field with `torch.equal`; hashable, consistently with it.
     """
 
     physical_to_logical: Tensor
@@ -290,6 +306,12 @@ class HierarchicalPlacement:
     replica_counts: Tensor
     node_of_group: Tensor
     gpu_load: Tensor
+
+    def __eq__(self, other) -> bool:
+        return _fields_equal(self, other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.physical_to_logical.reshape(-1).tolist()))
 
 
 def hierarchical_placement(load: Tensor, num_physical_experts: int, *, num_groups: int, num_nodes: int,
@@ -390,6 +412,22 @@ def _place_layer(load: list, num_physical: int, num_groups: int, num_nodes: int,
 # ----------------------------------------------------------------------------------------------------------
 # checks
 # ----------------------------------------------------------------------------------------------------------
+def _fields_equal(a, b):
+    """`a == b` for the plans (dataclasses of tensors): the same class and every field equal, tensors by shape,
+    dtype, device and values (`torch.equal`; the fields hold no NaN). NotImplemented for another class."""
+    if b.__class__ is not a.__class__:
+        return NotImplemented
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, Tensor) or isinstance(y, Tensor):
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.dtype == y.dtype and x.device == y.device
+                    and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
 def _check_int(call: str, name: str, v, lo: int, hi=None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{call}: {name} must be an int, got {type(v).__name__}")

@@ -59,6 +59,11 @@ _EXC = {1: TypeError, 2: ValueError}
 _HEADER = ("status", "call", "op", "num_local_experts", "num_redundant_slots", "num_payloads", "payloads", "mapping")
 _OFFSETS = len(_HEADER)  # then MAX_LB_PAYLOADS region offsets (-1: not in a symmetric LB region)
 _GRAD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_OP_NAMES = {_OP_PREFETCH: "EPBuffer.lb_prefetch_weights", _OP_REDUCE: "EPBuffer.lb_reduce_grads"}
+# Disagreement messages: a mapping of at most this many values is shown whole on every rank (longer ones by their
+# digest, with the first difference); the first difference of at most this many ranks; every rank by itself up to
+# this group size (larger groups: ranks with one value together).
+_SHOWN_MAPPING_VALUES, _SHOWN_DIFFERENCES, _SHOWN_RANKS = 16, 3, 8
 Payloads = Union[Tensor, Sequence[Tensor]]
 
 
@@ -207,8 +212,9 @@ class LoadBalancingMixin:
             TypeError: a payload or the mapping is not a tensor, a mapping of another dtype, a bad num_sms or
                 previous_event type.
             ValueError: shapes, devices, contiguity, more than 16 payloads, unequal bytes per expert, mapping
-                values out of `[-1, R*L)`, a rank hosting its own expert; ranks that disagree on the mapping
-                or the payload sizes (every rank raises; the offender names its own mistake).
+                values out of `[-1, R*L)`, a rank hosting its own expert (the offender names its own mistake,
+                its peers name the offender); ranks that disagree on the call, the mapping or the payload sizes
+                (every rank raises, naming each rank's value and, for the mapping, the first slot that differs).
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
         """
         return self._lb_call("EPBuffer.lb_prefetch_weights", _OP_PREFETCH, redundant_expert_weights,
@@ -338,7 +344,8 @@ class LoadBalancingMixin:
                                       "dtype")
                 c.require(red_per == orig_per, f"{rn} holds {red_per} elements per expert but {on} holds "
                                                f"{orig_per}; each pair must have equal elements per expert")
-            payload_sizes.append((red_per * red.dtype.itemsize, str(red.dtype) if not prefetch else ""))
+            # (bytes per expert, dtype code): the dtype matters for gradients only (1 + its index in _GRAD_DTYPES)
+            payload_sizes.append((red_per * red.dtype.itemsize, 0 if prefetch else 1 + _GRAD_DTYPES.index(red.dtype)))
         rows = mapping.tolist()
         num_experts = self.num_ranks * num_local
         for r, row in enumerate(rows):
@@ -349,7 +356,7 @@ class LoadBalancingMixin:
                           f"redundancy_mapping[{r}, {s}] = {e} is an expert of group rank {r} itself (owner "
                           f"{e} // L={num_local} = {r}); a rank never hosts a replica of its own experts")
         return _LBCall(redundant=reds, original=origs, mapping=rows, num_local_experts=num_local,
-                       num_slots=num_slots, payload_bytes=[b for b, _ in payload_sizes],
+                       num_slots=num_slots, payload_bytes=[b for b, _ in payload_sizes], payload_sizes=payload_sizes,
                        payload_digest=zlib.crc32(repr(payload_sizes).encode()),
                        mapping_digest=zlib.crc32(repr(rows).encode()))
 
@@ -382,18 +389,68 @@ class LoadBalancingMixin:
             raise _EXC.get(recv[failed[0]][0], ValueError)(agreement.rejected(name, self.rank, failed, messages))
         for i, field in enumerate(_HEADER[1:], start=1):
             values = [r[i] for r in recv]
-            if len(set(values)) == 1:
-                continue
-            odd = [s for s, v in enumerate(values) if v != values[0]]
-            what = {"call": "call number (ranks are at different calls on this buffer)",
-                    "op": "operation (lb_prefetch_weights vs lb_reduce_grads)",
-                    "payloads": "bytes per expert or dtypes of the payloads",
-                    "mapping": "redundancy_mapping"}.get(field, field)
-            shown = "" if field in ("payloads", "mapping") else " (" + ", ".join(
-                f"rank {s}: {v}" for s, v in enumerate(values)) + ")"
-            raise ValueError(f"{name}: rank {self.rank}: ranks disagree on the {what}{shown}: group ranks {odd} "
-                             "differ from rank 0; every rank must make the same call with the same arguments")
+            if len(set(values)) > 1:
+                raise ValueError(self._lb_disagreement(name, call_id, field, values, call))
         return recv
+
+    def _lb_disagreement(self, name: str, call_id: int, field: str, values: list, call: "_LBCall") -> str:
+        """The message every rank raises when the ranks' headers differ in `field` (`values`: each rank's header
+        value): the field and each rank's value (docs/decisions.md "Errors and timeouts"). The mapping and the
+        payload sizes ride in the header as digests; their values come from one more exchange (every rank gets
+        here at once, from the same headers)."""
+        if field == "mapping":
+            flat = [e for row in call.mapping for e in row]
+            mappings = self._lb_gather_ints(name, call_id, flat)
+            num_slots, short = call.num_slots, len(flat) <= _SHOWN_MAPPING_VALUES
+            shown = [repr([m[r * num_slots:(r + 1) * num_slots] for r in range(self.num_ranks)]) if short
+                     else f"crc32 {v:#010x}" for m, v in zip(mappings, values)]
+            ref = _reference_rank(values)
+            firsts = []
+            for s in [s for s, v in enumerate(values) if v != values[ref]]:
+                j = next(j for j, (a, b) in enumerate(zip(mappings[ref], mappings[s])) if a != b)
+                firsts.append(f"redundancy_mapping[{j // num_slots}, {j % num_slots}] is {mappings[ref][j]} on "
+                              f"rank {ref} but {mappings[s][j]} on rank {s}")
+            more = f" (and {len(firsts) - _SHOWN_DIFFERENCES} more ranks)" if len(firsts) > _SHOWN_DIFFERENCES else ""
+            return (f"{name}: rank {self.rank}: ranks disagree on the redundancy_mapping ({_per_rank(shown)}); first "
+                    f"difference: {'; '.join(firsts[:_SHOWN_DIFFERENCES])}{more}; every rank must pass the same "
+                    "redundancy_mapping")
+        if field == "payloads":
+            sizes = self._lb_gather_ints(name, call_id, [v for pair in call.payload_sizes for v in pair])
+            pairs = [list(zip(v[0::2], v[1::2])) for v in sizes]
+            several = len(call.payload_sizes) > 1
+            if all(code == 0 for p in pairs for _, code in p):  # prefetch: bytes only
+                what = "bytes per expert of " + ("each payload" if several else "redundant_expert_weights")
+                fix = "pass payloads with the same bytes per expert"
+                items = [[str(b) for b, _ in p] for p in pairs]
+            else:
+                what = "dtype x elements per expert of " + ("each payload" if several else "redundant_expert_grads")
+                fix = "pass gradients of the same dtypes and elements per expert"
+                items = [[f"{_GRAD_DTYPES[code - 1]} x {b // _GRAD_DTYPES[code - 1].itemsize}" for b, code in p]
+                         for p in pairs]
+            shown = ["[" + ", ".join(p) + "]" if several else p[0] for p in items]
+            return f"{name}: rank {self.rank}: ranks disagree on the {what} ({_per_rank(shown)}); every rank must {fix}"
+        what = {"call": "call number (ranks are at different calls on this buffer)", "op": "operation"}.get(field,
+                                                                                                            field)
+        shown = [_OP_NAMES.get(v, f"op {v}") for v in values] if field == "op" else [str(v) for v in values]
+        return (f"{name}: rank {self.rank}: ranks disagree on the {what} ({_per_rank(shown)}); every rank must "
+                "make the same call with the same arguments")
+
+    def _lb_gather_ints(self, name: str, call_id: int, values: list) -> list:
+        """Every rank's `values` (a list of ints as long on every rank), through bounded header exchanges of at
+        most `agreement._WIDEST_ROW` columns, each under a call id of its own. Returns R lists, rank s's at s."""
+        comm = getattr(self, "_comm_stream", None)
+        out = [[] for _ in range(self.num_ranks)]
+        width = agreement._WIDEST_ROW
+        for k, start in enumerate(range(0, len(values), width)):
+            row = torch.tensor(values[start:start + width], dtype=torch.int64, device=self.device)
+            cid = self._next_call_id() if hasattr(self, "_next_call_id") else call_id + 1 + k
+            recv = streams.ordered_exchange(self.transport, comm, self.device,
+                                            row.expand(self.num_ranks, row.numel()).contiguous(), cid,
+                                            "load-balancing disagreement", kind="load-balancing disagreement",
+                                            label=name).tolist()
+            for s in range(self.num_ranks):
+                out[s] += recv[s]
+        return out
 
     # -- data movement --------------------------------------------------------------------------------
     def _lb_exchange(self, send_XB: Tensor, send_splits: list, recv_splits: list, row_bytes: int,
@@ -495,8 +552,33 @@ class _LBCall:
     num_local_experts: int
     num_slots: int
     payload_bytes: list
+    payload_sizes: list  # (bytes per expert, dtype code) of each payload: what the payload digest covers
     payload_digest: int
     mapping_digest: int
+
+
+def _reference_rank(values: list) -> int:
+    """The lowest rank holding the most common value (the ranks that differ from it are the odd ones)."""
+    return min(range(len(values)), key=lambda s: (-values.count(values[s]), s))
+
+
+def _per_rank(shown: list) -> str:
+    """Each rank's value: "rank 0: a, rank 1: b"; in groups of more than `_SHOWN_RANKS`, ranks with one value
+    together: "ranks 0-2, 4: a; rank 3: b"."""
+    if len(shown) <= _SHOWN_RANKS:
+        return ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
+    groups: dict = {}
+    for s, v in enumerate(shown):
+        groups.setdefault(v, []).append(s)
+    parts = []
+    for v, ranks in groups.items():
+        runs, start = [], ranks[0]
+        for a, b in zip(ranks, ranks[1:] + [None]):
+            if b != a + 1:
+                runs.append(str(start) if start == a else f"{start}-{a}")
+                start = b
+        parts.append(f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(runs)}: {v}")
+    return "; ".join(parts)
 
 
 def _indexed(name: str, k: int, n: int) -> str:

@@ -24,9 +24,11 @@ Engram's `epcomm` row uses the default transport (`nvlink` when every rank is a 
 transport forced on the same rows.
 
 Before any number is printed every op is checked bitwise against its equivalent on small-integer data (rows of
-a table every rank rebuilds, for Engram and LB); a mismatch prints FAILED and the exit status is 1. Times are the
-slowest rank's per call (`bench.timing`: a barrier before each call; on GPU also an L2 flush and CUDA events);
-"vs torch" = epcomm p50 / equivalent p50 (below 1: faster). The table is the last thing printed on stdout.
+a table every rank rebuilds, for Engram and LB); a mismatch prints FAILED (the op gets no rows) and the exit
+status is 1; when every op matched, a line under the header says so ("correctness: every op below matched ...").
+Times are the slowest rank's per call (`bench.timing`: a barrier before each call; on GPU also an L2 flush and
+CUDA events); "vs torch" = epcomm p50 / equivalent p50 (below 1: faster). The table is the last thing printed on
+stdout.
 """
 
 from __future__ import annotations
@@ -295,6 +297,15 @@ def _table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def _verdict(ops: list, failures: list, aborted: Optional[str]) -> list:
+    """The correctness line under the header, worded as the main `epcomm-bench`'s: printed when every op passed its
+    bitwise check (a failed op has its FAILED line instead, an aborted run its ABORTED line)."""
+    if failures or aborted:
+        return []
+    return ["  correctness: every op below matched its torch.distributed equivalent bitwise on small-integer data "
+            "before it was timed" + (" (barrier: no data to check)" if "barrier" in ops else "")]
+
+
 def run_suite(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None) -> int:
     """Run the collectives suite; returns the exit status (0 ok, 1 a check failed or the run aborted, 2 usage).
 
@@ -356,7 +367,7 @@ def run_suite(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None)
           f"warm-up; times are the slowest rank's per call; vs torch = p50 / torch p50 (below 1: faster)"
           + ("; vs ceiling = GB/s / copy-engine peer-copy GB/s (LB rows: bytes one rank receives)"
              if plan["ceiling"] else ""))
-    for line in failures + ([f"ABORTED: {aborted}"] if aborted else []):
+    for line in failures + ([f"ABORTED: {aborted}"] if aborted else []) + _verdict(plan["ops"], failures, aborted):
         print(line)
     print()
     print(_table(rows), flush=True)
