@@ -293,6 +293,9 @@ def pp_errors(rank: int, world: int):
         "non_contiguous": outcome(pp.send, torch.ones(4, 2).t(), peer),
         "not_tensor": outcome(pp.send, [1.0], peer),
         "bad_sizes": outcome(PPBuffer, None, 0, 2),
+        "float_peer": outcome(pp.send, torch.ones(4), float(peer)),
+        "timeout_zero": outcome(PPBuffer, None, 64, 2, num_cpu_timeout_secs=0),
+        "timeout_type": outcome(PPBuffer, None, 64, 2, num_gpu_timeout_secs="5"),
     }
     pp.send(torch.arange(8, dtype=torch.int32), peer)
     out["size_mismatch"] = outcome(pp.recv, torch.empty(4, dtype=torch.int32), (rank - 1) % world)
@@ -409,7 +412,30 @@ def engram_errors(rank: int, world: int):
     out["float_indices"] = outcome(buf.fetch, torch.zeros(2, 3, 2))
     out["too_many_tokens"] = outcome(buf.fetch, torch.zeros(2, 5, 2, dtype=torch.int32))
     out["alias_both"] = outcome(EngramBuffer, None, gpu, storage, num_rdma_storage_size=storage)
+    out["timeout_zero"] = outcome(EngramBuffer, None, gpu, storage, num_cpu_timeout_secs=0)
+    out["timeout_type"] = outcome(EngramBuffer, None, gpu, storage, num_gpu_timeout_secs="5")
     buf.destroy()
+    return out
+
+
+def bad_groups(rank: int, world: int, kind: str):
+    """A `group` that is no ProcessGroup: a string on every rank, then `dist.new_group([1])`'s value on rank 0
+    (outside the new group; rank 1 constructs on its one-rank group). Returns {case: outcome} per rank."""
+    def make(group):
+        if kind == "pp":
+            return PPBuffer(group, 64, 2, num_cpu_timeout_secs=30)
+        return EngramBuffer(group, 2 * MIB, 2 * MIB, num_cpu_timeout_secs=30)
+
+    out = {"string": outcome(make, "x")}
+    sub = dist.new_group([1])
+    if rank == 0:
+        out["outside"] = outcome(make, sub)
+    else:
+        try:
+            make(sub).destroy()
+            out["outside"] = None
+        except (TypeError, ValueError) as e:  # PP: a one-rank group is no ring
+            out["outside"] = type(e).__name__, str(e)
     return out
 
 

@@ -71,6 +71,10 @@ ENGRAM_ERRORS = {
     "too_many_tokens": ("ValueError", r"indices has 5 tokens but num_max_tokens is 4", None),
     "alias_both": ("TypeError", r"pass num_rdma_storage_bytes or its legacy alias num_rdma_storage_size, not both",
                    None),
+    # num_cpu_timeout_secs=0 was accepted (then the construction exchange timed out at once); one check for both
+    "timeout_zero": ("ValueError", r"EngramBuffer: rank \d: num_cpu_timeout_secs must be > 0 seconds, got 0", None),
+    "timeout_type": ("TypeError", r"EngramBuffer: rank \d: num_gpu_timeout_secs must be a number of seconds, got str",
+                     None),
 }
 
 
@@ -87,6 +91,16 @@ def test_engram_errors_on_every_rank(run_ranks):
             else:  # the peer quotes the offender's own message
                 assert re.search(rf"rank {rank}: group rank {offender} rejected the call: .*{pattern}", got[1]), \
                     got[1]
+
+
+def test_group_that_is_not_a_process_group(run_ranks):
+    """A string, or dist.new_group's value on a rank outside the group: TypeError naming `group` (was an
+    AttributeError); rank 1 builds a buffer on its one-rank group."""
+    from test_pp import check_bad_groups
+
+    outs = run_ranks(2, cc.bad_groups, "engram")
+    check_bad_groups(outs, "EngramBuffer")
+    assert outs[1]["outside"] is None, outs[1]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

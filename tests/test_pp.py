@@ -1,7 +1,11 @@
 """`PPBuffer` (reference §16): FIFO per directed neighbour pair, randomised schedules within the in-flight limit,
 bitwise payloads, clear errors, bounded waits."""
 
+import os
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -41,6 +45,11 @@ PP_ERRORS = {
     "size_mismatch": ("ValueError", r"x has 16 bytes but send #0 from group rank \d carried 32; recv into a tensor "
                                     r"of the sent size"),
     "destroyed": ("ValueError", r"the PPBuffer was destroyed"),
+    # a wrong type is a TypeError naming the argument (was: ValueError "must be a ring neighbour")
+    "float_peer": ("TypeError", r"PPBuffer.send: rank \d: dst_rank_idx must be an int, got float [01]\.0$"),
+    # timeouts are checked as EngramBuffer's and EPBuffer's (0 was accepted, then every wait timed out at once)
+    "timeout_zero": ("ValueError", r"PPBuffer: rank \d: num_cpu_timeout_secs must be > 0 seconds, got 0"),
+    "timeout_type": ("TypeError", r"PPBuffer: rank \d: num_gpu_timeout_secs must be a number of seconds, got str"),
 }
 
 
@@ -52,6 +61,26 @@ def test_pp_errors(run_ranks):
             with pytest.raises({"ValueError": ValueError, "TypeError": TypeError}[cls], match=pattern):
                 raise {"ValueError": ValueError, "TypeError": TypeError}[cls](out[name][1])
             assert f"rank {rank}" in out[name][1]
+
+
+GROUP_TYPE_ERROR = r"group must be a torch.distributed ProcessGroup this rank belongs to, or None for the default group"
+
+
+def check_bad_groups(outs: list, owner: str) -> None:
+    """`cc.bad_groups`: a TypeError naming the argument (was: AttributeError "'str' object has no attribute 'rank'")."""
+    for rank, out in enumerate(outs):
+        cls, msg = out["string"]
+        assert cls == "TypeError" and re.search(rf"{owner}: rank {rank}: {GROUP_TYPE_ERROR}; got str 'x'$", msg), msg
+    cls, msg = outs[0]["outside"]
+    assert cls == "TypeError" and re.search(
+        rf"{owner}: rank 0: {GROUP_TYPE_ERROR}; got int -100 \(what dist.new_group returns on a rank outside the new "
+        r"group: only the group's members construct the buffer\)", msg), msg
+
+
+def test_group_that_is_not_a_process_group(run_ranks):
+    outs = run_ranks(2, cc.bad_groups, "pp")
+    check_bad_groups(outs, "PPBuffer")
+    assert outs[1]["outside"][0] == "ValueError" and "a pipeline ring needs >= 2" in outs[1]["outside"][1], outs[1]
 
 
 def _send_then_drop(rank, world):
@@ -153,6 +182,84 @@ def test_waits_are_bounded_and_name_the_peer():
     assert cls1 == "TransportTimeout" and re.search(r"PPBuffer.recv: rank 1: waited 2 s .* for send #0 from group "
                                                     r"rank 0", msg1), msg1
     assert issubclass(__import__("epcomm.transport.base", fromlist=["x"]).TransportTimeout, TimeoutError)
+
+
+# One rank of a fresh 2-rank world (`python -c _EXIT_SCRIPT RANK INIT_METHOD CASE TIMEOUT`): a PPBuffer whose send
+# to the neighbour is never received (or is received late), then the script ends. Prints "END <time.time()>" when
+# the script is done, so that the test can time the interpreter's exit.
+_EXIT_SCRIPT = r"""
+import sys, time
+import torch, torch.distributed as dist
+rank, init, case, timeout_s = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+from epcomm import PPBuffer
+pp = PPBuffer(None, 64, 2, num_cpu_timeout_secs=timeout_s)
+if case != "receive_late" or rank == 0:
+    pp.send(torch.full((2,), 7.0), 1 - rank)
+dist.barrier()
+if case == "destroy_raised":
+    try:
+        pp.destroy()
+    except ValueError as e:
+        print("RAISED", "unreceived" in str(e), flush=True)
+elif case == "del":
+    del pp
+elif case == "receive_late":  # rank 0 drops the buffer and ends; rank 1 receives after rank 0's script ended
+    if rank == 0:
+        del pp
+    else:
+        time.sleep(1.5)
+        print("GOT", pp.recv(torch.empty(2), 0).tolist(), flush=True)
+elif case == "peer_stays" and rank == 1:  # rank 1 neither receives nor ends for a while
+    time.sleep(timeout_s + 2.5)
+print("END", time.time(), flush=True)
+"""
+
+
+def _exit_times(tmp_path, case: str, timeout_s: float, limit_s: float) -> list:
+    """Run _EXIT_SCRIPT on 2 ranks; return per rank (return code, seconds from END to exit, stdout, stderr)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    init = f"file://{tmp_path / 'store'}"
+    procs = [subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT, str(r), init, case, str(timeout_s)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    deadline, exited = time.monotonic() + limit_s, [None, None]
+    while time.monotonic() < deadline and None in exited:
+        for r, p in enumerate(procs):
+            if exited[r] is None and p.poll() is not None:
+                exited[r] = time.time()
+        time.sleep(0.02)
+    out = []
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+        stdout, stderr = p.communicate()
+        end = [float(line.split()[1]) for line in stdout.splitlines() if line.startswith("END ")]
+        took = exited[r] - end[0] if exited[r] is not None and end else None
+        out.append((p.returncode, took, stdout, stderr[-3000:]))
+    return out
+
+
+@pytest.mark.parametrize("case", ["keep", "del", "destroy_raised", "receive_late", "peer_stays"])
+def test_exit_with_an_unreceived_send_is_bounded(tmp_path, case):
+    """A send nobody receives used to keep the process from exiting: the buffer's finalizer ran at interpreter
+    shutdown and started a drain thread that could never run, so Thread.start() waited for ever (with `del`, the
+    drain thread was still inside a gloo wait at exit and CPython's forced unwind of it aborted the process). Now
+    exit closes the receiving channels, waits at most num_cpu_timeout_secs for this rank's sends and never aborts;
+    a dropped buffer's send is still delivered to a neighbour that receives after the sender's script ended."""
+    timeout_s = 3.0
+    results = _exit_times(tmp_path, case, timeout_s, limit_s=14)
+    for rank, (rc, took, stdout, stderr) in enumerate(results):
+        assert rc == 0 and took is not None, (case, rank, rc, stdout, stderr)
+        if case == "peer_stays" and rank == 0:  # rank 1 neither receives nor closes: the timeout bounds the exit
+            assert 0.5 * timeout_s < took < timeout_s + 2.5, (took, stderr)
+        elif case == "receive_late" and rank == 0:  # rank 0's exit waits for rank 1's receive (1.5 s), not longer
+            assert took < timeout_s, (took, stderr)
+        else:  # both ends exit: each closes its receiving side, so the other's send fails at once
+            assert took < 2.5, (case, rank, took, stderr)
+    if case == "destroy_raised":
+        assert all("RAISED True" in out[2] for out in results), results
+    if case == "receive_late":
+        assert "GOT [7.0, 7.0]" in results[1][2], results[1]
 
 
 @pytest.mark.parametrize("inflight,seed", [(1, 0), (3, 1)])

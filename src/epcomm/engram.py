@@ -42,6 +42,7 @@ from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan
 from .moves import transfer_word
 from .engram_nvlink import NVLinkTable, choose_transport
 from .events import EventHandle
+from .validate import Checker, process_group
 
 __all__ = ["EngramBuffer"]
 
@@ -84,7 +85,8 @@ class EngramBuffer(ContextLifecycle):
             symmetric region holding the table and scale shards.
 
     Raises:
-        TypeError: both `num_rdma_storage_bytes` and `num_rdma_storage_size`, or neither.
+        TypeError: `group` not a ProcessGroup or None (raised on this rank only, before any exchange); both
+            `num_rdma_storage_bytes` and `num_rdma_storage_size`, or neither; a timeout that is not a number.
         ValueError: sizes that are not positive multiples of 2 MiB; QP arguments <= 0; a timeout <= 0; an
             unknown transport or ranks that disagree on it, or "nvlink" where it cannot run (every rank raises;
             the message says why).
@@ -100,10 +102,13 @@ class EngramBuffer(ContextLifecycle):
                  transport: str = "auto"):
         self.explicitly_destroy = explicitly_destroy
         self._destroyed = True  # until construction succeeds
-        group = group if group is not None else dist.group.WORLD
+        group = process_group("EngramBuffer", group)
         who = f"EngramBuffer: rank {group.rank()}"
         err = None  # a failed check still joins the construction exchange, so that every rank raises
         try:
+            c = Checker("EngramBuffer", group.rank(), None)
+            c.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
+            c.seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
             if num_rdma_storage_bytes is not None and num_rdma_storage_size is not None:
                 raise TypeError(f"{who}: pass num_rdma_storage_bytes or its legacy alias num_rdma_storage_size, "
                                 "not both")
@@ -119,10 +124,6 @@ class EngramBuffer(ContextLifecycle):
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                     raise ValueError(f"{who}: {name} must be > 0 (take it from EngramBuffer.get_theoretical_config), "
                                      f"got {v}")
-            if isinstance(num_gpu_timeout_secs, bool) or not isinstance(num_gpu_timeout_secs, (int, float)) \
-                    or not num_gpu_timeout_secs > 0:
-                raise ValueError(f"{who}: num_gpu_timeout_secs must be a number of seconds > 0, got "
-                                 f"{num_gpu_timeout_secs!r}")
         except (TypeError, ValueError) as e:
             err = e
         self.num_gpu_bytes, self.num_rdma_storage_bytes = num_gpu_bytes, num_rdma_storage_bytes
@@ -134,7 +135,9 @@ class EngramBuffer(ContextLifecycle):
         if use_cpu_rdma_storage:
             self._warn_once("cpu", "epcomm: EngramBuffer use_cpu_rdma_storage has no effect; the table shard lives on "
                                    "the buffer's device")
-        self.context = CommContext(group, owner="EngramBuffer", num_cpu_timeout_secs=num_cpu_timeout_secs, error=err)
+        # A bad timeout still joins the construction exchange, bounded by the default.
+        self.context = CommContext(group, owner="EngramBuffer", error=err,
+                                   num_cpu_timeout_secs=num_cpu_timeout_secs if err is None else 300)
         self.contexts = [self.context]
         self.rank, self.num_ranks, self.device = self.context.rank, self.context.num_ranks, self.context.device
         self.transport = choose_transport(self.context, transport)

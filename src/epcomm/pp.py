@@ -22,13 +22,30 @@ How it maps onto `torch.distributed`:
 
 Timeouts: host waits (CPU, `destroy`) are bounded by `num_cpu_timeout_secs` and name the peer; device waits on
 CUDA are bounded by the channels' NCCL timeout, set to `num_gpu_timeout_secs` (the watchdog then aborts).
+
+Implicit destruction never communicates and never blocks the interpreter for good:
+
+* A buffer dropped without `destroy()` while its sends are in flight hands its channels to a daemon thread that
+  waits (bounded) for those sends alone, so that the neighbour can still receive them, then lets the channels go
+  (freeing a channel closes its connections under any message still in it).
+* At interpreter exit an `atexit` handler first closes the receiving side of every buffer (this process receives
+  nothing more, so a neighbour's pending sends to it fail at once instead of waiting for the timeout), then waits
+  for this rank's own unreceived sends, at most `num_cpu_timeout_secs` (on CUDA also at most half of
+  `num_gpu_timeout_secs`), until the neighbour receives them or closes its side, and lets the channels go. No
+  thread is ever left inside a gloo wait at exit: CPython ends such a daemon thread with a forced unwind through
+  C++ frames, which aborts the process ("terminate called without an active exception"), and a thread started
+  during finalisation never runs, so that `Thread.start()` waits for ever.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -41,15 +58,20 @@ from . import sizing
 from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .waits import default_store
 from .transport.base import TransportTimeout
+from .validate import Checker, process_group
 
 __all__ = ["PPBuffer"]
 
-# Buffers dropped without destroy(): (channels, send FIFOs, works). A thread of their own keeps them alive until
-# the sends are received or `num_cpu_timeout_secs` has passed (a neighbour's recv has timed out by then), so that a
-# recv still gets them (a channel freed early closes its connection under the message). Garbage collection itself
-# never communicates: the thread only waits for this rank's own sends.
+# Buffers dropped without destroy() while their sends were in flight (`_Dropped`). A daemon thread of their own
+# keeps the channels alive until the sends are received or `num_cpu_timeout_secs` has passed (a neighbour's recv
+# has timed out by then), so that a recv still gets them (a channel freed early closes its connection under the
+# message). Garbage collection itself never communicates: the thread only waits for this rank's own sends.
+# At exit `_at_exit` closes every receiving side, waits (bounded) for those threads and for the sends of the buffers
+# still alive, and lets their channels go; after it (`_EXITING`) implicit destruction only frees local memory.
 _DRAINING: list = []
-_DRAINING_LOCK = threading.Lock()
+_DRAINING_LOCK = threading.RLock()  # reentrant: a finalizer may run while its holder allocates
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # buffers constructed and not destroyed
+_EXITING = False
 
 _HEADER_MAGIC, _CLOSE_MAGIC = 0x5050, 0x5043  # "PP" marks a message header, "PC" the last header at destroy
 _TAG_HEADER, _TAG_PAYLOAD, _TAG_WARMUP = 1, 2, 3
@@ -69,18 +91,34 @@ class _Fifo:
     pending: Optional["dist.Work"] = None  # recv side (CPU): the header receive posted ahead of the next recv
 
 
+@dataclass(eq=False)
+class _Dropped:
+    """This rank's part of a buffer dropped without `destroy()` while its sends were in flight."""
+
+    works: list  # the sends still in flight
+    send: list  # the send FIFOs (their channels and slots), kept until `works` complete or `deadline`
+    recv: list  # the receive FIFOs (channels and the header receives posted ahead), let go at exit
+    deadline: float  # time.monotonic() after which nobody waits for `works` any more
+    cpu: bool
+    pid: int  # the process that dropped it (a forked child leaves it alone)
+    thread: Optional[threading.Thread] = None
+
+
 class PPBuffer(ContextLifecycle):
     """Pipeline send/recv to `(rank +- 1) mod world` with bounded in-flight tensors (collective construction).
 
     Args:
-        group: the pipeline group (>= 2 ranks); None for the default group. Messages use group ranks.
+        group: the pipeline group (>= 2 ranks) this rank belongs to; None for the default group. Messages use
+            group ranks.
         num_max_tensor_bytes: int > 0 -- largest tensor one send may carry (bytes).
         num_max_inflight_tensors: int > 0 -- sends that may be outstanding per FIFO (per neighbour and
             direction) before a further send waits for the oldest to be received.
         sl_idx: RDMA service level; accepted, no effect.
-        num_gpu_timeout_secs: NCCL timeout of the channels (CUDA device waits). Default 100.
-        explicitly_destroy: warn at garbage collection when `destroy()` was not called.
-        num_cpu_timeout_secs: bound on every host wait (epcomm keyword). Default 300.
+        num_gpu_timeout_secs: NCCL timeout of the channels (CUDA device waits; seconds, > 0). Default 100.
+        explicitly_destroy: warn at garbage collection when `destroy()` was not called. Without `destroy()` the
+            buffer's unreceived sends stay receivable for `num_cpu_timeout_secs`, also past the end of the script
+            (module docstring: implicit destruction).
+        num_cpu_timeout_secs: bound on every host wait (epcomm keyword; seconds, > 0). Default 300.
 
     Fields:
         num_bytes: int -- the reference's storage size `align(4 * align(num_max_tensor_bytes, 64) *
@@ -88,8 +126,9 @@ class PPBuffer(ContextLifecycle):
         rank, num_ranks, device: this rank's group rank, the group size, the buffer's device.
 
     Raises:
-        TypeError: sizes that are not ints.
-        ValueError: sizes <= 0, a one-rank group.
+        TypeError: `group` not a ProcessGroup or None (this rank only, before any exchange: e.g. `dist.new_group`'s
+            value on a rank outside the new group); sizes that are not ints; timeouts that are not numbers.
+        ValueError: sizes <= 0, timeouts <= 0, a one-rank group.
         TimeoutError: a peer did not construct within `num_cpu_timeout_secs`.
     """
 
@@ -98,10 +137,13 @@ class PPBuffer(ContextLifecycle):
                  *, num_cpu_timeout_secs: float = 300):
         self.explicitly_destroy = explicitly_destroy
         self._destroyed = True  # until construction succeeds
-        group = group if group is not None else dist.group.WORLD
+        group = process_group("PPBuffer", group)
         rank, num_ranks = group.rank(), group.size()
         err = None  # a failed check still joins the construction exchange, so that every rank raises
         try:
+            c = Checker("PPBuffer", rank, None)
+            c.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
+            c.seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
             for name, value in (("num_max_tensor_bytes", num_max_tensor_bytes),
                                 ("num_max_inflight_tensors", num_max_inflight_tensors)):
                 if isinstance(value, bool) or not isinstance(value, int):
@@ -116,7 +158,9 @@ class PPBuffer(ContextLifecycle):
         self.num_max_inflight_tensors = num_max_inflight_tensors
         self.sl_idx, self.num_gpu_timeout_secs, self.num_cpu_timeout_secs = sl_idx, num_gpu_timeout_secs, \
             num_cpu_timeout_secs
-        self.context = CommContext(group, owner="PPBuffer", num_cpu_timeout_secs=num_cpu_timeout_secs,
+        # A bad timeout still joins the construction exchange, bounded by the default.
+        self.context = CommContext(group, owner="PPBuffer",
+                                   num_cpu_timeout_secs=num_cpu_timeout_secs if err is None else 300,
                                    agree={"num_max_tensor_bytes": num_max_tensor_bytes,
                                           "num_max_inflight_tensors": num_max_inflight_tensors}, error=err)
         self.num_bytes = sizing.align(4 * sizing.align(num_max_tensor_bytes, 64) * num_max_inflight_tensors,
@@ -141,7 +185,9 @@ class PPBuffer(ContextLifecycle):
             if self._check_sizes:
                 fifo.headers = torch.zeros(1, 4, dtype=torch.int64)
                 self._post_header(fifo)
+        self._pid = os.getpid()
         self._destroyed = False
+        _LIVE.add(self)
 
     def _make_channels(self) -> None:
         """One two-rank backend per directed neighbour pair this rank is in (sender = channel rank 0).
@@ -205,9 +251,9 @@ class PPBuffer(ContextLifecycle):
             num_sms: None (all SMs) or > 0; no effect on CPU (warns once) or with NCCL.
 
         Raises:
-            TypeError: x not a tensor. ValueError: not a neighbour, empty / non-contiguous / too large x, device,
-            destroyed buffer. TimeoutError: (CPU) every slot stayed in flight for `num_cpu_timeout_secs`; names
-            the neighbour.
+            TypeError: x not a tensor, dst_rank_idx not an int. ValueError: not a neighbour, empty /
+            non-contiguous / too large x, device, destroyed buffer. TimeoutError: (CPU) every slot stayed in
+            flight for `num_cpu_timeout_secs`; names the neighbour.
 
         Returns:
             None.
@@ -252,8 +298,9 @@ class PPBuffer(ContextLifecycle):
             `x`, filled.
 
         Raises:
-            TypeError: x not a tensor. ValueError: not a neighbour, bad x, (CPU) a size that differs from the
-            send's (the message is consumed). TimeoutError: (CPU) no data within `num_cpu_timeout_secs`.
+            TypeError: x not a tensor, src_rank_idx not an int. ValueError: not a neighbour, bad x, (CPU) a size
+            that differs from the send's (the message is consumed). TimeoutError: (CPU) no data within
+            `num_cpu_timeout_secs`.
         """
         call = "PPBuffer.recv"
         c = self.context.checker(call)
@@ -286,18 +333,26 @@ class PPBuffer(ContextLifecycle):
         return x
 
     def __del__(self):
+        """Implicit destruction: frees local memory, never communicates, never blocks (module docstring)."""
         super().__del__()
         if getattr(self, "_destroyed", True):
             return
-        works = [w for fifo in self._send.values() for slot in fifo.works for w in slot]
-        if works:
-            entry = (self._channels, self._send, works)
-            with _DRAINING_LOCK:
-                _DRAINING.append(entry)
-            cpu = self.device.type == "cpu"
-            # On CUDA, let go before the channel's NCCL watchdog (num_gpu_timeout_secs) would end the process.
-            wait_s = self.context.timeout_s if cpu else min(self.context.timeout_s, self.num_gpu_timeout_secs / 2)
-            threading.Thread(target=_drain, args=(entry, time.monotonic() + wait_s, cpu), daemon=True).start()
+        works = self._send_works()
+        if not works:
+            return  # the channels close as they go
+        entry = _Dropped(works, list(self._send.values()), list(self._recv.values()),
+                         time.monotonic() + self._drain_s(), self.device.type == "cpu", self._pid)
+        with _DRAINING_LOCK:
+            # During finalisation a new thread never runs (Thread.start() would wait for ever), and after the exit
+            # handler nobody would wait for it; the exit handler has waited for the sends already.
+            if _EXITING or sys.is_finalizing() or self._pid != os.getpid():
+                return
+            entry.thread = threading.Thread(target=_drain, args=(entry,), name="epcomm-pp-drain", daemon=True)
+            _DRAINING.append(entry)
+            try:
+                entry.thread.start()
+            except RuntimeError:  # no thread to be had: let go now
+                _DRAINING.remove(entry)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def destroy(self) -> None:
@@ -329,8 +384,20 @@ class PPBuffer(ContextLifecycle):
             channel.shutdown()
         self._channels, self._send, self._recv = [], {}, {}
         self.context.destroyed = self._destroyed = True
+        _LIVE.discard(self)
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _send_works(self) -> list:
+        """This rank's send works of the last message of every slot (those may still be in flight)."""
+        return [w for fifo in self._send.values() for slot in fifo.works for w in slot]
+
+    def _drain_s(self) -> float:
+        """How long a dropped buffer's sends are waited for. On CUDA, let go before the channels' NCCL watchdog
+        (num_gpu_timeout_secs) would end the process."""
+        if self.device.type == "cpu":
+            return self.context.timeout_s
+        return min(self.context.timeout_s, self.num_gpu_timeout_secs / 2)
+
     def _agree_counts(self) -> None:
         """Destroy: every rank sends every rank its messages sent to and received from each group rank, so that a
         send nobody received raises on every rank at once (it left the sender waiting for the timeout), with the
@@ -394,7 +461,8 @@ class PPBuffer(ContextLifecycle):
     def _check_peer(self, c, name: str, peer) -> int:
         R = self.num_ranks
         neighbours = sorted({(self.rank + 1) % R, (self.rank - 1) % R})
-        if isinstance(peer, bool) or not isinstance(peer, int) or peer not in neighbours:
+        peer = c.integer(name, peer)
+        if peer not in neighbours:
             c.fail(ValueError, f"{name} must be a ring neighbour of rank {self.rank}: (rank + 1) % {R} or "
                                f"(rank - 1) % {R}, i.e. one of {neighbours}; got {peer}")
         return peer
@@ -437,18 +505,66 @@ class PPBuffer(ContextLifecycle):
             raise
 
 
-def _drain(entry: tuple, deadline: float, cpu: bool) -> None:
-    """Wait (bounded by `deadline`) for a dropped buffer's sends, then let go of its channels. Gloo's
-    point-to-point works report completion only through a timed wait; NCCL's are polled."""
-    try:
-        for work in entry[2]:
+def _wait_sends(works: list, deadline: float, cpu: bool) -> None:
+    """Wait until each send completes, fails (a closed or timed-out channel: nothing more goes through it) or
+    `deadline` passes. Gloo's point-to-point works report completion only through a timed wait; NCCL's are polled."""
+    for work in works:
+        try:
             if cpu:
                 work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             else:
                 while not work.is_completed() and time.monotonic() < deadline:
                     time.sleep(1e-3)
-    except Exception:  # a timed-out or closed channel: nothing more will arrive through it
-        pass
+        except Exception:  # noqa: BLE001 -- the peer received nothing more, or closed its side
+            pass
+
+
+def _drain(entry: _Dropped) -> None:
+    """A dropped buffer's thread: wait (bounded) for its sends, then let go of its channels."""
+    try:
+        _wait_sends(entry.works, entry.deadline, entry.cpu)
     finally:
+        # Freeing a work or channel leaves the GIL for a moment; at exit a daemon thread that takes it back is ended
+        # by a forced unwind that aborts in C++. So the entry leaves the list only after that: the exit handler
+        # joins every thread still listed.
+        entry.works, entry.send, entry.recv = [], [], []  # the channels close here
         with _DRAINING_LOCK:
-            _DRAINING.remove(entry)
+            if entry in _DRAINING:
+                _DRAINING.remove(entry)
+
+
+def _at_exit() -> None:
+    """Interpreter exit: bounded, never aborts (module docstring). Closes the receiving side of every buffer of
+    this process (live or dropped), waits for this rank's unreceived sends until the peers receive them, close their
+    side or the timeout, then lets the channels go; implicit destruction after this frees local memory only."""
+    global _EXITING
+    pid = os.getpid()
+    with _DRAINING_LOCK:
+        _EXITING = True
+        dropped = [e for e in _DRAINING if e.pid == pid]
+    live = [b for b in list(_LIVE) if not b._destroyed and b._pid == pid]
+    now = time.monotonic()
+    waits = []
+    for buf in live:
+        if buf.context.broken is None:
+            buf.context.broken = "the process is exiting: its channels were closed at exit"
+        waits.append((buf._send_works(), now + buf._drain_s(), buf.device.type == "cpu"))
+    # This process receives nothing more: close the receiving channels first (CPU; an NCCL peer would not notice).
+    for entry in dropped:
+        if entry.cpu:
+            entry.recv = []
+    for buf in live:
+        if buf.device.type == "cpu":
+            buf._recv = {}
+            buf._channels = [f.channel for f in buf._send.values()]
+    for works, deadline, cpu in waits:
+        _wait_sends(works, deadline, cpu)
+    for entry in dropped:
+        if entry.thread is not None:
+            entry.thread.join(timeout=max(entry.deadline - time.monotonic(), 0.0) + 5.0)
+    for buf in live:
+        if buf.device.type == "cpu":
+            buf._send, buf._channels = {}, []
+
+
+atexit.register(_at_exit)

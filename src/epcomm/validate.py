@@ -7,11 +7,13 @@ messages name the call, the group rank, the argument, the expected and the actua
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
@@ -62,9 +64,43 @@ class Checker:
             self.fail(ValueError, f"{name} must be >= {minimum}, got {v}")
         return v
 
+    def seconds(self, name: str, v) -> float:
+        """`v` as a float number of seconds, finite and > 0 (a timeout), or a TypeError / ValueError naming `name`."""
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            self.fail(TypeError, f"{name} must be a number of seconds, got {type(v).__name__}")
+        if not v > 0:
+            self.fail(ValueError, f"{name} must be > 0 seconds, got {v}")
+        if not math.isfinite(v):
+            self.fail(ValueError, f"{name} must be a finite number of seconds, got {v}")
+        return float(v)
+
     def require(self, cond: bool, msg: str) -> None:
         if not cond:
             self.fail(ValueError, msg)
+
+
+def process_group(owner: str, group) -> "dist.ProcessGroup":
+    """The `group` argument of a buffer's constructor: a ProcessGroup this rank belongs to, None for the default group.
+
+    Raises:
+        TypeError: anything else, naming the argument and its type; `dist.new_group`'s value on a rank outside the
+            new group (not a ProcessGroup) says so.
+        ValueError: None before `torch.distributed.init_process_group`.
+    """
+    if group is None:
+        group = dist.group.WORLD
+        if group is None:
+            raise ValueError(f"{owner}: group=None means the default process group, but torch.distributed is not "
+                             "initialised: call torch.distributed.init_process_group first")
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shown = repr(group) if len(repr(group)) <= 80 else repr(group)[:77] + "..."
+    outside = getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())
+    hint = (" (what dist.new_group returns on a rank outside the new group: only the group's members construct the "
+            "buffer)") if isinstance(group, int) and not isinstance(group, bool) and group == outside else ""
+    raise TypeError(f"{owner}: rank {rank}: group must be a torch.distributed ProcessGroup this rank belongs to, or "
+                    f"None for the default group; got {type(group).__name__} {shown}{hint}")
 
 
 def _fmt(shape: tuple) -> str:
