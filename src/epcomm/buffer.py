@@ -30,7 +30,7 @@ from .lowlatency import LowLatencyMixin
 from .transport import TransportTimeout, resolve_transport
 from .transport import symm
 from .transport.collective import CollectiveTransport
-from .validate import Checker, check_event_options, check_topk_values
+from .validate import Checker, check_event_options, check_topk_values, process_group
 
 DEFAULT_DTYPE = torch.bfloat16
 _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
@@ -113,10 +113,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         transport: str = "auto",
         dtype: torch.dtype = DEFAULT_DTYPE,
     ):
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"EPBuffer: group must be a torch.distributed ProcessGroup or None, got "
-                            f"{type(group).__name__}")
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = process_group("EPBuffer", group)
         self.rank_idx = self.rank = self.group.rank()
         self.num_ranks = self.group.size()
         self.device = _group_device(self.group)
@@ -133,11 +130,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         c = Checker("EPBuffer", self.rank, self.device)
         err = None
         try:  # local checks; the rendezvous below makes every rank raise together
-            for arg, value in (("num_cpu_timeout_secs", num_cpu_timeout_secs),
-                               ("num_gpu_timeout_secs", num_gpu_timeout_secs)):
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    c.fail(TypeError, f"{arg} must be a number of seconds, got {type(value).__name__}")
-                c.require(value > 0, f"{arg} must be > 0 seconds, got {value}")
+            c.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
+            c.seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
             if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
                 c.fail(TypeError, f"dtype must be a float dtype the buffer is sized for (bf16, fp16, fp32, fp64), "
                                   f"got {dtype}")
