@@ -1051,3 +1051,35 @@ def fp8_scale_columns(rank: int, world: int, *, num_sf_packs: int, sf_dtype: str
     assert_equal(cached[0][1][:rows], r_x[1], "cached recv_x scales")
     buf.destroy()
     return rows
+
+
+def empty_rank_broadcast_strides(rank: int, world: int, *, do_expand: bool = False, hidden: int = 8,
+                                 num_experts: int = 4, num_topk: int = 1) -> int:
+    """Rank 1 has no tokens, and its empty inputs carry the strides of broadcast ops (a [0, 1] weight scaled by a
+    factor has strides (1, 0); torch calls every empty tensor contiguous): dispatch and combine (expert outputs and
+    weights also with such strides on a rank that received no rows, a bias likewise) equal the reference on dense
+    copies. Returns the rows this rank received."""
+    gen = torch.Generator().manual_seed(40 + rank)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=hidden, num_topk=num_topk, num_cpu_timeout_secs=30)
+    t = 0 if rank == 1 else 4
+
+    def odd(v: torch.Tensor) -> torch.Tensor:  # the same values; an empty tensor gets broadcast strides
+        return v[:, :1].expand(v.shape) if v.shape[0] == 0 and v.dim() == 2 and v.shape[1] else v
+
+    x = torch.randn(t, hidden, generator=gen).bfloat16()
+    scores = torch.rand(t, num_experts, generator=gen)
+    w, idx = scores.topk(num_topk, dim=1)
+    w = w * 2.5
+    recv_x, _, recv_w, handle, _ = buf.dispatch(odd(x), odd(idx), odd(w), num_experts=num_experts,
+                                                do_expand=do_expand)
+    r_x, _, r_w, r_handle = ref.dispatch(x, idx, w, num_experts, num_max_tokens_per_rank=4, do_expand=do_expand)
+    assert_equal(recv_x, r_x, "recv_x")
+    assert_equal(recv_w, r_w, "recv_topk_weights")
+    y = odd(recv_x * 2)
+    bias = odd(torch.randn(t, hidden, generator=gen).bfloat16())
+    got = buf.combine(y, handle, topk_weights=odd(recv_w * 1.0), bias=bias)
+    want = ref.combine(recv_x * 2, r_handle, topk_weights=recv_w * 1.0, bias=bias.contiguous())
+    assert_equal(got[0], want[0], "combined_x")
+    assert_equal(got[1], want[1], "combined_topk_weights")
+    buf.destroy()
+    return recv_x.shape[0]

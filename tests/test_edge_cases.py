@@ -133,6 +133,15 @@ def test_sync_free_tails_match_cpu_synced(run_ranks, world, do_expand, expert_al
     assert sum(valid) > 0, valid
 
 
+@pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
+def test_empty_rank_with_broadcast_strides(run_ranks, do_expand):
+    """A rank with no tokens whose empty inputs have the strides of broadcast ops (top-1 weights scaled by a
+    factor): every call completes and matches the reference, where the transports' byte views used to fail on that
+    rank after its peers had met it in the header exchange (they then waited for the timeout)."""
+    rows = run_ranks(2, ep_cases.empty_rank_broadcast_strides, do_expand=do_expand)
+    assert rows[0] > 0 and rows[1] > 0, rows
+
+
 @pytest.mark.parametrize("num_bias", [1, 2])
 @pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
 def test_deferred_combine_reads_bias_at_wait(run_ranks, do_expand, num_bias):

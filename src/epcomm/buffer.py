@@ -81,7 +81,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             `TimeoutError` naming the missing group ranks. Default 300.
         num_gpu_timeout_secs: bound on device-side waits of GPU transports. Default 100.
         explicitly_destroy: warn at garbage collection when `destroy()` was not called.
-        transport: "auto" (fastest that applies) or a name ("collective"). epcomm keyword.
+        transport: "auto" (fastest that applies) or a name ("collective", "nvlink"). epcomm keyword.
         dtype: element type the buffer is sized for (default bf16, the reference's); a larger dtype needs
             more bytes. epcomm keyword.
 

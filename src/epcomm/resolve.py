@@ -31,6 +31,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         if flag is not None and not isinstance(flag, (bool, int)):  # ints 0/1 pass, as bools do in torch code
             c.fail(TypeError, f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
     do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
+    x = tuple(map(dense_if_empty, x)) if isinstance(x, tuple) else dense_if_empty(x)
+    topk_idx, topk_weights = dense_if_empty(topk_idx), dense_if_empty(topk_weights)
     xs = check_x(c, x, allow_fp8=True)
     warn_if_grad(buf, "dispatch", xs.data, topk_weights)
     if handle is not None:
@@ -124,6 +126,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         topk_idx = handle.topk_idx
     except ValueError as e:
         c.fail(ValueError, str(e))
+    x, topk_weights = dense_if_empty(x), dense_if_empty(topk_weights)
     x = check_x(c, x, allow_fp8=False).data
     warn_if_grad(buf, "combine", x, topk_weights)
     rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
@@ -146,6 +149,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         biases = tuple(bias)
     else:
         c.fail(TypeError, f"bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
+    biases = tuple(map(dense_if_empty, biases))
     for i, b in enumerate(biases):
         c.tensor(f"bias[{i}]" if len(biases) == 2 else "bias", b, ndim=2, dtypes=(x.dtype,),
                  shape=(topk_idx.shape[0], x.shape[1]))
@@ -182,6 +186,16 @@ def narrowed_outputs(handle, outputs: tuple) -> tuple:
     recv_x = tuple(t[:rows] for t in recv_x) if isinstance(recv_x, tuple) else recv_x[:rows]
     return (recv_x, None if recv_topk_idx is None else recv_topk_idx[:rows],
             None if recv_w is None else recv_w[:rows], out_handle)
+
+
+def dense_if_empty(t):
+    """An empty strided tensor as a new dense one, anything else as it is. Torch calls every empty tensor contiguous
+    whatever its strides (a [0, 1] weight tensor of strides (1, 0) after a broadcast op, on a rank with no tokens),
+    and the byte views the transports take of their inputs fail on such strides, after the peers have met this rank
+    in the header exchange."""
+    if isinstance(t, Tensor) and t.layout == torch.strided and t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return t
 
 
 def warn_if_grad(buf, call: str, *tensors) -> None:
