@@ -189,11 +189,12 @@ def narrowed_outputs(handle, outputs: tuple) -> tuple:
 
 
 def dense_if_empty(t):
-    """An empty strided tensor as a new dense one, anything else as it is. Torch calls every empty tensor contiguous
-    whatever its strides (a [0, 1] weight tensor of strides (1, 0) after a broadcast op, on a rank with no tokens),
-    and the byte views the transports take of their inputs fail on such strides, after the peers have met this rank
-    in the header exchange."""
-    if isinstance(t, Tensor) and t.layout == torch.strided and t.numel() == 0:
+    """An empty strided tensor whose strides are not the dense ones as a new dense tensor, anything else as it is
+    (the same object). Torch calls every empty tensor contiguous whatever its strides (a [0, 1] weight tensor of
+    strides (1, 0) after a broadcast op, on a rank with no tokens), and the byte views the transports take of their
+    inputs fail on such strides, after the peers have met this rank in the header exchange."""
+    if (isinstance(t, Tensor) and t.layout == torch.strided and t.numel() == 0
+            and t.stride() != sizing.contiguous_strides(tuple(t.shape))):
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return t
 
