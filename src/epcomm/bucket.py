@@ -26,7 +26,7 @@ from . import sizing
 from .bucket_placement import BucketEvent, gather_call, reduce_call
 from .bucket_session import BucketSession, SessionOutOfStorage
 from .comm import ContextLifecycle, CommContext, new_comm_stream
-from .validate import Checker
+from .validate import Checker, construction_timeout
 
 __all__ = ["BucketBuffer", "BucketEvent", "BucketSession", "SessionOutOfStorage"]
 
@@ -115,12 +115,10 @@ class BucketBuffer(ContextLifecycle):
             err = ValueError(f"{name}: rank {rank}: allocation_plan_or_num_bytes must be a positive multiple of 2 MiB "
                              f"({sizing.ALLOCATION_ALIGNMENT}), got {num_bytes}")
         try:
-            c = Checker(name, rank, torch.device("cpu"))
-            c.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
-            c.seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
+            Checker(name, rank, torch.device("cpu")).timeouts(num_cpu_timeout_secs, num_gpu_timeout_secs)
         except (TypeError, ValueError) as e:
             err = err or e
-            num_cpu_timeout_secs = 300  # the construction exchange still needs a bound
+        num_cpu_timeout_secs = construction_timeout(num_cpu_timeout_secs, err)
         self.num_bytes = num_bytes
         self.groups = groups
         self.sl_idx, self.num_gpu_timeout_secs, self.num_cpu_timeout_secs = sl_idx, num_gpu_timeout_secs, \

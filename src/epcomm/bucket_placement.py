@@ -79,13 +79,13 @@ def _open_call(buf: BucketBuffer, session: Optional[BucketSession], call: str, g
         return buf.contexts[0], buf.contexts[0].checker(call), e
 
 
-def _check_disjoint(c, buckets: list, names: list, storage: Tensor) -> None:
+def _check_disjoint(c, buf: BucketBuffer, buckets: list, names: list) -> None:
     """The storage bytes each bucket's collective reads or writes must be its own: the collectives of one call run
     concurrently (the same bucket twice, or overlapping buckets, would race)."""
-    base, spans = storage.data_ptr(), []
+    spans = []
     for b, name in zip(buckets, names):
-        ends = [(t.data_ptr() - base, t.data_ptr() - base + t.nbytes) for t in (b.inp, b.out)
-                if t.device == storage.device and 0 <= t.data_ptr() - base < storage.numel()]
+        offsets = [(buf.offset_of(t), t.nbytes) for t in (b.inp, b.out)]
+        ends = [(off, off + n) for off, n in offsets if off is not None]
         if ends:
             spans.append((min(a for a, _ in ends), max(e for _, e in ends), name, b.carved))
     spans.sort()
@@ -111,7 +111,7 @@ def gather_call(buf: BucketBuffer, srcs, dsts, group, num_sms, session: Optional
             c.fail(ValueError, f"num_sms must be None or 0 for all_gather (copy-engine driven), got {num_sms}")
         names = ["srcs" if single else f"srcs[{i}]" for i in range(len(srcs_l))]
         buckets = [_gather_bucket(buf, c, ctx, name, s, d, session) for name, s, d in zip(names, srcs_l, dsts_l)]
-        _check_disjoint(c, buckets, names, buf.storage)
+        _check_disjoint(c, buf, buckets, names)
     except (TypeError, ValueError) as e:
         _agree(ctx, call, "all_gather", e, [])
         raise
@@ -228,7 +228,7 @@ def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precisi
                                stage_from=None if stage is None else src,
                                copy_to=dst if dst is not None and not same else None,
                                carved=stage is not None and carved))
-    _check_disjoint(c, buckets, names, buf.storage)
+    _check_disjoint(c, buf, buckets, names)
     return buckets, single, sms
 
 

@@ -30,7 +30,7 @@ from .lowlatency import LowLatencyMixin
 from .transport import TransportTimeout, resolve_transport
 from .transport import symm
 from .transport.collective import CollectiveTransport
-from .validate import Checker, check_event_options, check_topk_values, process_group
+from .validate import Checker, check_event_options, check_topk_values, construction_timeout, process_group
 
 DEFAULT_DTYPE = torch.bfloat16
 _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
@@ -130,8 +130,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         c = Checker("EPBuffer", self.rank, self.device)
         err = None
         try:  # local checks; the rendezvous below makes every rank raise together
-            c.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
-            c.seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
+            c.timeouts(num_cpu_timeout_secs, num_gpu_timeout_secs)
             if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
                 c.fail(TypeError, f"dtype must be a float dtype the buffer is sized for (bf16, fp16, fp32, fp64), "
                                   f"got {dtype}")
@@ -171,7 +170,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         # Collective construction: agree on a buffer id, learn which ranks share a host and whether every rank
         # can reach every other over NVLink, then pick the transport (every rank decides from the same rows).
-        timeout = num_cpu_timeout_secs if err is None else 300
+        timeout = construction_timeout(num_cpu_timeout_secs, err)
         self.transport = CollectiveTransport(self.group, self.device, timeout, uid=0)
         self.uid, rows = self._rendezvous(err, _TRANSPORT_CODES.get(transport, -1))
         self.transport.uid = self.uid

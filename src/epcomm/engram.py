@@ -42,7 +42,7 @@ from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan
 from .moves import transfer_word
 from .engram_nvlink import NVLinkTable, choose_transport
 from .events import EventHandle
-from .validate import Checker, process_group
+from .validate import Checker, construction_timeout, process_group
 
 __all__ = ["EngramBuffer"]
 
@@ -106,9 +106,7 @@ class EngramBuffer(ContextLifecycle):
         who = f"EngramBuffer: rank {group.rank()}"
         err = None  # a failed check still joins the construction exchange, so that every rank raises
         try:
-            c = Checker("EngramBuffer", group.rank(), None)
-            c.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
-            c.seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
+            Checker("EngramBuffer", group.rank(), None).timeouts(num_cpu_timeout_secs, num_gpu_timeout_secs)
             if num_rdma_storage_bytes is not None and num_rdma_storage_size is not None:
                 raise TypeError(f"{who}: pass num_rdma_storage_bytes or its legacy alias num_rdma_storage_size, "
                                 "not both")
@@ -135,9 +133,8 @@ class EngramBuffer(ContextLifecycle):
         if use_cpu_rdma_storage:
             self._warn_once("cpu", "epcomm: EngramBuffer use_cpu_rdma_storage has no effect; the table shard lives on "
                                    "the buffer's device")
-        # A bad timeout still joins the construction exchange, bounded by the default.
         self.context = CommContext(group, owner="EngramBuffer", error=err,
-                                   num_cpu_timeout_secs=num_cpu_timeout_secs if err is None else 300)
+                                   num_cpu_timeout_secs=construction_timeout(num_cpu_timeout_secs, err))
         self.contexts = [self.context]
         self.rank, self.num_ranks, self.device = self.context.rank, self.context.num_ranks, self.context.device
         self.transport = choose_transport(self.context, transport)

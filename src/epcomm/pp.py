@@ -58,7 +58,7 @@ from . import sizing
 from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .waits import default_store
 from .transport.base import TransportTimeout
-from .validate import Checker, process_group
+from .validate import Checker, construction_timeout, process_group
 
 __all__ = ["PPBuffer"]
 
@@ -142,8 +142,7 @@ class PPBuffer(ContextLifecycle):
         err = None  # a failed check still joins the construction exchange, so that every rank raises
         try:
             c = Checker("PPBuffer", rank, None)
-            c.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
-            c.seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
+            c.timeouts(num_cpu_timeout_secs, num_gpu_timeout_secs)
             for name, value in (("num_max_tensor_bytes", num_max_tensor_bytes),
                                 ("num_max_inflight_tensors", num_max_inflight_tensors)):
                 if isinstance(value, bool) or not isinstance(value, int):
@@ -158,9 +157,8 @@ class PPBuffer(ContextLifecycle):
         self.num_max_inflight_tensors = num_max_inflight_tensors
         self.sl_idx, self.num_gpu_timeout_secs, self.num_cpu_timeout_secs = sl_idx, num_gpu_timeout_secs, \
             num_cpu_timeout_secs
-        # A bad timeout still joins the construction exchange, bounded by the default.
         self.context = CommContext(group, owner="PPBuffer",
-                                   num_cpu_timeout_secs=num_cpu_timeout_secs if err is None else 300,
+                                   num_cpu_timeout_secs=construction_timeout(num_cpu_timeout_secs, err),
                                    agree={"num_max_tensor_bytes": num_max_tensor_bytes,
                                           "num_max_inflight_tensors": num_max_inflight_tensors}, error=err)
         self.num_bytes = sizing.align(4 * sizing.align(num_max_tensor_bytes, 64) * num_max_inflight_tensors,

@@ -74,9 +74,23 @@ class Checker:
             self.fail(ValueError, f"{name} must be a finite number of seconds, got {v}")
         return float(v)
 
+    def timeouts(self, num_cpu_timeout_secs, num_gpu_timeout_secs) -> None:
+        """A buffer constructor's two timeouts (`seconds`)."""
+        self.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
+        self.seconds("num_gpu_timeout_secs", num_gpu_timeout_secs)
+
     def require(self, cond: bool, msg: str) -> None:
         if not cond:
             self.fail(ValueError, msg)
+
+
+DEFAULT_CPU_TIMEOUT_S = 300  # the buffers' default num_cpu_timeout_secs
+
+
+def construction_timeout(num_cpu_timeout_secs, err: Optional[BaseException]) -> float:
+    """The bound of a constructor's exchange: `num_cpu_timeout_secs`, or the default when this rank's checks failed
+    (`err`; the timeout may be what failed): such a rank still joins the exchange, so that every rank raises."""
+    return num_cpu_timeout_secs if err is None else DEFAULT_CPU_TIMEOUT_S
 
 
 def process_group(owner: str, group) -> "dist.ProcessGroup":
