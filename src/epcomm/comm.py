@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import gloo_exit
 from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages, rejected, status_of
 from .waits import TransportTimeout, bounded_wait
 from .validate import Checker
@@ -70,6 +71,7 @@ class CommContext:
                  comm_stream: Optional["torch.cuda.Stream"] = None, agree: Optional[dict] = None,
                  error: Optional[BaseException] = None):
         self.group = group if group is not None else dist.group.WORLD
+        gloo_exit.arm(self.group)
         self.owner = owner
         self.rank = self.group.rank()
         self.num_ranks = self.group.size()

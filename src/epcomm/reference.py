@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import gloo_exit
+
 
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
@@ -84,6 +86,7 @@ def dispatch(
         sizes); handle is a `RefHandle`.
     """
     group = group or dist.group.WORLD
+    gloo_exit.arm(group)  # a clean exit right after these collectives
     rank, num_ranks = group.rank(), group.size()
     num_local = num_experts // num_ranks
     data, sf = (x if isinstance(x, tuple) else (x, None))
@@ -177,6 +180,7 @@ def combine(
         `(combined_x [T, H], combined_topk_weights [T, K] or None)`.
     """
     group = group or dist.group.WORLD
+    gloo_exit.arm(group)  # a clean exit right after these collectives
     num_ranks = group.size()
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     idx = handle.topk_idx.long()

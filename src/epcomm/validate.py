@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import sizing
+from . import gloo_exit, sizing
 from .events import EventHandle, EventOverlap
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -107,6 +107,7 @@ def process_group(owner: str, group) -> "dist.ProcessGroup":
             raise ValueError(f"{owner}: group=None means the default process group, but torch.distributed is not "
                              "initialised: call torch.distributed.init_process_group first")
     if isinstance(group, dist.ProcessGroup):
+        gloo_exit.arm(group)
         return group
     rank = dist.get_rank() if dist.is_initialized() else 0
     shown = repr(group) if len(repr(group)) <= 80 else repr(group)[:77] + "..."
