@@ -283,6 +283,24 @@ def pp_subgroup(rank: int, world: int, members=(1, 2)):
     return me
 
 
+def pp_seeded_groups(rank: int, world: int):
+    """Two pipeline groups ([0, 1] and [2, 3]) on ranks that seed Python's `random` alike: each group's channels are
+    its own (their store keys once came from that seeded draw, and one group received the other's tensors)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    random.seed(1234)
+    pp = PPBuffer(groups[rank // 2], 256, 2, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    got = []
+    for k in range(3):
+        if pp.rank == 0:
+            pp.send(torch.full((4,), float(100 * rank + k)), 1)
+        else:
+            got.append(pp.recv(torch.empty(4), 0)[0].item())
+    uids = [None] * world
+    dist.all_gather_object(uids, pp.context.uid)
+    pp.destroy()
+    return got, uids
+
+
 def pp_errors(rank: int, world: int):
     pp = PPBuffer(None, 64, 2, explicitly_destroy=True, num_cpu_timeout_secs=30)
     peer = (rank + 1) % world

@@ -7,6 +7,7 @@ must raise the same class (docs/decisions.md "Errors and timeouts").
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import torch
@@ -193,8 +194,11 @@ def run_scenarios(rank: int, world: int, names=None) -> dict:
 
 
 def other_buffer_handle(rank: int, world: int):
-    """A handle used with a buffer that did not make it."""
+    """A handle used with a buffer that did not make it; Python's `random` seeded alike before each construction
+    (as training scripts seed it) must not give the two buffers one id."""
+    random.seed(1234)
     a = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+    random.seed(1234)
     b = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
     x, idx, w = _inputs(rank)
     recv_x, _, _, handle, _ = a.dispatch(x, idx, w, num_experts=E)

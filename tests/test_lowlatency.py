@@ -237,3 +237,12 @@ def test_low_latency_timeout_names_the_call(kind):
                      "not arrive", msg), msg
     assert after is not None and f"EPBuffer.low_latency_{kind} timed out" in after, after
     assert results[1] == "skipped"
+
+
+def test_low_latency_handle_indexed_like_v1_tuple_says_what_it_is():
+    from epcomm import LowLatencyHandle
+
+    handle = LowLatencyHandle(None, 8, 16, 2, torch.zeros(4, 2, dtype=torch.int64), 0, None)
+    for use in (lambda: handle[1], lambda: tuple(handle)):
+        with pytest.raises(TypeError, match=r"LowLatencyHandle is not DeepEP V1's tuple handle .*hidden"):
+            use()

@@ -24,6 +24,13 @@ def test_pp_on_a_subgroup(run_ranks):
     assert run_ranks(3, cc.pp_subgroup) == [None, 0, 1]
 
 
+def test_pipeline_groups_of_ranks_seeded_alike(run_ranks):
+    out = run_ranks(4, cc.pp_seeded_groups)
+    assert [got for got, _ in out] == [[], [0.0, 1.0, 2.0], [], [200.0, 201.0, 202.0]], out
+    uids = out[0][1]
+    assert uids[0] == uids[1] and uids[2] == uids[3] and uids[0] != uids[2], uids
+
+
 def test_schedule_generator_respects_limit():
     for seed in range(5):
         pending: dict = {}

@@ -210,7 +210,8 @@ class TokenDispatcher:
 
         Args:
             expert_out: [S, H] (expand) or [M, H] (non-expand) -- expert outputs in the layout of the dispatch
-                that made `handle`, in that dispatch's x dtype; padding rows are ignored (their gradient is 0).
+                that made `handle`, any float dtype (not necessarily the dispatch's: bf16 rows times fp32 router
+                weights are fp32, and y is then fp32); padding rows are ignored (their gradient is 0).
             handle: the `EPHandle` returned by this dispatcher's `dispatch`.
             bias: None, a tensor, or a pair `(bias_0, bias_1)`; each [T, H] in expert_out's dtype -- added per
                 token before the expert rows; each gets the gradient of y. Default None.

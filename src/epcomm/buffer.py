@@ -11,7 +11,7 @@ file is over the ~500-line guide only because dispatch and combine document ever
 from __future__ import annotations
 
 import operator
-import random
+import secrets
 import socket
 import warnings
 import zlib
@@ -211,16 +211,18 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
     # -- construction helpers ------------------------------------------------------------------------
     def _rendezvous(self, err: Optional[BaseException], transport_code: int) -> tuple:
-        """One bounded exchange: rank 0's random draw names the buffer; each rank reports its host, device,
-        whether it can reach every other GPU of the host (peer access and symmetric memory), its own check
-        result and the transport it asked for. Every rank raises when one failed or they disagree."""
+        """One bounded exchange: rank 0's draw from the OS's entropy names the buffer (not Python's `random`,
+        which training scripts seed alike on every rank: two groups' buffers would share an id); each rank
+        reports its host, device, whether it can reach every other GPU of the host (peer access and symmetric
+        memory), its own check result and the transport it asked for. Every rank raises when one failed or they
+        disagree."""
         host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
         dev = self.device.index if self.device.type == "cuda" else -1
         status = agreement.status_of(err)
         ready = int(err is None and _nvlink_ready(self.device))
         options = [_as_int(v) for v in self._agreed_options().values()] + list(envs.agreed_values().values()) \
             if err is None else [0] * (len(_AGREED_OPTIONS) + len(envs.AGREED))
-        mine = torch.tensor([random.getrandbits(62), host, dev, ready, status, transport_code, *options],
+        mine = torch.tensor([secrets.randbits(62), host, dev, ready, status, transport_code, *options],
                             dtype=torch.int64, device=self.device)
         try:
             rows = self.transport.exchange_counts(mine.expand(self.num_ranks, mine.numel()).contiguous(), wait=True,

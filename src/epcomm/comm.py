@@ -13,7 +13,7 @@ of the collective path (NCCL on CUDA) are bounded by the process group's own NCC
 
 from __future__ import annotations
 
-import random
+import secrets
 import socket
 import time
 import warnings
@@ -87,7 +87,9 @@ class CommContext:
         # A rank whose own checks failed still joins the exchange (with placeholder values), so that every rank
         # raises: its own error there, "group rank r rejected the construction" elsewhere.
         values = [v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in agree.values()]
-        mine = torch.tensor([[random.getrandbits(62), host, status_of(error), *values]], dtype=torch.int64,
+        # Rank 0's draw names the context (store keys, handles): from the OS's entropy, since training scripts seed
+        # Python's `random` alike on every rank, and two groups' contexts must not share an id.
+        mine = torch.tensor([[secrets.randbits(62), host, status_of(error), *values]], dtype=torch.int64,
                             device=self.device)
         rows = self.exchange(mine.expand(self.num_ranks, mine.shape[1]).contiguous(), f"{owner} construction")
         rows = rows.tolist()

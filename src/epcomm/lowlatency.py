@@ -87,6 +87,13 @@ class LowLatencyHandle:
     calls: Optional[CallBook] = None
     call_index: int = -1
 
+    def __getitem__(self, index):
+        # DeepEP V1's handle is a tuple; code that unpacks or indexes it gets a pointer to the fields instead of
+        # Python's bare "not subscriptable".
+        raise TypeError(f"LowLatencyHandle is not DeepEP V1's tuple handle (asked for item {index!r}): pass it to "
+                        "low_latency_combine as it is, or read its fields (num_max_dispatch_tokens_per_rank, hidden, "
+                        "num_local_experts, topk_idx; docs/porting.md)")
+
 
 class LowLatencyMixin:
     """`low_latency_dispatch`, `low_latency_combine` and their helpers (DeepEP V1 low-latency API)."""
