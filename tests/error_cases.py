@@ -467,3 +467,21 @@ def per_call_disagreements(rank: int, world: int):
         assert torch.equal(got[0], recv_x), f"{name}: the next dispatch differs"
     buf.destroy()
     return out
+
+
+def missing_peer_in_subgroup(rank: int, world: int, timeout_s: float):
+    """On the subgroup of global ranks [1, 2], global rank 2 never dispatches: global rank 1's timeout names it by
+    its group rank and its global rank."""
+    sub = torch.distributed.new_group([1, 2])
+    if rank == 0:
+        return None
+    buf = epcomm.EPBuffer(sub, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)
+    if rank == 2:
+        time.sleep(timeout_s + 4)
+        return "skipped"
+    x, idx, w = _inputs(rank)
+    try:
+        buf.dispatch(x, idx, w, num_experts=E)
+    except TimeoutError as e:
+        return str(e)
+    return "no error"

@@ -151,7 +151,8 @@ class CommContext:
         """
         try:
             bounded_wait(work, what=what, call_id=self.next_call_id(), rank=self.rank, num_ranks=self.num_ranks,
-                         uid=self.uid, device=self.device, timeout_s=self.timeout_s, owner=self.owner)
+                         uid=self.uid, device=self.device, timeout_s=self.timeout_s, owner=self.owner,
+                         group=self.group)
         except TransportTimeout:
             self.broken = f"{what} timed out"
             raise

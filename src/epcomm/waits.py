@@ -40,11 +40,13 @@ def announce(uid: int, call_id: int, rank: int) -> None:
 
 
 def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_ranks: int, uid: int,
-                 device: torch.device, timeout_s: float, owner: str = "buffer") -> None:
+                 device: torch.device, timeout_s: float, owner: str = "buffer",
+                 group: Optional["dist.ProcessGroup"] = None) -> None:
     """Wait on the host for `work`, at most `timeout_s` seconds.
 
     Raises:
-        TransportTimeout: a peer did not arrive; names the missing group ranks and says how to end the job.
+        TransportTimeout: a peer did not arrive; names the missing group ranks (and, on a subgroup `group`, their
+            global ranks) and says how to end the job.
     """
     start = time.monotonic()
     announced = False
@@ -54,7 +56,7 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
             announce(uid, call_id, rank)  # only slow waits pay for a store round trip
             announced = True
         if now > start + timeout_s:
-            _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner)
+            _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group)
         # NOTE: on GPU spin first: a sleeping poll added ~3 ms to every CPU-synced NCCL dispatch (2x H200,
         # dsv3, 4.3 ms full vs 1.1 ms cached). On CPU the peers' gloo threads need the cores: always sleep.
         if device.type == "cpu" or now - start > 2e-3:
@@ -62,8 +64,19 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
     work.wait()
 
 
+def _global(ranks: list, group) -> str:
+    """The suffix ' (global ranks [...])' for group ranks of a subgroup (the processes a user looks for), else ''."""
+    try:
+        every = dist.get_process_group_ranks(group) if group is not None else None
+    except Exception:  # a group torch no longer knows: the group ranks alone
+        every = None
+    if not every or every == list(range(len(every))):
+        return ""
+    return f" (global ranks {[every[r] for r in ranks]})"
+
+
 def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int, timeout_s: float,
-                   owner: str) -> None:
+                   owner: str, group=None) -> None:
     store = default_store()
     missing: Optional[list] = None
     gave_up: list = []
@@ -75,9 +88,9 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
         # A peer that comes later finds this rank announced but gone: say so rather than "every rank arrived".
         store.set(_gave_up_key(uid, call_id, rank), "1")
     if missing:
-        who = f"group ranks {missing} did not arrive"
+        who = f"group ranks {missing}{_global(missing, group)} did not arrive"
     elif gave_up:
-        who = (f"group ranks {gave_up} gave up waiting for this call (their own timeout) before this rank came "
+        who = (f"group ranks {gave_up}{_global(gave_up, group)} gave up waiting for this call (their own timeout) before this rank came "
                "or before it finished")
     elif missing is None:
         who = "a peer (could not tell which) did not arrive"

@@ -124,7 +124,7 @@ class Transport(ABC):
     def wait(self, work: "dist.Work", what: str, call_id: int) -> None:
         """Wait for `work` on the host, at most `timeout_s`; name the missing ranks on expiry (waits.py)."""
         bounded_wait(work, what=what, call_id=call_id, rank=self.rank, num_ranks=self.num_ranks, uid=self.uid,
-                     device=self.device, timeout_s=self.timeout_s, owner="EPBuffer")
+                     device=self.device, timeout_s=self.timeout_s, owner="EPBuffer", group=self.group)
 
 
 _REGISTRY = {
