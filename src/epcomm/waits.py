@@ -90,8 +90,8 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
     if missing:
         who = f"group ranks {missing}{_global(missing, group)} did not arrive"
     elif gave_up:
-        who = (f"group ranks {gave_up}{_global(gave_up, group)} gave up waiting for this call (their own timeout) before this rank came "
-               "or before it finished")
+        who = (f"group ranks {gave_up}{_global(gave_up, group)} gave up waiting for this call (their own timeout) "
+               "before this rank came or before it finished")
     elif missing is None:
         who = "a peer (could not tell which) did not arrive"
     else:
