@@ -167,6 +167,7 @@ class TokenDispatcher:
         """L = num_experts / group size: experts owned by this rank (ids `rank * L .. rank * L + L - 1`)."""
         return self.num_experts // self.buffer.num_ranks
 
+    @torch.compiler.disable
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Optional[Tensor] = None) -> tuple:
         """Send each token to the ranks owning its top-k experts; differentiable w.r.t. `x` and `topk_weights`.
 
@@ -201,6 +202,7 @@ class TokenDispatcher:
             x, topk_weights, self.buffer, topk_idx, self.num_experts, self.expert_alignment, self.do_expand)
         return recv_x, recv_w, handle
 
+    @torch.compiler.disable
     def combine(self, expert_out: Tensor, handle: EPHandle, bias: Union[None, Tensor, tuple] = None) -> Tensor:
         """Sum the expert outputs back per token, unweighted; differentiable w.r.t. `expert_out` and `bias`.
 

@@ -207,6 +207,7 @@ class BucketBuffer(ContextLifecycle):
         nvl_gbs = sizing.default_nvlink_gbs(self.device) or 0.9 * 18 * 26.5625
         return _theoretical_num_sms(op, ctx.num_nvlink_ranks, ctx.num_rdma_ranks, nvl_gbs, DEFAULT_RDMA_GBS)
 
+    @torch.compiler.disable
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
                 group: Optional[dist.ProcessGroup] = None) -> None:
         """Barrier over `group` on the current stream (collective over it; reference §17.1).
@@ -226,6 +227,7 @@ class BucketBuffer(ContextLifecycle):
         return BucketSession(self)
 
     # -- lifecycle -----------------------------------------------------------------------------------
+    @torch.compiler.disable
     def destroy(self) -> None:
         """Release the buffer (collective over every group: a barrier each). A second call is a no-op."""
         if self._destroyed:
@@ -238,6 +240,7 @@ class BucketBuffer(ContextLifecycle):
         self.contexts, self.storage, self.nccl_comm_handles = [], None, []
 
     # -- collectives ---------------------------------------------------------------------------------
+    @torch.compiler.disable
     def all_gather(self, srcs: Union[Tensor, list], dsts: Union[None, Tensor, list] = None,
                    group: Optional[dist.ProcessGroup] = None, num_sms: Optional[int] = None) -> BucketEvent:
         """Gather every rank's shard of each bucket, in place in the storage (collective over `group`).
@@ -263,6 +266,7 @@ class BucketBuffer(ContextLifecycle):
         """
         return gather_call(self, srcs, dsts, group, num_sms, None)
 
+    @torch.compiler.disable
     def reduce_scatter(self, srcs: Union[Tensor, list], comm_precision: str = "fp32", scale: float = 1.0,
                        group: Optional[dist.ProcessGroup] = None, num_sms: Optional[int] = None) -> BucketEvent:
         """Sum each fp32 bucket over the ranks and keep this rank's shard, in place (collective over `group`).
@@ -287,6 +291,7 @@ class BucketBuffer(ContextLifecycle):
         """
         return reduce_call(self, "reduce_scatter", srcs, None, comm_precision, scale, group, num_sms, None)
 
+    @torch.compiler.disable
     def all_reduce(self, srcs: Union[Tensor, list], scale: float = 1.0, group: Optional[dist.ProcessGroup] = None,
                    num_sms: Optional[int] = None) -> BucketEvent:
         """Sum each fp32 bucket over the ranks, in place over the whole tensor (collective over `group`).

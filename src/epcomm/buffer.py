@@ -369,6 +369,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return EventHandle(torch.device("cuda") if torch.cuda.is_available() and torch.cuda.is_initialized()
                            else torch.device("cpu"))
 
+    @torch.compiler.disable
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
                 context_idx: Optional[int] = None) -> None:
         """Barrier over the group (collective; reference §17.1). Blocks the host, at most `num_cpu_timeout_secs`.
@@ -429,6 +430,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
               + (f" (symmetric memory {region / gib:.3f} GiB)" if region else ""))
 
     # -- lifecycle -----------------------------------------------------------------------------------
+    @torch.compiler.disable
     def destroy(self) -> None:
         """Release the buffer (collective: every rank must call it). A second call is a no-op."""
         if self._destroyed:
@@ -539,6 +541,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return rows
 
     # -- dispatch ------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def dispatch(
         self,
         x: Union[Tensor, tuple],
@@ -674,6 +677,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return recv_x, recv_topk_idx, recv_w, out_handle, event
 
     # -- combine -------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def combine(
         self,
         x: Tensor,

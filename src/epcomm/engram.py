@@ -223,6 +223,7 @@ class EngramBuffer(ContextLifecycle):
         return 1, self.num_ranks
 
     # -- configuration and table -----------------------------------------------------------------------
+    @torch.compiler.disable
     def set_config(self, num_entries_per_layer: Sequence[int], hidden: int, num_max_tokens: int,
                    num_entries_per_token: int, dtype: torch.dtype = torch.bfloat16, num_sf_packs: int = 0) -> None:
         """Fix the table shape (collective; every rank passes the same values). Arguments as the size hint.
@@ -287,6 +288,7 @@ class EngramBuffer(ContextLifecycle):
         self._nvlink.configure(rows, row, sf_bytes, transfer_word(row), transfer_word(sf_bytes))
         self.rdma_storage = self._nvlink.region.local
 
+    @torch.compiler.disable
     def write(self, storages: Sequence[Tensor], sfs: Optional[Sequence[Tensor]] = None) -> None:
         """Store this rank's shard of every layer (collective; barriers before and after).
 
@@ -342,6 +344,7 @@ class EngramBuffer(ContextLifecycle):
             self.context.barrier(call=call)
 
     # -- fetch ---------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def fetch(self, indices: Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = True) -> list:
         """Fetch `global_table_l[indices[l]]` for every layer.
 
@@ -470,6 +473,7 @@ class EngramBuffer(ContextLifecycle):
             warnings.warn(msg, stacklevel=3)
 
     # -- lifecycle -----------------------------------------------------------------------------------
+    @torch.compiler.disable
     def destroy(self) -> None:
         """Release the buffer (collective: a barrier; on nvlink drained on the host first, so no peer is still
         reading the region when it is freed). A second call is a no-op."""

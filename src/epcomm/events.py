@@ -27,6 +27,7 @@ class EventHandle:
             self.event = torch.cuda.Event()
             self.event.record(stream if stream is not None else torch.cuda.current_stream(device))
 
+    @torch.compiler.disable
     def current_stream_wait(self) -> None:
         """Make the current stream wait for this point (no-op on CPU)."""
         if self.event is not None:
@@ -67,6 +68,7 @@ class EventOverlap:
             raise ValueError("EventOverlap.register_hook_after_wait: a hook is already registered; wait first")
         self.hook_after_wait = hook
 
+    @torch.compiler.disable
     def current_stream_wait(self, release_handle: bool = False) -> Any:
         """Make the current stream wait for the event, then run the hook once and return its value.
 
@@ -81,6 +83,7 @@ class EventOverlap:
         """
         return self._wait("current_stream_wait", release_handle)
 
+    @torch.compiler.disable
     def wait(self) -> Any:
         """Same as `current_stream_wait()`.
 

@@ -179,6 +179,7 @@ class LoadBalancingMixin:
         return cached
 
     # -- the calls ------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def lb_prefetch_weights(self, redundant_expert_weights: Payloads, expert_weights: Payloads,
                             redundancy_mapping: Tensor, num_sms: int = 0,
                             previous_event: Optional[EventHandle] = None) -> EventOverlap:
@@ -220,6 +221,7 @@ class LoadBalancingMixin:
         return self._lb_call("EPBuffer.lb_prefetch_weights", _OP_PREFETCH, redundant_expert_weights,
                              expert_weights, redundancy_mapping, num_sms, previous_event)
 
+    @torch.compiler.disable
     def lb_reduce_grads(self, redundant_expert_grads: Payloads, expert_grads: Payloads, redundancy_mapping: Tensor,
                         num_sms: int = 0, previous_event: Optional[EventHandle] = None) -> EventOverlap:
         """Add the replicas' gradients into their owners' gradients, in place (collective; reference §13.3).

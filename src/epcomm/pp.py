@@ -236,6 +236,7 @@ class PPBuffer(ContextLifecycle):
                 f"within {self.context.timeout_s:g} s (num_cpu_timeout_secs)"), host=True)
 
     # -- API -----------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def send(self, x: Tensor, dst_rank_idx: int, num_sms: Optional[int] = None) -> None:
         """Send `x` to the neighbour `dst_rank_idx`, in FIFO order, on the current stream.
 
@@ -281,6 +282,7 @@ class PPBuffer(ContextLifecycle):
         fifo.works[slot] = works
         fifo.count += 1
 
+    @torch.compiler.disable
     def recv(self, x: Tensor, src_rank_idx: int, num_sms: Optional[int] = None) -> Tensor:
         """Receive the next tensor from the neighbour `src_rank_idx` into `x` (FIFO order), on the current stream.
 
@@ -353,6 +355,7 @@ class PPBuffer(ContextLifecycle):
                 _DRAINING.remove(entry)
 
     # -- lifecycle -----------------------------------------------------------------------------------
+    @torch.compiler.disable
     def destroy(self) -> None:
         """Wait for this rank's sends to be received (bounded), then release the buffer (collective).
 
