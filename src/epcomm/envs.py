@@ -11,7 +11,7 @@ Every rank must set the variables of `AGREED` alike (they choose kernels and bar
 | `EPCOMM_RETURN_CHUNKS` | unset | nvlink combine of CPU-synced handles (`push`): write in this many chunks, each reduced as soon as it arrives (default 1 eager, up to 3 in a CUDA graph) |
 | `EPCOMM_PULL_CHUNKS` | unset | nvlink pulls (CPU-synced and cached dispatch; the combine with `EPCOMM_NVLINK_RETURN=pull`): stage and pull in this many chunks, the first a third of each later one (default 1 eager, up to 2 in a CUDA graph) |
 | `EPCOMM_FUSED_SYNC_FREE_ROWS` | `4096` | nvlink: `dispatch(do_cpu_sync=False)`, and combine (not per pair) and cached dispatch on its handle, take the fused kernels (`syncfree_nvlink.py`) when `num_ranks * num_max_tokens_per_rank` is at most this and rows are whole 4-byte words; `0`: never. Must be the same on every rank |
-| `EPCOMM_FUSED_EXACT` | `1` | nvlink: `dispatch(do_cpu_sync=True)` takes the fused kernels (`exact_nvlink.py`: layouts and value checks on the device, one host read) when rows are whole 4-byte words and a rank has at most 1024 local experts; `0`: the generic path. Must be the same on every rank (checked with the call header on nvlink; other transports ignore it) |
+| `EPCOMM_FUSED_EXACT` | `1` | nvlink: `dispatch(do_cpu_sync=True)` takes the fused kernels (`exact_nvlink.py`: layouts and value checks on the device, one host read) when rows are whole 4-byte words and a rank has at most 1024 local experts; `0`: the generic path. Must be the same on every rank (checked at construction on every transport; only nvlink uses it) |
 | `EPCOMM_PHASE_TIMES` | unset | `1`: synchronise the device around each phase and sum its wall time (`epcomm.debug.phase_times()`); diagnostics only; read when epcomm is imported |
 """
 

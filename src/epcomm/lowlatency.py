@@ -114,7 +114,7 @@ class LowLatencyMixin:
             TypeError / ValueError: an argument that is not a positive int, or num_experts not a multiple of
                 num_ranks.
 
-        Source: DeepEP V1 `Buffer.get_low_latency_rdma_size_hint` (../shared/reference/peers.md §1.2).
+        Source: DeepEP V1 `Buffer.get_low_latency_rdma_size_hint` (deep_ep/buffer.py).
         """
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         c = Checker("EPBuffer.get_low_latency_rdma_size_hint", rank, torch.device("cpu"))
@@ -237,7 +237,7 @@ class LowLatencyMixin:
                 group size, ranks that pass different shapes (every rank raises); the buffer was destroyed.
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
 
-        Source: DeepEP V1 `Buffer.clean_low_latency_buffer` (../shared/reference/peers.md §1.2).
+        Source: DeepEP V1 `Buffer.clean_low_latency_buffer` (deep_ep/buffer.py).
         """
         name = "EPBuffer.clean_low_latency_buffer"
         self._check_alive(name)
@@ -288,7 +288,7 @@ class LowLatencyMixin:
             TypeError: `handle` is not a `LowLatencyHandle`. ValueError: a handle of another buffer; the buffer was
             destroyed.
 
-        Source: DeepEP V1 `Buffer.get_next_low_latency_combine_buffer` (../shared/reference/peers.md §1.2).
+        Source: DeepEP V1 `Buffer.get_next_low_latency_combine_buffer` (deep_ep/buffer.py).
         """
         name = "EPBuffer.get_next_low_latency_combine_buffer"
         self._check_alive(name)
@@ -365,7 +365,7 @@ class LowLatencyMixin:
                 it), or an earlier low-latency call of this buffer timed out on the GPU (nvlink; the message names
                 the rank that never signalled).
 
-        Source: DeepEP V1 `Buffer.low_latency_dispatch` (../shared/reference/peers.md §1.2); nvlink kernels in
+        Source: DeepEP V1 `Buffer.low_latency_dispatch` (deep_ep/buffer.py); nvlink kernels in
         `lowlatency_nvlink.py`.
         """
         name = "EPBuffer.low_latency_dispatch"
@@ -512,7 +512,7 @@ class LowLatencyMixin:
                 a `combine`. Where each raises: as `low_latency_dispatch`.
             TimeoutError: as `low_latency_dispatch`.
 
-        Source: DeepEP V1 `Buffer.low_latency_combine` (../shared/reference/peers.md §1.2); nvlink kernels in
+        Source: DeepEP V1 `Buffer.low_latency_combine` (deep_ep/buffer.py); nvlink kernels in
         `lowlatency_nvlink.py`.
         """
         name = "EPBuffer.low_latency_combine"

@@ -1,4 +1,4 @@
-"""How every time in `epcomm-bench` is taken (docs/benchmarks.md "Metrics").
+"""How every time in `epcomm-bench` is taken (docs/benchmarks.md, "Time" and "Graph replay").
 
 Before each call (warm-up and timed alike): on GPU, write a 256 MB buffer (evicts L2) and synchronise; then a
 barrier over the group, so that every rank starts the call together. The call is timed around the Python call:
