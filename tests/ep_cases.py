@@ -1083,3 +1083,42 @@ def empty_rank_broadcast_strides(rank: int, world: int, *, do_expand: bool = Fal
     assert_equal(got[1], want[1], "combined_topk_weights")
     buf.destroy()
     return recv_x.shape[0]
+
+
+def size_one_last_dim_strides(rank: int, world: int, *, fp8: bool, do_expand: bool = False) -> int:
+    """Inputs whose last dim has size 1 and a stride other than 1 (torch calls them contiguous; a byte view refuses
+    them): top-1 `topk_idx` / weights and, without FP8, hidden-1 `x` laid out column-major ([T, 1] of strides (1, T));
+    with FP8, column-major scales of one pack (hidden <= 128, as a TMA-aligned layout gives them); rank 0 holds one
+    token ([1, 1] tensors). Dispatch, cached dispatch and combine (expert outputs and weights likewise) equal the
+    reference. Returns the rows this rank received."""
+    gen = torch.Generator().manual_seed(60 + rank)
+    num_tokens, num_experts, hidden = (1, 4, 64 if fp8 else 1) if rank == 0 else (5, 4, 64 if fp8 else 1)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=5, hidden=hidden, num_topk=1, use_fp8_dispatch=fp8,
+                          num_cpu_timeout_secs=30)
+
+    def col_major(v: torch.Tensor) -> torch.Tensor:  # [rows, 1], the same values, strides (1, 4)
+        assert v.dim() == 2 and v.shape[1] == 1, v.shape
+        return torch.empty_strided(v.shape, (1, 4), dtype=v.dtype).copy_(v)
+
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    w, idx = torch.rand(num_tokens, num_experts, generator=gen).topk(1, dim=1)
+    payload = per_token_cast_to_fp8(x) if fp8 else x
+    odd = (payload[0], col_major(payload[1])) if fp8 else col_major(payload)
+    assert odd[1].stride(-1) != 1 if fp8 else odd.stride(-1) != 1
+    recv_x, _, recv_w, handle, _ = buf.dispatch(odd, col_major(idx), col_major(w), num_experts=num_experts,
+                                                do_expand=do_expand)
+    r_x, _, r_w, r_handle = ref.dispatch(payload, idx, w, num_experts, num_max_tokens_per_rank=5,
+                                         do_expand=do_expand)
+    cached = buf.dispatch(odd, handle=handle, topk_weights=col_major(w))
+    for got_x, what in ((recv_x, "recv_x"), (cached[0], "cached recv_x")):
+        for part, want_part, name in zip(got_x if fp8 else (got_x,), r_x if fp8 else (r_x,), ("data", "scales")):
+            assert_equal(part, want_part, f"{what} {name}")
+    assert_equal(recv_w, r_w, "recv_topk_weights")
+    y = (recv_x[0].float() if fp8 else recv_x.float()).bfloat16()[:, :1].contiguous()
+    y = y.expand(y.shape[0], hidden).contiguous() if hidden > 1 else y
+    got = buf.combine(col_major(y) if hidden == 1 else y, handle,
+                      topk_weights=None if do_expand else col_major(recv_w))
+    want = ref.combine(y, r_handle, topk_weights=None if do_expand else recv_w)
+    assert_equal(got[0], want[0], "combined_x")
+    buf.destroy()
+    return y.shape[0]

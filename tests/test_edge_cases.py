@@ -142,6 +142,15 @@ def test_empty_rank_with_broadcast_strides(run_ranks, do_expand):
     assert rows[0] > 0 and rows[1] > 0, rows
 
 
+@pytest.mark.parametrize("fp8,do_expand", [(False, False), (False, True), (True, False)])
+def test_size_one_last_dim_with_another_stride(run_ranks, fp8, do_expand):
+    """Top-1 routings, hidden-1 rows and one-pack FP8 scales laid out column-major (the last dim has size 1 and a
+    stride other than 1, which torch calls contiguous): every call completes and matches the reference, where a
+    byte view used to fail on that rank after its peers had met it in the header exchange."""
+    rows = run_ranks(2, ep_cases.size_one_last_dim_strides, fp8=fp8, do_expand=do_expand)
+    assert rows[0] > 0 and rows[1] > 0, rows
+
+
 @pytest.mark.parametrize("num_bias", [1, 2])
 @pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
 def test_deferred_combine_reads_bias_at_wait(run_ranks, do_expand, num_bias):

@@ -26,7 +26,8 @@ def _all_to_all(t: Tensor, send_splits: list, recv_splits: list, group) -> Tenso
     """Variable all-to-all of rows of any dtype (moved as bytes, so gloo handles bf16 and FP8 too)."""
     row_shape = tuple(t.shape[1:])
     row_bytes = t.dtype.itemsize * int(torch.Size(row_shape).numel())
-    as_bytes = t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+    # A fresh dense copy: `contiguous()` keeps the strides of size-1 dims, which a byte view refuses.
+    as_bytes = t.clone(memory_format=torch.contiguous_format).view(torch.uint8).reshape(t.shape[0], row_bytes)
     out = torch.empty(sum(recv_splits), as_bytes.shape[1], dtype=torch.uint8, device=t.device)
     dist.all_to_all_single(out, as_bytes, recv_splits, send_splits, group=group)
     return out.view(t.dtype).reshape(-1, *row_shape)
