@@ -375,9 +375,11 @@ def engram_check(hooks, order: str, idx, tables, sfs, num_tokens: int, per_token
 
 def engram_fetch(rank: int, world: int, seed: int, fp8: bool, entries=(1000, 1021), hidden: int = 256,
                  tokens: int = 64, per_token: int = 24, device: str = "cpu", transport: str = "auto",
-                 expect_transport: str = ""):
+                 expect_transport: str = "", col_major_sf: bool = False):
     """Rows fetched equal global_table[indices] bitwise: hooks in forward and reverse order, random, all-local
-    and all-remote rows, empty fetches, and a second write of a new table seen by the next fetch."""
+    and all-remote rows, empty fetches, and a second write of a new table seen by the next fetch. `col_major_sf`:
+    the scale tables written are laid out column-major (one pack a row: strides (1, rows), which torch calls
+    contiguous but a byte view refuses)."""
     entries = list(entries)
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     tables, sfs = engram_table(seed, world, entries, hidden, fp8)
@@ -391,8 +393,11 @@ def engram_fetch(rank: int, world: int, seed: int, fp8: bool, entries=(1000, 102
     want = expect_transport or (transport if transport != "auto" else "collective" if device == "cpu" else None)
     assert want is None or buf.transport == want, (buf.transport, want)
     buf.set_config(entries, hidden, tokens, per_token, dtype, packs)
-    buf.write([t[rank * n:(rank + 1) * n] for t, n in zip(tables, entries)],
-              None if sfs is None else [s.clone() for s in sfs])
+    if col_major_sf:
+        assert sfs[0].shape[1] == 1, sfs[0].shape
+    written = None if sfs is None else [torch.empty_strided(s.shape, (1, s.shape[0]), dtype=s.dtype, device=device)
+                                        .copy_(s) if col_major_sf else s.clone() for s in sfs]
+    buf.write([t[rank * n:(rank + 1) * n] for t, n in zip(tables, entries)], written)
     gen = torch.Generator().manual_seed(seed * 13 + rank)
     rounds = (("forward", tokens - 3 * rank, "random"), ("reverse", 0 if rank == 1 else tokens, "random"),
               ("forward", tokens, "local"), ("reverse", tokens - rank, "remote"))

@@ -1122,3 +1122,21 @@ def size_one_last_dim_strides(rank: int, world: int, *, fp8: bool, do_expand: bo
     assert_equal(got[0], want[0], "combined_x")
     buf.destroy()
     return y.shape[0]
+
+
+def warning_at_caller(rank: int, world: int, load_dynamo: bool) -> tuple:
+    """The file of the grad warning a dispatch gives (inputs that require grad): the caller's, also once Dynamo is
+    loaded and its wrapper stands between (compile_guard). Returns (warning files, this file)."""
+    import importlib
+    import warnings
+
+    if load_dynamo:
+        importlib.import_module("torch._dynamo")
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=8, num_topk=2)
+    x = torch.randn(4, 8, requires_grad=True)
+    idx = torch.rand(4, 2 * world).topk(2, dim=1).indices
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buf.dispatch(x, idx, None, num_experts=2 * world)
+    buf.destroy()
+    return [w.filename for w in caught if "require grad" in str(w.message)], __file__

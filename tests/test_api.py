@@ -60,3 +60,14 @@ def _dispatch_twice(rank, world):
 
 def test_dispatch_twice_is_bitwise_identical(run_ranks):
     assert all(run_ranks(2, _dispatch_twice))
+
+
+def test_import_does_not_load_dynamo():
+    """`compile_guard`: importing epcomm does not import torch._dynamo (with inductor, sympy and Triton: ~1 s and
+    ~140 MB per process); the entry points run eagerly under torch.compile all the same (test_autograd)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import sys, epcomm; print('torch._dynamo' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr[-2000:])

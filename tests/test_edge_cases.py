@@ -157,3 +157,9 @@ def test_deferred_combine_reads_bias_at_wait(run_ranks, do_expand, num_bias):
     """Reference §3.5: a deferred combine reads `bias` when its event is first waited on (a bias written after the
     call, before the wait, is the one added), and its expert outputs at the call."""
     assert run_ranks(2, ep_cases.deferred_combine_bias, do_expand=do_expand, num_bias=num_bias) == [True, True]
+
+
+@pytest.mark.parametrize("load_dynamo", [False, True])
+def test_warnings_point_at_the_callers_line(run_ranks, load_dynamo):
+    for files, here in run_ranks(2, ep_cases.warning_at_caller, load_dynamo):
+        assert files == [here], (files, here)

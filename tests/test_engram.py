@@ -18,6 +18,10 @@ def test_fetch_matches_global_table(run_ranks, fp8):
     assert all(run_ranks(2, cc.engram_fetch, 11, fp8))
 
 
+def test_write_with_column_major_scales(run_ranks):
+    assert all(run_ranks(2, cc.engram_fetch, 13, True, col_major_sf=True))
+
+
 def test_odd_hidden_fetches(run_ranks):
     """Rows that are not a multiple of 64 bytes (BF16 hidden 30 and 31): the hint sizes them, fetch returns them bitwise."""
     assert EngramBuffer.get_storage_size_hint(2, [8], 30, 4, 2) == (2 << 20, 2 << 20)

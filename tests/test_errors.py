@@ -224,8 +224,8 @@ def test_missing_peer_times_out_naming_it():
 def test_missing_peer_in_a_subgroup_is_named_by_its_global_rank_too():
     results = run_in_fresh_world(3, error_cases.missing_peer_in_subgroup, 3.0, timeout=60)
     assert results[0] is None and results[2] == "skipped", results
-    assert re.search(r"^EPBuffer.dispatch: count exchange: rank 0 waited 3 s .* group ranks \[1\] \(global ranks "
-                     r"\[2\]\) did not arrive", results[1]), results[1]
+    assert re.search(r"^EPBuffer.dispatch: count exchange: rank 0 \(global rank 1\) waited 3 s .* group ranks \[1\] "
+                     r"\(global ranks \[2\]\) did not arrive", results[1]), results[1]
 
 
 def test_late_rank_with_a_bad_value_times_out_in_the_message_gather():

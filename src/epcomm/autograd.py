@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .buffer import EPBuffer
+from .compile_guard import eager_under_compile
 from .handle import EPHandle
 
 __all__ = ["TokenDispatcher"]
@@ -167,7 +168,7 @@ class TokenDispatcher:
         """L = num_experts / group size: experts owned by this rank (ids `rank * L .. rank * L + L - 1`)."""
         return self.num_experts // self.buffer.num_ranks
 
-    @torch.compiler.disable
+    @eager_under_compile
     def dispatch(self, x: Tensor, topk_idx: Tensor, topk_weights: Optional[Tensor] = None) -> tuple:
         """Send each token to the ranks owning its top-k experts; differentiable w.r.t. `x` and `topk_weights`.
 
@@ -202,7 +203,7 @@ class TokenDispatcher:
             x, topk_weights, self.buffer, topk_idx, self.num_experts, self.expert_alignment, self.do_expand)
         return recv_x, recv_w, handle
 
-    @torch.compiler.disable
+    @eager_under_compile
     def combine(self, expert_out: Tensor, handle: EPHandle, bias: Union[None, Tensor, tuple] = None) -> Tensor:
         """Sum the expert outputs back per token, unweighted; differentiable w.r.t. `expert_out` and `bias`.
 

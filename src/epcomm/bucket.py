@@ -26,6 +26,7 @@ from . import gloo_exit, sizing
 from .bucket_placement import BucketEvent, gather_call, reduce_call
 from .bucket_session import BucketSession, SessionOutOfStorage
 from .comm import ContextLifecycle, CommContext, new_comm_stream
+from .compile_guard import eager_under_compile
 from .validate import Checker, construction_timeout
 
 __all__ = ["BucketBuffer", "BucketEvent", "BucketSession", "SessionOutOfStorage"]
@@ -207,7 +208,7 @@ class BucketBuffer(ContextLifecycle):
         nvl_gbs = sizing.default_nvlink_gbs(self.device) or 0.9 * 18 * 26.5625
         return _theoretical_num_sms(op, ctx.num_nvlink_ranks, ctx.num_rdma_ranks, nvl_gbs, DEFAULT_RDMA_GBS)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
                 group: Optional[dist.ProcessGroup] = None) -> None:
         """Barrier over `group` on the current stream (collective over it; reference §17.1).
@@ -227,7 +228,7 @@ class BucketBuffer(ContextLifecycle):
         return BucketSession(self)
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def destroy(self) -> None:
         """Release the buffer (collective over every group: a barrier each). A second call is a no-op."""
         if self._destroyed:
@@ -240,7 +241,7 @@ class BucketBuffer(ContextLifecycle):
         self.contexts, self.storage, self.nccl_comm_handles = [], None, []
 
     # -- collectives ---------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def all_gather(self, srcs: Union[Tensor, list], dsts: Union[None, Tensor, list] = None,
                    group: Optional[dist.ProcessGroup] = None, num_sms: Optional[int] = None) -> BucketEvent:
         """Gather every rank's shard of each bucket, in place in the storage (collective over `group`).
@@ -266,7 +267,7 @@ class BucketBuffer(ContextLifecycle):
         """
         return gather_call(self, srcs, dsts, group, num_sms, None)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def reduce_scatter(self, srcs: Union[Tensor, list], comm_precision: str = "fp32", scale: float = 1.0,
                        group: Optional[dist.ProcessGroup] = None, num_sms: Optional[int] = None) -> BucketEvent:
         """Sum each fp32 bucket over the ranks and keep this rank's shard, in place (collective over `group`).
@@ -291,7 +292,7 @@ class BucketBuffer(ContextLifecycle):
         """
         return reduce_call(self, "reduce_scatter", srcs, None, comm_precision, scale, group, num_sms, None)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def all_reduce(self, srcs: Union[Tensor, list], scale: float = 1.0, group: Optional[dist.ProcessGroup] = None,
                    num_sms: Optional[int] = None) -> BucketEvent:
         """Sum each fp32 bucket over the ranks, in place over the whole tensor (collective over `group`).

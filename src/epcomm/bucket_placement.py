@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -28,6 +27,7 @@ from torch import Tensor
 from .agreement import STATUS_OK, STATUS_TYPE, gather_messages, rejected, status_of
 from .comm import CommContext
 from .events import EventHandle, EventOverlap
+from .validate import warn_caller
 
 if TYPE_CHECKING:
     from .bucket import BucketBuffer
@@ -285,7 +285,7 @@ def _reduction_options(buf: BucketBuffer, c, ctx, op: str, comm_precision: str, 
         c.fail(ValueError, f"num_sms must be > 0 or None (the model's value) for {op}, got {num_sms}")
     if buf.device.type == "cpu" and "num_sms" not in buf._warned:
         buf._warned.add("num_sms")
-        warnings.warn("epcomm: num_sms has no effect on CPU; it is ignored", stacklevel=3)
+        warn_caller("epcomm: num_sms has no effect on CPU; it is ignored")
     return num_sms
 
 

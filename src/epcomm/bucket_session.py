@@ -19,6 +19,7 @@ from torch import Tensor
 from . import sizing
 from .bucket_placement import BucketEvent, gather_call, reduce_call
 from .comm import CommContext
+from .compile_guard import eager_under_compile
 
 if TYPE_CHECKING:
     from .bucket import BucketBuffer
@@ -117,20 +118,20 @@ class BucketSession:
             out.append(self._carve(c, numel * dtype.itemsize).view(dtype).view(shape))
         return out[0] if one else tuple(out)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def all_gather(self, srcs, dsts=None, group: Optional[dist.ProcessGroup] = None,
                    num_sms: Optional[int] = None) -> BucketEvent:
         """`BucketBuffer.all_gather` accepting tensors outside the storage; `dsts` must have `src.dtype`."""
         return gather_call(self.buffer, srcs, dsts, group, num_sms, self)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def reduce_scatter(self, srcs, comm_precision: str = "fp32", scale: float = 1.0,
                        group: Optional[dist.ProcessGroup] = None, num_sms: Optional[int] = None, *,
                        dsts=None) -> BucketEvent:
         """`BucketBuffer.reduce_scatter` accepting tensors outside the storage; fp32 `dsts` of `src.nbytes / R`."""
         return reduce_call(self.buffer, "reduce_scatter", srcs, dsts, comm_precision, scale, group, num_sms, self)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def all_reduce(self, srcs, scale: float = 1.0, group: Optional[dist.ProcessGroup] = None,
                    num_sms: Optional[int] = None, *, dsts=None) -> BucketEvent:
         """`BucketBuffer.all_reduce` accepting tensors outside the storage; fp32 `dsts` of `src.nbytes`."""

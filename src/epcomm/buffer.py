@@ -23,6 +23,7 @@ from torch import Tensor
 
 from . import agreement, debug, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink
 from .allocator import BufferAllocator
+from .compile_guard import eager_under_compile
 from .events import EventHandle
 from .handle import EPHandle
 from .lb import LoadBalancingMixin
@@ -30,7 +31,8 @@ from .lowlatency import LowLatencyMixin
 from .transport import TransportTimeout, resolve_transport
 from .transport import symm
 from .transport.collective import CollectiveTransport
-from .validate import Checker, check_event_options, check_topk_values, construction_timeout, process_group
+from .validate import (Checker, check_event_options, check_topk_values, construction_timeout, process_group,
+                       warn_caller)
 
 DEFAULT_DTYPE = torch.bfloat16
 _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
@@ -369,7 +371,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return EventHandle(torch.device("cuda") if torch.cuda.is_available() and torch.cuda.is_initialized()
                            else torch.device("cpu"))
 
-    @torch.compiler.disable
+    @eager_under_compile
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
                 context_idx: Optional[int] = None) -> None:
         """Barrier over the group (collective; reference §17.1). Blocks the host, at most `num_cpu_timeout_secs`.
@@ -430,7 +432,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
               + (f" (symmetric memory {region / gib:.3f} GiB)" if region else ""))
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def destroy(self) -> None:
         """Release the buffer (collective: every rank must call it). A second call is a no-op."""
         if self._destroyed:
@@ -485,7 +487,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(msg, stacklevel=3)
+            warn_caller(msg)
 
     def agree(self, call: str, recv_rows: list, local_error: Optional[BaseException]) -> None:
         """Raise on every rank when any rank failed or the ranks disagree (see agreement.py)."""
@@ -541,7 +543,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return rows
 
     # -- dispatch ------------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def dispatch(
         self,
         x: Union[Tensor, tuple],
@@ -677,7 +679,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         return recv_x, recv_topk_idx, recv_w, out_handle, event
 
     # -- combine -------------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def combine(
         self,
         x: Tensor,

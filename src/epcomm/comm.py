@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import gloo_exit
 from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages, rejected, status_of
+from .compile_guard import eager_under_compile
 from .waits import TransportTimeout, bounded_wait
 from .validate import Checker
 
@@ -233,6 +234,7 @@ class CommContext:
                 self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
 
 
+@eager_under_compile
 def barrier(buffer, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
             context_idx: Optional[int] = None) -> None:
     """Device barrier over a buffer's group, on the current stream, bounded by the timeout (collective).
@@ -308,6 +310,7 @@ class ContextLifecycle:
         """The buffer's communication stream; None on CPU."""
         return self.context.comm_stream
 
+    @eager_under_compile
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """Barrier over the group on the current stream (collective; reference §17.1).
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -38,11 +37,13 @@ from torch import Tensor
 from . import sizing
 from .agreement import gather_messages, rejected
 from .comm import ContextLifecycle, CommContext, new_comm_stream
+from .compile_guard import eager_under_compile
 from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan
 from .moves import transfer_word
+from .resolve import dense_strides
 from .engram_nvlink import NVLinkTable, choose_transport
 from .events import EventHandle
-from .validate import Checker, construction_timeout, process_group
+from .validate import Checker, construction_timeout, process_group, warn_caller
 
 __all__ = ["EngramBuffer"]
 
@@ -223,7 +224,7 @@ class EngramBuffer(ContextLifecycle):
         return 1, self.num_ranks
 
     # -- configuration and table -----------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def set_config(self, num_entries_per_layer: Sequence[int], hidden: int, num_max_tokens: int,
                    num_entries_per_token: int, dtype: torch.dtype = torch.bfloat16, num_sf_packs: int = 0) -> None:
         """Fix the table shape (collective; every rank passes the same values). Arguments as the size hint.
@@ -288,7 +289,7 @@ class EngramBuffer(ContextLifecycle):
         self._nvlink.configure(rows, row, sf_bytes, transfer_word(row), transfer_word(sf_bytes))
         self.rdma_storage = self._nvlink.region.local
 
-    @torch.compiler.disable
+    @eager_under_compile
     def write(self, storages: Sequence[Tensor], sfs: Optional[Sequence[Tensor]] = None) -> None:
         """Store this rank's shard of every layer (collective; barriers before and after).
 
@@ -331,10 +332,10 @@ class EngramBuffer(ContextLifecycle):
             torch.cuda.current_stream(self.device).wait_stream(self.context.comm_stream)
         offsets = cfg["offsets"]
         for layer, t in enumerate(storages):
-            self._table[offsets[layer]:offsets[layer + 1]].copy_(t.contiguous().view(torch.uint8))
+            self._table[offsets[layer]:offsets[layer + 1]].copy_(dense_strides(t.contiguous()).view(torch.uint8))
             if sfs is not None:
                 n = cfg["entries"][layer]
-                mine = sfs[layer][self.rank * n:(self.rank + 1) * n].contiguous()
+                mine = dense_strides(sfs[layer][self.rank * n:(self.rank + 1) * n].contiguous())
                 self._scales[offsets[layer]:offsets[layer + 1]].copy_(mine.view(torch.uint8))
                 self._sf_dtype = sfs[layer].dtype
         self._written = True
@@ -344,7 +345,7 @@ class EngramBuffer(ContextLifecycle):
             self.context.barrier(call=call)
 
     # -- fetch ---------------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def fetch(self, indices: Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = True) -> list:
         """Fetch `global_table_l[indices[l]]` for every layer.
 
@@ -470,10 +471,10 @@ class EngramBuffer(ContextLifecycle):
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(msg, stacklevel=3)
+            warn_caller(msg)
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def destroy(self) -> None:
         """Release the buffer (collective: a barrier; on nvlink drained on the host first, so no peer is still
         reading the region when it is freed). A second call is a no-op."""

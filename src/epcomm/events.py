@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .compile_guard import eager_under_compile
+
 
 class EventHandle:
     """A point on a stream that another stream can wait for.
@@ -27,7 +29,7 @@ class EventHandle:
             self.event = torch.cuda.Event()
             self.event.record(stream if stream is not None else torch.cuda.current_stream(device))
 
-    @torch.compiler.disable
+    @eager_under_compile
     def current_stream_wait(self) -> None:
         """Make the current stream wait for this point (no-op on CPU)."""
         if self.event is not None:
@@ -68,7 +70,7 @@ class EventOverlap:
             raise ValueError("EventOverlap.register_hook_after_wait: a hook is already registered; wait first")
         self.hook_after_wait = hook
 
-    @torch.compiler.disable
+    @eager_under_compile
     def current_stream_wait(self, release_handle: bool = False) -> Any:
         """Make the current stream wait for the event, then run the hook once and return its value.
 
@@ -83,7 +85,7 @@ class EventOverlap:
         """
         return self._wait("current_stream_wait", release_handle)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def wait(self) -> Any:
         """Same as `current_stream_wait()`.
 

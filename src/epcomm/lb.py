@@ -33,7 +33,6 @@ receives, B bytes of one row (all payloads of one expert side by side).
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -46,8 +45,10 @@ from torch import Tensor
 
 from . import agreement, lb_nvlink, lb_sum, sizing, streams
 from .allocator import BufferAllocator
+from .compile_guard import eager_under_compile
 from .events import EventHandle, EventOverlap
-from .validate import Checker
+from .resolve import dense_strides
+from .validate import Checker, warn_caller
 from .waits import TransportTimeout
 
 __all__ = ["MAX_LB_PAYLOADS", "LoadBalancingMixin", "lb_routes"]
@@ -179,7 +180,7 @@ class LoadBalancingMixin:
         return cached
 
     # -- the calls ------------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def lb_prefetch_weights(self, redundant_expert_weights: Payloads, expert_weights: Payloads,
                             redundancy_mapping: Tensor, num_sms: int = 0,
                             previous_event: Optional[EventHandle] = None) -> EventOverlap:
@@ -221,7 +222,7 @@ class LoadBalancingMixin:
         return self._lb_call("EPBuffer.lb_prefetch_weights", _OP_PREFETCH, redundant_expert_weights,
                              expert_weights, redundancy_mapping, num_sms, previous_event)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def lb_reduce_grads(self, redundant_expert_grads: Payloads, expert_grads: Payloads, redundancy_mapping: Tensor,
                         num_sms: int = 0, previous_event: Optional[EventHandle] = None) -> EventOverlap:
         """Add the replicas' gradients into their owners' gradients, in place (collective; reference §13.3).
@@ -541,7 +542,7 @@ class LoadBalancingMixin:
         warned = self.__dict__.setdefault("_lb_warned", set())
         if key not in warned:
             warned.add(key)
-            warnings.warn(msg, stacklevel=4)
+            warn_caller(msg)
 
 
 @dataclass
@@ -609,4 +610,4 @@ def _per_expert(t: Tensor) -> int:
 
 def _bytes(t: Tensor) -> Tensor:
     """[rows, bytes per row] uint8 view of a contiguous tensor whose first dim is the row."""
-    return t.view(t.shape[0], _per_expert(t)).view(torch.uint8)
+    return dense_strides(t).view(t.shape[0], _per_expert(t)).view(torch.uint8)

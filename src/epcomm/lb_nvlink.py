@@ -32,7 +32,6 @@ of one payload, W = B / word size.
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -42,6 +41,7 @@ from torch import Tensor
 
 from . import debug
 from .lb_sum import lru_get
+from .validate import warn_caller
 
 __all__ = ["BULK_ROW_BYTES", "LBRegion", "PeerMoves", "attach_lb_region", "lb_moves", "pull_grads",
            "push_weights"]
@@ -184,9 +184,9 @@ def attach_lb_region(buf, symm_cls=None) -> Optional[LBRegion]:
                                           kind="LB region size", label="EPBuffer construction (LB region)")
     sizes = sizes[:, 0].tolist()
     if len(set(sizes)) > 1:
-        warnings.warn(f"EPBuffer: rank {buf.rank}: the ranks' LB regions differ in size ({sizes} bytes by group "
+        warn_caller(f"EPBuffer: rank {buf.rank}: the ranks' LB regions differ in size ({sizes} bytes by group "
                       "rank); symmetric memory needs one size, so lb_prefetch_weights and lb_reduce_grads take "
-                      "the collective path. Pass identical plans (or byte counts) on every rank", stacklevel=3)
+                      "the collective path. Pass identical plans (or byte counts) on every rank")
         return None
     if sizes[0] == 0:
         return None
@@ -196,7 +196,7 @@ def attach_lb_region(buf, symm_cls=None) -> Optional[LBRegion]:
         try:
             buf.lb_allocation_plan.rebind(region.local)
         except ValueError as e:  # not expected (nobody holds the plan's tensors yet); stay correct anyway
-            warnings.warn(f"EPBuffer: rank {buf.rank}: {e}; its LB calls take the collective path", stacklevel=3)
+            warn_caller(f"EPBuffer: rank {buf.rank}: {e}; its LB calls take the collective path")
             return region
     buf.lb_storage = region.local
     debug.log(f"EPBuffer rank {buf.rank}: LB region of {buf.num_lb_bytes} bytes in symmetric memory")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import agreement, pipeline, sizing, streams
+from .compile_guard import eager_under_compile
 from .events import EventHandle, EventOverlap
 from .fp8 import num_sf_packs, per_token_cast_to_fp8, unpack_ue8m0
 from .kernels import weighted_reduce_torch
@@ -215,7 +216,7 @@ class LowLatencyMixin:
                                                allocate)
         return self._ll_nvlink
 
-    @torch.compiler.disable
+    @eager_under_compile
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency calls of one shape to their state before the first call (collective: every rank
         calls it with the same shape). Calls in order never need it (the nvlink kernels' flags are counters that
@@ -268,7 +269,7 @@ class LowLatencyMixin:
                 self._ll_calls[layout] = CallBook()
         self._barrier(name, op, with_cpu_sync=True, signature=shape)  # no peer writes into an area not yet cleared
 
-    @torch.compiler.disable
+    @eager_under_compile
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Tensor:
         """The buffer a `low_latency_combine(..., zero_copy=True)` of this handle's shape reads its expert outputs
         from: write them into it, then combine with `zero_copy=True` (`x` is then only checked, not read).
@@ -309,7 +310,7 @@ class LowLatencyMixin:
             buf = self._ll_zero_copy[shape] = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
         return buf
 
-    @torch.compiler.disable
+    @eager_under_compile
     def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
@@ -475,7 +476,7 @@ class LowLatencyMixin:
         received = calls.book(0, call_index, return_recv_hook, self.rank)  # the data is complete: the hook books it
         return recv_x, recv_count, ll_handle, event, (received if return_recv_hook else None)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[Tensor] = None,

@@ -44,7 +44,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,9 +55,10 @@ from torch import Tensor
 
 from . import sizing
 from .comm import ContextLifecycle, CommContext, new_comm_stream
+from .compile_guard import eager_under_compile
 from .waits import default_store
 from .transport.base import TransportTimeout
-from .validate import Checker, construction_timeout, process_group
+from .validate import Checker, construction_timeout, process_group, warn_caller
 
 __all__ = ["PPBuffer"]
 
@@ -236,7 +236,7 @@ class PPBuffer(ContextLifecycle):
                 f"within {self.context.timeout_s:g} s (num_cpu_timeout_secs)"), host=True)
 
     # -- API -----------------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def send(self, x: Tensor, dst_rank_idx: int, num_sms: Optional[int] = None) -> None:
         """Send `x` to the neighbour `dst_rank_idx`, in FIFO order, on the current stream.
 
@@ -282,7 +282,7 @@ class PPBuffer(ContextLifecycle):
         fifo.works[slot] = works
         fifo.count += 1
 
-    @torch.compiler.disable
+    @eager_under_compile
     def recv(self, x: Tensor, src_rank_idx: int, num_sms: Optional[int] = None) -> Tensor:
         """Receive the next tensor from the neighbour `src_rank_idx` into `x` (FIFO order), on the current stream.
 
@@ -355,7 +355,7 @@ class PPBuffer(ContextLifecycle):
                 _DRAINING.remove(entry)
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager_under_compile
     def destroy(self) -> None:
         """Wait for this rank's sends to be received (bounded), then release the buffer (collective).
 
@@ -475,8 +475,7 @@ class PPBuffer(ContextLifecycle):
             c.fail(ValueError, f"num_sms must be None (all SMs) or > 0, got {num_sms}")
         if "num_sms" not in self._warned:
             self._warned.add("num_sms")
-            warnings.warn("epcomm: PPBuffer num_sms has no effect (the collective path uses no SM budget)",
-                          stacklevel=3)
+            warn_caller("epcomm: PPBuffer num_sms has no effect (the collective path uses no SM budget)")
 
     def _wait(self, work: "dist.Work", deadline: float, late, *, host: bool = False) -> None:
         """CPU: a host wait until `deadline`; CUDA: the current stream waits, or (`host`) a bounded host poll.

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,6 +94,19 @@ def construction_timeout(num_cpu_timeout_secs, err: Optional[BaseException]) -> 
     """The bound of a constructor's exchange: `num_cpu_timeout_secs`, or the default when this rank's checks failed
     (`err`; the timeout may be what failed): such a rank still joins the exchange, so that every rank raises."""
     return num_cpu_timeout_secs if err is None else DEFAULT_CPU_TIMEOUT_S
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_caller(message: str, category: type = UserWarning) -> None:
+    """`warnings.warn` at the caller's line: the first frame outside epcomm and torch's Dynamo wrappers (which
+    `compile_guard` puts around the entry points once Dynamo is loaded), however many frames stand between."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or f"torch{os.sep}_dynamo" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def process_group(owner: str, group) -> "dist.ProcessGroup":

@@ -64,20 +64,23 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
     work.wait()
 
 
-def _global(ranks: list, group) -> str:
-    """The suffix ' (global ranks [...])' for group ranks of a subgroup (the processes a user looks for), else ''."""
+def _global_ranks(group) -> Optional[list]:
+    """The global rank of every group rank when `group` is a subgroup (the processes a user looks for), else None."""
     try:
         every = dist.get_process_group_ranks(group) if group is not None else None
     except Exception:  # a group torch no longer knows: the group ranks alone
-        every = None
-    if not every or every == list(range(len(every))):
-        return ""
-    return f" (global ranks {[every[r] for r in ranks]})"
+        return None
+    return every if every and every != list(range(len(every))) else None
 
 
 def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int, timeout_s: float,
                    owner: str, group=None) -> None:
     store = default_store()
+    every = _global_ranks(group)
+
+    def named(ranks: list) -> str:
+        return f"group ranks {ranks}" + (f" (global ranks {[every[r] for r in ranks]})" if every else "")
+
     missing: Optional[list] = None
     gave_up: list = []
     if store is not None:
@@ -88,16 +91,17 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
         # A peer that comes later finds this rank announced but gone: say so rather than "every rank arrived".
         store.set(_gave_up_key(uid, call_id, rank), "1")
     if missing:
-        who = f"group ranks {missing}{_global(missing, group)} did not arrive"
+        who = f"{named(missing)} did not arrive"
     elif gave_up:
-        who = (f"group ranks {gave_up}{_global(gave_up, group)} gave up waiting for this call (their own timeout) "
-               "before this rank came or before it finished")
+        who = (f"{named(gave_up)} gave up waiting for this call (their own timeout) before this rank came or "
+               "before it finished")
     elif missing is None:
         who = "a peer (could not tell which) did not arrive"
     else:
         who = "every group rank arrived and the collective still did not finish (mismatched calls or sizes?)"
+    me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
     raise TransportTimeout(
-        f"{what}: rank {rank} waited {timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} but {who}. Every "
+        f"{what}: {me} waited {timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} but {who}. Every "
         f"rank of the group must make the same {owner} calls in the same order. The {owner} and its process group "
         "are unusable now (an unmatched collective is pending): end the job; while the missing rank is alive the "
         "process cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
