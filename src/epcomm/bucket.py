@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import gloo_exit, sizing
+from . import sizing
 from .bucket_placement import BucketEvent, gather_call, reduce_call
 from .bucket_session import BucketSession, SessionOutOfStorage
 from .comm import ContextLifecycle, CommContext, new_comm_stream
@@ -105,7 +105,6 @@ class BucketBuffer(ContextLifecycle):
             if not isinstance(g, dist.ProcessGroup):
                 raise TypeError(f"{name}: rank {rank}: groups[{i}] must be a ProcessGroup this rank belongs to, got "
                                 f"{type(g).__name__}")
-            gloo_exit.arm(g)
         if len({id(g) for g in groups}) != len(groups):
             raise ValueError(f"{name}: rank {rank}: group_or_groups lists a group twice; list each group once")
         num_bytes = allocation_plan_or_num_bytes

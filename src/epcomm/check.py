@@ -13,8 +13,9 @@ on 8 ranks is 16384 on every rank), and every call is assumed to carry the full 
 type of `x` (of the expert outputs with `--fp8`) and the type the buffer is sized for. `--device` is the device of
 the planned run: `cuda` with `--transport nvlink`, else `cpu`. `--num-bytes` defaults to what `EPBuffer(...,
 num_bytes=None)` allocates. `--ranks-per-host` (default: all on one host) feeds `LOCAL_WORLD_SIZE` into the size
-formula. The constraints are the checks of `EPBuffer.__init__`, `resolve.resolve_dispatch` and `resolve.resolve_combine`
-(validate.py), evaluated through the same functions where they are shape-only.
+formula. The constraints are the checks of `EPBuffer.__init__`, `resolve.resolve_dispatch` and
+`resolve.resolve_combine` (with validate.py's helpers), evaluated through the same functions where they are
+shape-only.
 
 Exit status: 0 when nothing FAILs, 1 otherwise, 2 for bad command-line arguments.
 """

@@ -40,7 +40,6 @@ from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .compile_guard import eager_under_compile
 from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan
 from .moves import transfer_word
-from .resolve import dense_strides
 from .engram_nvlink import NVLinkTable, choose_transport
 from .events import EventHandle
 from .validate import Checker, construction_timeout, process_group, warn_caller
@@ -332,10 +331,10 @@ class EngramBuffer(ContextLifecycle):
             torch.cuda.current_stream(self.device).wait_stream(self.context.comm_stream)
         offsets = cfg["offsets"]
         for layer, t in enumerate(storages):
-            self._table[offsets[layer]:offsets[layer + 1]].copy_(dense_strides(t.contiguous()).view(torch.uint8))
+            self._table[offsets[layer]:offsets[layer + 1]].copy_(sizing.dense_strides(t.contiguous()).view(torch.uint8))
             if sfs is not None:
                 n = cfg["entries"][layer]
-                mine = dense_strides(sfs[layer][self.rank * n:(self.rank + 1) * n].contiguous())
+                mine = sizing.dense_strides(sfs[layer][self.rank * n:(self.rank + 1) * n].contiguous())
                 self._scales[offsets[layer]:offsets[layer + 1]].copy_(mine.view(torch.uint8))
                 self._sf_dtype = sfs[layer].dtype
         self._written = True

@@ -47,7 +47,6 @@ from . import agreement, lb_nvlink, lb_sum, sizing, streams
 from .allocator import BufferAllocator
 from .compile_guard import eager_under_compile
 from .events import EventHandle, EventOverlap
-from .resolve import dense_strides
 from .validate import Checker, warn_caller
 from .waits import TransportTimeout
 
@@ -610,4 +609,4 @@ def _per_expert(t: Tensor) -> int:
 
 def _bytes(t: Tensor) -> Tensor:
     """[rows, bytes per row] uint8 view of a contiguous tensor whose first dim is the row."""
-    return dense_strides(t).view(t.shape[0], _per_expert(t)).view(torch.uint8)
+    return sizing.dense_strides(t).view(t.shape[0], _per_expert(t)).view(torch.uint8)

@@ -31,8 +31,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         if flag is not None and not isinstance(flag, (bool, int)):  # ints 0/1 pass, as bools do in torch code
             c.fail(TypeError, f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
     do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
-    x = tuple(map(dense_strides, x)) if isinstance(x, tuple) else dense_strides(x)
-    topk_idx, topk_weights = dense_strides(topk_idx), dense_strides(topk_weights)
+    x = tuple(map(sizing.dense_strides, x)) if isinstance(x, tuple) else sizing.dense_strides(x)
+    topk_idx, topk_weights = sizing.dense_strides(topk_idx), sizing.dense_strides(topk_weights)
     xs = check_x(c, x, allow_fp8=True)
     warn_if_grad(buf, "dispatch", xs.data, topk_weights)
     if handle is not None:
@@ -126,7 +126,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         topk_idx = handle.topk_idx
     except ValueError as e:
         c.fail(ValueError, str(e))
-    x, topk_weights = dense_strides(x), dense_strides(topk_weights)
+    x, topk_weights = sizing.dense_strides(x), sizing.dense_strides(topk_weights)
     x = check_x(c, x, allow_fp8=False).data
     warn_if_grad(buf, "combine", x, topk_weights)
     rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
@@ -149,7 +149,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         biases = tuple(bias)
     else:
         c.fail(TypeError, f"bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
-    biases = tuple(map(dense_strides, biases))
+    biases = tuple(map(sizing.dense_strides, biases))
     for i, b in enumerate(biases):
         c.tensor(f"bias[{i}]" if len(biases) == 2 else "bias", b, ndim=2, dtypes=(x.dtype,),
                  shape=(topk_idx.shape[0], x.shape[1]))
@@ -186,26 +186,6 @@ def narrowed_outputs(handle, outputs: tuple) -> tuple:
     recv_x = tuple(t[:rows] for t in recv_x) if isinstance(recv_x, tuple) else recv_x[:rows]
     return (recv_x, None if recv_topk_idx is None else recv_topk_idx[:rows],
             None if recv_w is None else recv_w[:rows], out_handle)
-
-
-def dense_strides(t):
-    """`t` with the strides the transports' byte views need, without a copy: anything else as it is (the same
-    object). Torch calls a tensor contiguous whatever the strides of its size-1 dims, and every empty tensor
-    contiguous whatever its strides, but a byte view (`.view(torch.uint8)`) needs the last dim's stride to be 1; such
-    inputs failed after the peers had met this rank in the header exchange (the peers then timed out):
-    * empty with strides that are not the dense ones (a [0, 1] weight tensor of strides (1, 0) after a broadcast op,
-      on a rank with no tokens): a new dense tensor;
-    * contiguous with a last dim of size 1 and a stride other than 1 (column-major FP8 scales of one pack, [T, 1] of
-      strides (1, T); a [1, 1] slice): a view of the same elements with the dense strides.
-    """
-    if not isinstance(t, Tensor) or t.layout != torch.strided or not t.dim():
-        return t
-    if t.numel() == 0:
-        if t.stride() != sizing.contiguous_strides(tuple(t.shape)):
-            return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    elif t.stride(-1) != 1 and t.is_contiguous():
-        return t.as_strided(t.shape, sizing.contiguous_strides(tuple(t.shape)), t.storage_offset())
-    return t
 
 
 def warn_if_grad(buf, call: str, *tensors) -> None:

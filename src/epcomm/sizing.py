@@ -51,6 +51,26 @@ def contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
+def dense_strides(t):
+    """`t` with the strides the transports' byte views need, without a copy: anything else as it is (the same
+    object). Torch calls a tensor contiguous whatever the strides of its size-1 dims, and every empty tensor
+    contiguous whatever its strides, but a byte view (`.view(torch.uint8)`) needs the last dim's stride to be 1; such
+    inputs failed after the peers had met this rank in the header exchange (the peers then timed out):
+    * empty with strides that are not the dense ones (a [0, 1] weight tensor of strides (1, 0) after a broadcast op,
+      on a rank with no tokens): a new dense tensor;
+    * contiguous with a last dim of size 1 and a stride other than 1 (column-major FP8 scales of one pack, [T, 1] of
+      strides (1, T); a [1, 1] slice): a view of the same elements with the dense strides.
+    """
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or not t.dim():
+        return t
+    if t.numel() == 0:
+        if t.stride() != contiguous_strides(tuple(t.shape)):
+            return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    elif t.stride(-1) != 1 and t.is_contiguous():
+        return t.as_strided(t.shape, contiguous_strides(tuple(t.shape)), t.storage_offset())
+    return t
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of 2 >= n (0 for 0), as `triton.next_power_of_2`. Host code calls this one: Triton's is a
     constexpr function since Triton 3.5, and a call from Python costs ~3-5 us of host time (an H200 host)."""

@@ -216,9 +216,9 @@ GRAPH_CALLS = 8  # decode: calls captured back to back in one graph for the `gra
 
 
 def measure_low_latency(rank: int, world_size: int, cfg: EpcommConfig, iters: int, warmup: int) -> dict:
-    """Decode on GPU (docs/benchmarks.md, "Graph replay" and the dsv3-decode preset): CUDA-graph replays of `low_latency_dispatch` (BF16 in, FP8
-    cast inside) and `low_latency_combine` (BF16, weighted), and of the normal path without CPU sync (expand
-    dispatch + combine), on the same inputs."""
+    """Decode on GPU (docs/benchmarks.md, "Graph replay" and the dsv3-decode preset): CUDA-graph replays of
+    `low_latency_dispatch` (BF16 in, FP8 cast inside) and `low_latency_combine` (BF16, weighted), and of the normal
+    path without CPU sync (expand dispatch + combine), on the same inputs."""
     case, moe = cfg.case, cfg.case.moe
     device = _device()
     inp = make_inputs(case, rank, device)
