@@ -43,7 +43,7 @@ def body(rank: int, world: int, port: int) -> None:
             call()
         for _ in range(12):
             for mode in times:
-                launch._prepare = direct if mode == "direct" else (lambda *args: (None, None))
+                launch._prepare = direct if mode == "direct" else (lambda *args: (None, None, None, None))
                 for _ in range(4):
                     dist.barrier()
                     torch.cuda.synchronize()

@@ -31,7 +31,7 @@ def memo(cache: dict, key, make: Callable):
     value = cache.get(key)
     if value is None:
         value = make()
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
             cache[key] = value
     return value
 
@@ -47,9 +47,42 @@ def on_comm_stream(device: torch.device, comm: Optional["torch.cuda.Stream"], pr
     if event is not None:
         comm.wait_event(event)
     else:
-        comm.wait_stream(torch.cuda.current_stream(device.index))
+        follow(comm, current_stream(device.index))
     with switched_to(comm):
         yield
+
+
+_CURRENT: dict = {}  # torch._C._cuda_getCurrentStream's (id, device index, device type) -> a Stream of that id
+_LINKS: dict = {}  # (waiting stream id, stream id, device index) -> the event `follow` records for that pair
+
+
+def current_stream(index: int) -> "torch.cuda.Stream":
+    """`torch.cuda.current_stream(index)`, without a new `Stream` object per call: a Stream is only its id, so one
+    object per id serves every call (an eager call asked for the current stream twice)."""
+    key = torch._C._cuda_getCurrentStream(index)
+    stream = _CURRENT.get(key)
+    if stream is None:
+        if len(_CURRENT) >= 256:  # a bound for programs that make streams without end
+            _CURRENT.clear()
+        stream = _CURRENT[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+    return stream
+
+
+def follow(waiter: "torch.cuda.Stream", stream: "torch.cuda.Stream") -> None:
+    """`waiter.wait_stream(stream)` with one event kept per pair of streams rather than a new event per call (its
+    creation and destruction are two driver calls on top of the record and the wait; a later record does not
+    change what an earlier wait waits for). Under CUDA-graph capture, torch's own `wait_stream`."""
+    if torch.cuda.is_current_stream_capturing():
+        waiter.wait_stream(stream)
+        return
+    key = (waiter.stream_id, stream.stream_id, stream.device_index)
+    event = _LINKS.get(key)
+    if event is None:
+        if len(_LINKS) >= 256:
+            _LINKS.clear()
+        event = _LINKS[key] = torch.cuda.Event()
+    event.record(stream)
+    waiter.wait_event(event)
 
 
 def ordered_exchange(transport, comm: Optional["torch.cuda.Stream"], device: torch.device, send_RC: Tensor,
@@ -108,7 +141,7 @@ def finish(device: torch.device, comm: Optional["torch.cuda.Stream"], epilogue: 
         if defer:
             return EventOverlap(EventHandle(), hook_after_wait=epilogue)
         return epilogue(), EventOverlap(EventHandle() if async_op else None)
-    compute = torch.cuda.current_stream(device.index)
+    compute = current_stream(device.index)
     for t in inputs:
         if t is not None:
             t.record_stream(comm)
@@ -127,7 +160,7 @@ def finish(device: torch.device, comm: Optional["torch.cuda.Stream"], epilogue: 
     with switched_to(comm):
         outputs = _record_outputs(epilogue(), compute)
     if not async_op:  # no event to make (an event costs ~7 us of host time)
-        compute.wait_stream(comm)
+        follow(compute, comm)
         return outputs, EventOverlap(None)
     return outputs, EventOverlap(EventHandle(stream=comm))
 

@@ -117,8 +117,9 @@ def test_cpu_launches_go_the_usual_way(fresh):
 
 def test_compiled_variants_skip_the_runner_unless_a_hook_is_set(fresh, monkeypatch):
     """A compiled variant goes straight to its launcher with what Triton's runner would pass (grid, stream, function,
-    packed metadata, no metadata, no hooks, the arguments); while a launch hook is set (a profiler), through the
-    runner, which calls the hook."""
+    packed metadata, no metadata, no hooks, the arguments, tensors as their addresses, which the launcher takes
+    without a driver query); while a launch hook is set (a profiler), through the runner with the tensors, which
+    calls the hook."""
     knobs = pytest.importorskip("triton").knobs
     monkeypatch.setattr(launch_mod, "_device_index", lambda: 0)
     monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 99)
@@ -141,7 +142,7 @@ def test_compiled_variants_skip_the_runner_unless_a_hook_is_set(fresh, monkeypat
     compiled, k, a = FakeCompiled(), FakeKernel(), torch.zeros(4)
     monkeypatch.setattr(k, "warmup", lambda *args, grid, **kwargs: compiled)
     launch_mod.launch(k, (3,), a, 5, B=2)
-    assert compiled.runs == [(3, 1, 1, 99, 7, "meta", None, None, None, a, 5, 2)] and not compiled.runner
+    assert compiled.runs == [(3, 1, 1, 99, 7, "meta", None, None, None, a.data_ptr(), 5, 2)] and not compiled.runner
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
     launch_mod.launch(k, (3, 2), a, 6, B=2)
     assert len(compiled.runs) == 1 and compiled.runner == [((3, 2, 1), (a, 6, 2), 99)]

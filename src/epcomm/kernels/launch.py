@@ -47,11 +47,11 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         whatever `kernel[grid](...)` raises (compile errors, bad arguments, launch failures); a launch never runs
         twice.
     """
-    compiled, values, device = _prepare(kernel, grid, args, kwargs)
+    compiled, values, raw, device = _prepare(kernel, grid, args, kwargs)
     if compiled is None:
         kernel[grid](*args, **kwargs)
         return
-    compiled((grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1), values,
+    compiled((grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1), values, raw,
              _raw_stream(device))  # the stream given: Triton's runner would look it up
 
 
@@ -74,10 +74,13 @@ class Compiled:
         except Exception:
             self.direct = None
 
-    def __call__(self, grid3: tuple, values, stream: int) -> None:
+    def __call__(self, grid3: tuple, values, raw, stream: int) -> None:
+        """Launch on `stream` (a raw stream handle) with `values`, the arguments in signature order; the launcher
+        itself gets `raw`, the same with each tensor's address in its place (`None`: `values`)."""
         if self.direct is not None and _quiet(self.hooks.launch_enter_hook) and _quiet(self.hooks.launch_exit_hook):
             run, function, metadata = self.direct
-            run(grid3[0], grid3[1], grid3[2], stream, function, metadata, None, None, None, *values)
+            run(grid3[0], grid3[1], grid3[2], stream, function, metadata, None, None, None,
+                *(values if raw is None else raw))
         else:
             self.kernel[grid3](*values, stream=stream)
 
@@ -113,11 +116,11 @@ def _arg_key(value, _tensor=torch.Tensor):
 
 
 def _prepare(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
-    """(compiled kernel, every argument in signature order, current device index), or (None, None, None) to launch
-    the usual way."""
+    """(compiled kernel, every argument in signature order, the same with tensors as their addresses, current device
+    index), or (None, None, None, None) to launch the usual way."""
     kid = id(kernel)
     if kid in _usual_way:
-        return None, None, None
+        return None, None, None, None
     try:
         params = _params.get(kid)
         if params is None:
@@ -135,11 +138,13 @@ def _prepare(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
         const_types = tuple(map(type, consts))  # True, 1 and 1.0 are one dict key but three variants
         device = _device_index()
         runtime_key = []
+        raw = list(values)  # tensors as addresses: the launcher then skips a driver query per pointer
         for i in runtime:  # `_arg_key`, with its two common cases inline (a function call per argument adds up)
             value = values[i]
             kind = type(value)
             if kind is _Tensor:
-                runtime_key.append((value.dtype, value.data_ptr() % 16 == 0))
+                raw[i] = address = value.data_ptr()
+                runtime_key.append((value.dtype, address % 16 == 0))
             elif kind is int:
                 runtime_key.append((value == 1, value % 16 == 0, -2 ** 31 <= value < 2 ** 31, value < 2 ** 63))
             else:
@@ -152,9 +157,9 @@ def _prepare(kernel, grid: tuple, args: tuple, kwargs: dict) -> tuple:
             if compiled is None:
                 raise TypeError("warmup returned no compiled kernel")
             if getattr(type(compiled), "__getitem__", None) is None:  # still compiling: the usual way this time
-                return None, None, None
+                return None, None, None, None
             compiled = _compiled[key] = Compiled(compiled)
-        return compiled, values, device
+        return compiled, values, raw, device
     except Exception:  # no CUDA, the interpreter, another Triton's internals: the usual path from now on
         _usual_way.add(kid)
-        return None, None, None
+        return None, None, None, None

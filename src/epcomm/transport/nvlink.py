@@ -87,6 +87,7 @@ class NVLinkTransport(Transport):
         self._signals = None  # the return push's barriers (beside its copies), made at first use
         self._captured = False  # a pull or return push was captured: every later call waits for its peers first
         self._exact_table = None  # the fused CPU-synced dispatch's rows, pinned copy and header view (exact_table)
+        self._wait_event = None  # the event of host waits (`_host_wait`), made at first use
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
                                       timeout_s=gpu_timeout_s)
 
@@ -191,9 +192,12 @@ class NVLinkTransport(Transport):
         return self.region.peer(self.rank, self._headers_off, (r, _HEADER_COLS), torch.int64)[:, :c].clone()
 
     def _host_wait(self, what: str, call_id: int) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self.wait(_EventWork(event), what, call_id)
+        """Wait (bounded) for the current stream's work so far. One event serves every call: the wait ends (or the
+        buffer is broken) before the next record."""
+        if self._wait_event is None:
+            self._wait_event = torch.cuda.Event()
+        self._wait_event.record(streams.current_stream(self.device.index))
+        self.wait(_EventWork(self._wait_event), what, call_id)
 
     def dispatch_rows(
         self, send_XB: Tensor, send_splits: Optional[list], recv_splits: Optional[list], *, call_id: int

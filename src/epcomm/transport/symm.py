@@ -145,7 +145,7 @@ class SymmetricRegion:
         self.check_status()
         # The compiled kernel directly, pointers as ints: Triton's JIT dispatch and tensor arguments cost ~20 us
         # of host time per barrier, which an eager call with four barriers would pay four times.
-        self._launch((1, 1, 1), self._args, torch._C._cuda_getCurrentRawStream(self._device_index))
+        self._launch((1, 1, 1), self._args, None, torch._C._cuda_getCurrentRawStream(self._device_index))
 
     def check_status(self) -> None:
         """Raises: TimeoutError -- a device barrier of this region timed out waiting for a rank (named)."""
