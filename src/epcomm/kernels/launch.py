@@ -6,7 +6,10 @@ costs the host 40-100 us per launch for kernels of 15-60 arguments (2x H200 host
 keys its own cache with a cheaper description of the arguments that is at least as fine as Triton's
 specialisation, and hands the arguments straight to the compiled kernel's launcher (`Compiled`: Triton's runner
 would add a closure, a launch-metadata dict and calls of empty hook chains per launch), as `transport/symm.py` does
-for the barrier kernel. The key:
+for the barrier kernel. Tensors reach the launcher as their addresses, which it takes as they are; given a tensor
+it would ask the driver whether the address is device memory (a CPU tensor's is not), one query per tensor per
+launch, so every caller passes tensors on the launch's device only (their inputs' devices are checked first,
+`validate.py`). The key:
 
 * tensors: dtype and whether the address is a multiple of 16 bytes (Triton's alignment specialisation);
 * integers of runtime parameters: 1 or not, a multiple of 16 or not, 32- or 64-bit (all Triton looks at);
