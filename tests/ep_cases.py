@@ -6,6 +6,8 @@ Each function runs on every rank as `fn(rank, world_size, ...)` and returns a sm
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -388,6 +390,65 @@ def events_on_cpu(rank: int, world: int):
     ev2 = buf.combine(recv_x, handle, async_with_compute_stream=True, defer_epilogue=True)
     combined, combined_w = ev2.wait()
     assert combined.shape == x.shape and combined_w is None
+    return True
+
+
+def stream_order(rank: int, world: int, transport: str = "auto"):
+    """Synchronous calls run on the caller's current stream, the others on the comm stream (streams.CallOrder),
+    and a call on another stream than the buffer's previous call runs after it: stream A sleeps ~25 ms before its
+    call, stream B does not wait for A, yet B's call ends after A's (event times), for each pair of kinds; results
+    stay the reference's. Also: a synchronous call leaves no work on the comm stream."""
+    torch.manual_seed(rank)
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=512, hidden=1024, transport=transport)
+    idx, w = random_routing(torch.Generator().manual_seed(rank), 512, 32, 4)
+    idx, w = idx.cuda(), w.cuda()
+    x = torch.randn(512, 1024, device="cuda").bfloat16()
+    ref_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=32)
+    ref_combined = buf.combine(ref_x, handle)[0]
+    comm = buf.get_comm_stream()
+    torch.cuda.synchronize()
+    buf.dispatch(x, handle=handle)
+    torch.cuda._sleep(50_000_000)  # ~25 ms: on the comm stream, the combine would wait for it
+    buf.combine(ref_x, handle)
+    with torch.cuda.stream(comm):
+        probe = torch.cuda.Event()
+        probe.record()
+    deadline = time.perf_counter() + 0.005
+    while not probe.query() and time.perf_counter() < deadline:
+        pass
+    assert probe.query(), "a synchronous call left work on the comm stream"
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def call(kind: str, stream):
+        """The call of `kind` on `stream`; returns (its result's x, an event with timing after its work)."""
+        done = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            if kind == "sync":
+                out = buf.combine(ref_x, handle)[0]
+                done.record()
+            else:  # async, after an event of this stream
+                prev = epcomm.EPBuffer.capture()
+                out, _, ev = buf.combine(ref_x, handle, previous_event=prev, allocate_on_comm_stream=True,
+                                         async_with_compute_stream=True)
+                with torch.cuda.stream(comm):
+                    done.record()
+                ev.current_stream_wait()
+        return out, done
+
+    for first, second in (("sync", "sync"), ("sync", "async"), ("async", "sync"), ("async", "async")):
+        for _ in range(2):
+            start = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(a):
+                start.record()
+                torch.cuda._sleep(50_000_000)
+            out_a, done_a = call(first, a)
+            out_b, done_b = call(second, b)
+            torch.cuda.synchronize()
+            assert start.elapsed_time(done_a) > 5, (first, second)  # A's call came after the sleep
+            assert done_a.elapsed_time(done_b) > 0, (first, second, "the second call did not wait for the first")
+            assert torch.equal(out_a, ref_combined) and torch.equal(out_b, ref_combined)
+    buf.destroy()
     return True
 
 

@@ -50,6 +50,11 @@ def test_streams_on_gpu(nccl, transport):
     assert all(nccl.run(ep_cases.gpu_streams, transport))
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_calls_on_several_streams_keep_their_order(nccl, transport):
+    assert all(nccl.run(ep_cases.stream_order, transport))
+
+
 def test_auto_picks_nvlink_on_one_host(nccl):
     assert nccl.run(ep_cases.transport_name) == ["nvlink", "nvlink"]
 

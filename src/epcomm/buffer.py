@@ -201,6 +201,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
         self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
+        self._order = streams.CallOrder(self.device, self._comm_stream)  # which stream each call runs on
         self._call_id = 0
         self.transport.on_calls_differ = self._take_back_call_id
         self._pending_deferred = False
@@ -406,7 +407,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         call_id = self._next_call_id()
         head = agreement.header(agreement.status_of(err), call_id, {"op": op} | (signature or {}), self.uid)
         try:
-            recv = streams.ordered_exchange(self.transport, self._comm_stream, self.device,
+            recv = streams.ordered_exchange(self.transport, self._order, self.device,
                                             agreement.pack(head, None, self.num_ranks, self.device), call_id,
                                             label=name)
         except TimeoutError as e:
@@ -638,9 +639,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         except (TypeError, ValueError) as e:
             err = e
         cached = handle is not None
+        direct = self._order.is_direct(previous_event, async_with_compute_stream, allocate_on_comm_stream,
+                                       defer_epilogue)
         try:
             with debug.phase("dispatch" + ("_cached" if cached else "")), \
-                    self._on_comm_stream(previous_event):
+                    self._order.launch(previous_event, direct):
                 if cached:
                     self._exchange_header(name, call_id, call.signature(2) if call else {}, err)
                     if syncfree_nvlink.cached_applies(self, call):
@@ -672,7 +675,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             with debug.phase("dispatch_epilogue"):
                 outputs = finish(self, call, launched)
                 return resolve.narrowed_outputs(call.handle, outputs) if cached else outputs
-        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue)
+        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct)
         if defer_epilogue:
             return result
         (recv_x, recv_topk_idx, recv_w, out_handle), event = result
@@ -734,8 +737,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             call = resolve.resolve_combine(self, c, x, handle, topk_weights, bias, num_sms, num_qps)
         except (TypeError, ValueError) as e:
             err = e
+        direct = self._order.is_direct(previous_event, async_with_compute_stream, allocate_on_comm_stream,
+                                       defer_epilogue)
         try:
-            with debug.phase("combine"), self._on_comm_stream(previous_event):
+            with debug.phase("combine"), self._order.launch(previous_event, direct):
                 self._exchange_header(name, call_id, call.signature() if call else {}, err)
                 call = call if call is None else resolve.padded_if_narrowed(call)
                 if call is not None and syncfree_nvlink.combine_applies(self, call):
@@ -749,18 +754,16 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         def epilogue():
             with debug.phase("combine_reduce"):
                 return pipeline.combine_finish(self, call, launched)
-        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue)
+        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct)
         if defer_epilogue:
             return result
         (combined_x, combined_w), event = result
         return combined_x, combined_w, event
 
     # -- streams (reference §3.4-3.5; streams.py) --------------------------------------------------------
-    def _on_comm_stream(self, previous_event: Optional[EventHandle]):
-        return streams.on_comm_stream(self.device, self._comm_stream, previous_event)
-
-    def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool):
-        """Run or defer the epilogue; a deferred one marks the buffer busy until its first wait."""
+    def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool, direct: bool):
+        """Run or defer the epilogue (`direct`: on the current stream, `streams.CallOrder`); a deferred one marks
+        the buffer busy until its first wait."""
         if defer:
             self._pending_deferred = True
             inner = epilogue
@@ -768,7 +771,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             def epilogue():
                 self._pending_deferred = False
                 return inner()
-        return streams.finish(self.device, self._comm_stream, epilogue, inputs, async_op, defer)
+        return self._order.finish(epilogue, inputs, async_op, defer, direct)
 
 
 def _as_int(value) -> int:

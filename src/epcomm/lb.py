@@ -373,8 +373,8 @@ class LoadBalancingMixin:
         offsets = [region.offset_of(t) for t in call.redundant] if call is not None and region is not None else []
         offsets += [-1] * (MAX_LB_PAYLOADS - len(offsets))
         row = torch.tensor([status, call_id] + sig + offsets, dtype=torch.int64, device=self.device)
-        comm = getattr(self, "_comm_stream", None)
-        recv = streams.ordered_exchange(self.transport, comm, self.device,
+        order = getattr(self, "_order", None)
+        recv = streams.ordered_exchange(self.transport, order, self.device,
                                         row.expand(self.num_ranks, row.numel()).contiguous(), call_id,
                                         kind="load-balancing header", label=name).tolist()
         if hasattr(self, "_call_id"):
@@ -383,7 +383,7 @@ class LoadBalancingMixin:
         if failed:
             msg_call = self._next_call_id() if hasattr(self, "_next_call_id") else call_id + 1  # keys of its own
             messages = agreement.gather_messages(
-                lambda t: streams.ordered_exchange(self.transport, comm, self.device, t, msg_call, "error messages",
+                lambda t: streams.ordered_exchange(self.transport, order, self.device, t, msg_call, "error messages",
                                                    label=name),
                 str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
@@ -440,13 +440,13 @@ class LoadBalancingMixin:
     def _lb_gather_ints(self, name: str, call_id: int, values: list) -> list:
         """Every rank's `values` (a list of ints as long on every rank), through bounded header exchanges of at
         most `agreement._WIDEST_ROW` columns, each under a call id of its own. Returns R lists, rank s's at s."""
-        comm = getattr(self, "_comm_stream", None)
+        order = getattr(self, "_order", None)
         out = [[] for _ in range(self.num_ranks)]
         width = agreement._WIDEST_ROW
         for k, start in enumerate(range(0, len(values), width)):
             row = torch.tensor(values[start:start + width], dtype=torch.int64, device=self.device)
             cid = self._next_call_id() if hasattr(self, "_next_call_id") else call_id + 1 + k
-            recv = streams.ordered_exchange(self.transport, comm, self.device,
+            recv = streams.ordered_exchange(self.transport, order, self.device,
                                             row.expand(self.num_ranks, row.numel()).contiguous(), cid,
                                             "load-balancing disagreement", kind="load-balancing disagreement",
                                             label=name).tolist()
@@ -527,7 +527,10 @@ class LoadBalancingMixin:
             stream = getattr(self, "_lb_own_stream", None)
             if stream is None:
                 stream = self._lb_own_stream = torch.cuda.Stream(device=self.device, priority=-1)
-        if previous_event is not None and previous_event.event is not None:
+        order = getattr(self, "_order", None)
+        if order is not None and order.comm is stream:  # after the buffer's last call too (streams.CallOrder)
+            order.to_comm(previous_event)
+        elif previous_event is not None and previous_event.event is not None:
             stream.wait_event(previous_event.event)
         else:
             stream.wait_stream(torch.cuda.current_stream(self.device))

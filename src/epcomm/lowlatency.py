@@ -192,7 +192,7 @@ class LowLatencyMixin:
                 shape = [layout.num_max_tokens, layout.hidden, layout.num_topk, layout.num_local_experts,
                          *map(int, row_format)]
                 mine = torch.tensor(shape, dtype=torch.int64, device=self.device)
-                rows = streams.ordered_exchange(self.transport, self._comm_stream, self.device,
+                rows = streams.ordered_exchange(self.transport, self._order, self.device,
                                                 mine.expand(self.num_ranks, len(shape)).contiguous(),
                                                 self._next_call_id(), kind="low-latency shape",
                                                 label="EPBuffer low-latency call (first of its shape)").tolist()

@@ -1,7 +1,8 @@
 """The stream and event protocol of dispatch/combine (DeepEP V2.5 EPBuffer behaviour, §3.4-3.5).
 
-On CUDA a call's communication runs on the buffer's high-priority comm stream after `previous_event` (or the
-current stream); its epilogue runs there too, or on the current stream at wait time when deferred. Tensors that
+On CUDA a call with an event option runs its communication on the buffer's high-priority comm stream after
+`previous_event` (or the current stream); its epilogue runs there too, or on the current stream at wait time when
+deferred. A synchronous call runs on the current stream (`CallOrder`: same outcome, less host time). Tensors that
 cross streams are recorded with the caching allocator. On CPU everything is synchronous and the events are
 completed markers (docs/decisions.md "Events on CPU").
 """
@@ -36,20 +37,89 @@ def memo(cache: dict, key, make: Callable):
     return value
 
 
-@contextmanager
-def on_comm_stream(device: torch.device, comm: Optional["torch.cuda.Stream"], previous_event: Optional[EventHandle]):
-    """Run the enclosed launch on `comm` after `previous_event` (or after the current stream)."""
-    if device.type != "cuda":
-        yield
-        return
-    event = getattr(previous_event, "event", None)  # an EventHandle's CUDA event; an EventOverlap's EventHandle
-    event = getattr(event, "event", event)
-    if event is not None:
-        comm.wait_event(event)
-    else:
-        follow(comm, current_stream(device.index))
-    with switched_to(comm):
-        yield
+class CallOrder:
+    """Which stream a buffer's call runs on, and the order of its calls across streams (DeepEP V2.5 EPBuffer
+    behaviour, §3.4).
+
+    A synchronous call (no `previous_event`, `async_with_compute_stream`, `allocate_on_comm_stream` or
+    `defer_epilogue`) runs on the current stream: the reference runs it on the comm stream between two waits (the
+    comm stream for the current one, then the current one for the comm stream), with the same outcome for the
+    caller, and those waits and switches cost every synchronous call host time (~6 driver calls). The other
+    calls, the barrier and the load-balancing and header exchanges run on the comm stream as the reference says.
+
+    The transports reuse staging areas and count device barriers from call to call, so calls must reach the device
+    in the order they were made, whatever their stream: a call on another stream than the buffer's previous call
+    first waits for it (the comm stream's work so far, or an event recorded after the previous synchronous call).
+    Under CUDA-graph capture nothing waits for work outside the graph (capture begins after a device
+    synchronisation) and a captured call leaves nothing to wait for (its work runs at replay, in the caller's
+    order). On CPU every call is synchronous and nothing here applies.
+    """
+
+    def __init__(self, device: torch.device, comm: Optional["torch.cuda.Stream"]):
+        self.device, self.comm = device, comm
+        self._last = None  # None, "comm", or the `_cuda_getCurrentStream` key of the last synchronous call's stream
+        self._done = None  # event recorded after the last synchronous call's work (made at first use)
+
+    def is_direct(self, previous_event, async_op: bool, allocate_on_comm_stream: bool, defer: bool) -> bool:
+        """Whether the call runs on the current stream (CUDA, synchronous, none of the comm-stream options)."""
+        return (self.comm is not None and previous_event is None and not async_op and not allocate_on_comm_stream
+                and not defer)
+
+    @contextmanager
+    def launch(self, previous_event: Optional[EventHandle], direct: bool):
+        """Run the enclosed launch on the current stream (`direct`) or on the comm stream after `previous_event`
+        (or after the current stream); either way after the buffer's previous call."""
+        if self.comm is None:
+            yield
+            return
+        if direct:
+            last = self._last
+            if last is not None and last != torch._C._cuda_getCurrentStream(self.device.index) \
+                    and not torch.cuda.is_current_stream_capturing():
+                stream = current_stream(self.device.index)
+                if last == "comm":
+                    follow(stream, self.comm)
+                else:
+                    stream.wait_event(self._done)
+            yield
+            return
+        self.to_comm(previous_event)
+        with switched_to(self.comm):
+            yield
+
+    def to_comm(self, previous_event: Optional[EventHandle] = None) -> None:
+        """Order the comm stream after `previous_event` (else the current stream) and after the buffer's last call;
+        the comm stream holds the buffer's last work from now on."""
+        event = getattr(previous_event, "event", None)  # an EventHandle's CUDA event; an EventOverlap's EventHandle
+        event = getattr(event, "event", event)
+        if event is not None:
+            self.comm.wait_event(event)
+        else:
+            follow(self.comm, current_stream(self.device.index))
+        last = self._last
+        if last not in (None, "comm") and not torch.cuda.is_current_stream_capturing() and (
+                event is not None or last != torch._C._cuda_getCurrentStream(self.device.index)):
+            self.comm.wait_event(self._done)
+        self._last = "comm"
+
+    def finish(self, epilogue: Callable, inputs: list, async_op: bool, defer: bool, direct: bool):
+        """Run or defer `epilogue` and build the event; a `direct` call's epilogue runs on the current stream, and
+        the call is then marked done there.
+
+        Returns:
+            `(outputs, EventOverlap)`; or, when `defer`, an `EventOverlap` whose first wait returns the outputs.
+        """
+        if self.comm is None or not direct:
+            return finish(self.device, self.comm, epilogue, inputs, async_op, defer)
+        outputs = epilogue()
+        if torch.cuda.is_current_stream_capturing():
+            self._last = None
+        else:
+            if self._done is None:
+                self._done = torch.cuda.Event()
+            self._done.record(current_stream(self.device.index))
+            self._last = torch._C._cuda_getCurrentStream(self.device.index)
+        return outputs, EventOverlap(None)
 
 
 _CURRENT: dict = {}  # torch._C._cuda_getCurrentStream's (id, device index, device type) -> a Stream of that id
@@ -85,16 +155,18 @@ def follow(waiter: "torch.cuda.Stream", stream: "torch.cuda.Stream") -> None:
     waiter.wait_event(event)
 
 
-def ordered_exchange(transport, comm: Optional["torch.cuda.Stream"], device: torch.device, send_RC: Tensor,
+def ordered_exchange(transport, order: Optional[CallOrder], device: torch.device, send_RC: Tensor,
                      call_id: int, what: str = "count exchange", **frame) -> Tensor:
     """`transport.exchange_counts(send_RC, wait=True, ...)` for a call that does not run on the comm stream (the
     buffer's barrier, load-balancing headers, a low-latency shape's first call): on the comm stream, after the
-    current stream's work. The nvlink transport's device barriers count calls in its region, so they must run in
-    one order with the barriers of calls on the comm stream, where an asynchronous call may still be running.
-    Under capture, on the current stream as before (a host wait cannot be captured anyway).
+    current stream's work and the buffer's last call (`CallOrder.to_comm`). The nvlink transport's device barriers
+    count calls in its region, so they must run in one order with the barriers of the calls, where an asynchronous
+    call may still be running. Under capture, on the current stream as before (a host wait cannot be captured
+    anyway).
 
     Args:
-        transport: the buffer's transport; comm: its comm stream (None on CPU); device: the buffer's device.
+        transport: the buffer's transport; order: its `CallOrder` (None without one: on the current stream);
+            device: the buffer's device.
         send_RC: [R, C] int64 on `device` -- row p goes to rank p; call_id, what, frame (`kind`, `label`): as
             `exchange_counts`.
 
@@ -104,10 +176,10 @@ def ordered_exchange(transport, comm: Optional["torch.cuda.Stream"], device: tor
     Raises:
         TimeoutError: a peer did not arrive within the transport's timeout (`exchange_counts`).
     """
-    if device.type != "cuda" or comm is None or capturing(device):
+    if device.type != "cuda" or order is None or order.comm is None or capturing(device):
         return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what, **frame)
-    comm.wait_stream(torch.cuda.current_stream(device.index))
-    with switched_to(comm):
+    order.to_comm()
+    with switched_to(order.comm):
         return transport.exchange_counts(send_RC, wait=True, call_id=call_id, what=what, **frame)
 
 

@@ -181,9 +181,10 @@ class NVLinkTransport(Transport):
     def received_headers(self) -> tuple:
         """`(bytes, row stride in int64)` of this rank's header area, [R, header_cols] int64, row s written by rank s:
         read in place by the fused dispatch's plan kernels. Peers write it again only after this rank's next
-        barrier, which comes after those kernels: on the comm stream by stream order; for a deferred epilogue, which
-        runs them on the current stream at its first wait, because no call starts while it is pending
-        (`EPBuffer._check_alive`) and the comm stream then waits for the current stream (`streams.finish`)."""
+        barrier, which comes after those kernels: by stream order, or by the wait for the previous call that a call
+        on another stream makes first (`streams.CallOrder`); for a deferred epilogue, which runs them on the current
+        stream at its first wait, because no call starts while it is pending (`EPBuffer._check_alive`) and the comm
+        stream then waits for the current stream (`streams.finish`)."""
         self.exact_table()
         return self._headers, _HEADER_COLS
 
