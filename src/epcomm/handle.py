@@ -83,7 +83,7 @@ class EPHandle:
         object.__setattr__(self, "_sealed", True)
 
     def __setattr__(self, name: str, value) -> None:
-        if getattr(self, "_sealed", False):
+        if self.__dict__.get("_sealed", False):  # (getattr with a default raises and catches inside: host time)
             if name != "recv_src_metadata":
                 raise FrozenInstanceError(f"cannot assign to field {name!r}: an EPHandle is read-only (only "
                                           "recv_src_metadata may be narrowed to its first rows)")
