@@ -193,6 +193,51 @@ def run_scenarios(rank: int, world: int, names=None) -> dict:
     return results
 
 
+def integer_arguments(rank: int, world: int):
+    """Integer arguments given on rank 1 only: numpy ints are ints (dispatch's num_max_tokens_per_rank and num_sms
+    as everywhere else); None, a bool, a string or an int past int64 raise naming the argument on every rank, before
+    any exchange could fail (an int past int64 overflowed the call header on that rank alone)."""
+    import numpy as np
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+    x, idx, w = _inputs(rank)
+    ref = buf.dispatch(x, idx, w, num_experts=E)[0]
+    out = []
+    for kwargs in (dict(num_max_tokens_per_rank=np.int64(N), num_sms=np.int32(0)), dict(num_qps=None),
+                   dict(num_max_tokens_per_rank=True), dict(num_experts=2 ** 63), dict(num_sms="4")):
+        args = dict(num_experts=E) | (kwargs if rank == 1 else {})
+        try:
+            got = buf.dispatch(x, idx, w, **args)[0]
+            out.append("ok" if torch.equal(got, ref) else "wrong result")
+        except (TypeError, ValueError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    try:
+        epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_allocated_qps="a" if rank == 1 else 0)
+        out.append("constructed")
+    except (TypeError, ValueError) as e:
+        out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def deep_copied_handle(rank: int, world: int):
+    """copy.deepcopy of a handle (a model holding one, deep-copied) gives a handle that works like the original, and
+    still sees an in-place edit of the dispatch's topk_idx."""
+    import copy
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+    x, idx, w = _inputs(rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+    twin = copy.deepcopy(handle)
+    same = (torch.equal(buf.combine(recv_x, twin)[0], buf.combine(recv_x, handle)[0])
+            and torch.equal(buf.dispatch(x, handle=twin)[0], recv_x))
+    idx.add_(0)  # an in-place edit (a new version)
+    try:
+        buf.combine(recv_x, twin)
+        return same, None
+    except ValueError as e:
+        return same, str(e)
+
+
 def other_buffer_handle(rank: int, world: int):
     """A handle used with a buffer that did not make it; Python's `random` seeded alike before each construction
     (as training scripts seed it) must not give the two buffers one id."""
@@ -269,6 +314,36 @@ def missing_peer(rank: int, world: int, timeout_s: float):
             after = str(e2)
         return str(e), elapsed, after
     return None
+
+
+def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
+    """Rank 1 runs out of memory during a dispatch (`where`: "resolve", before the header exchange, or "move",
+    after it): it re-raises the error and its buffer refuses the next call; the peers raise `PeerFailed` naming
+    rank 1 and its error within a few seconds, not after the timeout."""
+    import epcomm.pipeline as pipeline
+    import epcomm.resolve as resolve
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)
+    x, idx, w = _inputs(rank)
+    buf.dispatch(x, idx, w, num_experts=E)  # a call that works first
+    if rank == 1:
+        owner, name = (resolve, "resolve_dispatch") if where == "resolve" else (pipeline, "_move_fields")
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CPU out of memory (injected)")
+        setattr(owner, name, out_of_memory)
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, idx, w, num_experts=E)
+        return "no error"
+    except (torch.OutOfMemoryError, TimeoutError) as e:
+        first, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - start
+    try:
+        buf.dispatch(x, idx, w, num_experts=E)
+        after = "no error"
+    except ValueError as e:
+        after = str(e)
+    return first, elapsed, after
 
 
 def late_rank_with_bad_value(rank: int, world: int, timeout_s: float):

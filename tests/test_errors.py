@@ -205,11 +205,47 @@ def test_calls_on_different_buffers_of_one_group(run_ranks):
         assert msg is not None and "ranks disagree on buffer" in msg and "same buffer" in msg, msg
 
 
+def test_integer_arguments_on_one_rank(run_ranks):
+    for rank, out in enumerate(run_ranks(2, error_cases.integer_arguments)):
+        assert out[0] == "ok", out[0]
+        named = "EPBuffer.dispatch: rank 1" if rank == 1 else "EPBuffer.dispatch: rank 0: group rank 1 rejected"
+        for got, text in zip(out[1:5], ("num_qps must be an int, got NoneType None",
+                                        "num_max_tokens_per_rank must be an int, got bool True",
+                                        "num_experts must fit in a 64-bit integer, got 9223372036854775808",
+                                        "num_sms must be an int, got str '4'")):
+            assert got.startswith(("TypeError: " if "an int" in text else "ValueError: ") + named), got
+            assert text in got, (text, got)
+        assert "num_allocated_qps must be an int, got str 'a'" in out[5], out[5]
+
+
+def test_deep_copied_handle_works(run_ranks):
+    for same, modified in run_ranks(2, error_cases.deep_copied_handle):
+        assert same
+        assert modified is not None and "was modified in place after the dispatch" in modified, modified
+
+
 def test_handle_from_another_buffer_and_use_after_destroy(run_ranks):
     for out in run_ranks(2, error_cases.other_buffer_handle):
         assert "handle comes from another EPBuffer" in out[0]
         assert "handle comes from another EPBuffer" in out[1]
         assert "the buffer was destroyed" in out[2] and "the buffer was destroyed" in out[3]
+
+
+@pytest.mark.parametrize("where", ["resolve", "move"])
+def test_out_of_memory_on_one_rank_mid_call(where):
+    """An error of one rank's own (out of memory) before or after the header exchange: that rank re-raises it and
+    its buffer refuses later calls (its next call would meet the peers' pending collective); the peers learn it
+    from the store and raise PeerFailed naming it within a few seconds, not at their 20 s timeout."""
+    results = run_in_fresh_world(4, error_cases.failure_mid_call, 20.0, where, timeout=90)
+    first, elapsed, after = results[1]
+    assert first.startswith("OutOfMemoryError: CPU out of memory (injected)"), first
+    assert "unusable after an earlier failure" in after and "failed on this rank" in after, after
+    for r in (0, 2, 3):
+        msg, elapsed, after = results[r]
+        assert msg.startswith("PeerFailed: EPBuffer.dispatch: "), msg
+        assert "group rank 1 stopped with an error of its own" in msg and "OutOfMemoryError" in msg, msg
+        assert elapsed < 10, elapsed
+        assert "unusable after an earlier failure" in after, after
 
 
 def test_missing_peer_times_out_naming_it():

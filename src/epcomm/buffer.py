@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, debug, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink
+from . import agreement, debug, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink, waits
 from .allocator import BufferAllocator
 from .compile_guard import eager_under_compile
 from .events import EventHandle
@@ -29,6 +29,7 @@ from .handle import EPHandle
 from .lb import LoadBalancingMixin
 from .lowlatency import LowLatencyMixin
 from .transport import TransportTimeout, resolve_transport
+from .waits import PeerFailed
 from .transport import symm
 from .transport.collective import CollectiveTransport
 from .validate import (Checker, check_event_options, check_topk_values, construction_timeout, process_group,
@@ -142,6 +143,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             num_max_tokens_per_rank = c.integer("num_max_tokens_per_rank", num_max_tokens_per_rank)
             hidden = c.integer("hidden", hidden)
             num_bytes = None if num_bytes is None else c.integer("num_bytes", num_bytes)
+            num_allocated_qps = c.integer("num_allocated_qps", num_allocated_qps)
+            c.require(num_allocated_qps >= 0, f"num_allocated_qps must be >= 0 (0 = automatic), got "
+                                              f"{num_allocated_qps}")
             c.require(0 <= num_topk <= sizing.MAX_TOPK, f"num_topk must be in [0, {sizing.MAX_TOPK}] (0 sizes for "
                                                         f"{sizing.MAX_TOPK}; every call's top-k is at most "
                                                         f"{sizing.MAX_TOPK}), got {num_topk}")
@@ -420,8 +424,17 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
 
     def _mark_broken(self, name: str, e: TimeoutError) -> None:
         """After a timeout the group holds an unmatched collective: the buffer cannot be used again."""
-        self._broken = f"{name} timed out"
-        raise TransportTimeout(f"{name}: {e}") from e
+        self._broken = f"{name} timed out" if not isinstance(e, PeerFailed) else f"{name}: a peer failed during it"
+        raise (PeerFailed if isinstance(e, PeerFailed) else TransportTimeout)(f"{name}: {e}") from e
+
+    def _fail_mid_call(self, name: str, call_id: int, e: Exception) -> None:
+        """An error of this rank's own (out of memory, ...) after the ranks agreed on the call: its peers are in, or
+        will enter, exchanges this rank does not join, so the buffer cannot be used again (its next call would
+        meet their pending collective). The peers' bounded waits learn it from the store and raise `PeerFailed`
+        naming this rank instead of waiting out their timeout. Re-raises `e`."""
+        self._broken = f"{name} failed on this rank during the call ({type(e).__name__})"
+        waits.announce_failure(self.uid, call_id, self.rank, f"{type(e).__name__}: {e}")
+        raise e
 
     def print_memory_usage(self) -> None:
         """Print the buffer's accounted sizes (GiB)."""
@@ -638,6 +651,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             call.call_id = call_id  # a new handle keeps it: ranks that combine other dispatches' handles disagree
         except (TypeError, ValueError) as e:
             err = e
+        except Exception as e:  # out of memory in a copy, ...: the peers wait in this call's header exchange
+            self._fail_mid_call(name, call_id, e)
         cached = handle is not None
         direct = self._order.is_direct(previous_event, async_with_compute_stream, allocate_on_comm_stream,
                                        defer_epilogue)
@@ -668,6 +683,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     finish = pipeline.dispatch_finish
         except TimeoutError as e:
             self._mark_broken(name, e)
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:
+            self._fail_mid_call(name, call_id, e)
         debug.log_dispatch(self, call, launched)
         inputs = [call.x.data, call.x.sf, call.topk_idx, call.topk_weights]
 
@@ -737,6 +756,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             call = resolve.resolve_combine(self, c, x, handle, topk_weights, bias, num_sms, num_qps)
         except (TypeError, ValueError) as e:
             err = e
+        except Exception as e:  # as dispatch
+            self._fail_mid_call(name, call_id, e)
         direct = self._order.is_direct(previous_event, async_with_compute_stream, allocate_on_comm_stream,
                                        defer_epilogue)
         try:
@@ -749,6 +770,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     launched = pipeline.combine_launch(self, call, call_id, defer=defer_epilogue)
         except TimeoutError as e:
             self._mark_broken(name, e)
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:
+            self._fail_mid_call(name, call_id, e)
         inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]
 
         def epilogue():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Any, Optional
 
@@ -89,6 +90,13 @@ class EPHandle:
                                           "recv_src_metadata may be narrowed to its first rows)")
             self._check_narrowed(value)
         object.__setattr__(self, name, value)
+
+    def __deepcopy__(self, memo) -> "EPHandle":
+        """A copy that shares the tensors (`copy.copy`): a handle is read-only, and its plan holds views of the
+        buffer's memory and the dispatch's own `topk_idx` (the in-place guard watches that tensor), so copies of
+        them would detach the handle from its buffer and routing (a model deep-copied with a handle in it keeps a
+        working handle)."""
+        return copy.copy(self)
 
     def __delattr__(self, name: str) -> None:
         raise FrozenInstanceError(f"cannot delete field {name!r}: an EPHandle is read-only")

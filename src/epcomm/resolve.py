@@ -67,9 +67,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         num_experts = c.positive_int("num_experts", num_experts)
         c.require(num_experts % buf.num_ranks == 0, f"num_experts={num_experts} must be a multiple of the group "
                                                      f"size {buf.num_ranks}")
-        n = buf.num_max_tokens_per_rank if n is None else n
-        c.require(isinstance(n, int) and n > 0, f"num_max_tokens_per_rank must be > 0 (pass it to dispatch or "
-                                                f"EPBuffer), got {n}")
+        n = buf.num_max_tokens_per_rank if n is None else c.integer("num_max_tokens_per_rank", n)
+        c.require(n > 0, f"num_max_tokens_per_rank must be > 0 (pass it to dispatch or EPBuffer), got {n}")
         expert_alignment = c.positive_int("expert_alignment", 1 if expert_alignment is None else expert_alignment)
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         topk_idx = check_topk_idx(c, topk_idx, xs.num_tokens)
@@ -102,10 +101,11 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         num_sms=num_sms, handle=handle)
 
 def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, num_topk: int) -> int:
+    num_qps = c.integer("num_qps", num_qps)
     c.require(num_qps <= buf.num_allocated_qps,
               f"num_qps={num_qps} exceeds num_allocated_qps={buf.num_allocated_qps}")
-    c.require(isinstance(num_sms, int) and not isinstance(num_sms, bool) and num_sms >= 0,
-              f"num_sms must be an int >= 0 (0 = get_theoretical_num_sms), got {num_sms!r}")
+    num_sms = c.integer("num_sms", num_sms)
+    c.require(num_sms >= 0, f"num_sms must be an int >= 0 (0 = get_theoretical_num_sms), got {num_sms!r}")
     if buf.device.type == "cpu":
         if num_sms:
             buf._warn_once("num_sms", "epcomm: num_sms has no effect on CPU; it is ignored")

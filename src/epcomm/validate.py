@@ -55,10 +55,14 @@ class Checker:
         return t
 
     def integer(self, name: str, v) -> int:
-        """`v` as a Python int (numpy ints too; not bool), or a TypeError naming `name`."""
+        """`v` as a Python int (numpy ints too; not bool) that fits in int64 (the call headers carry it), or a
+        TypeError / ValueError naming `name`."""
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             self.fail(TypeError, f"{name} must be an int, got {type(v).__name__} {v!r}")
-        return int(v)
+        v = int(v)
+        if not -2 ** 63 <= v < 2 ** 63:
+            self.fail(ValueError, f"{name} must fit in a 64-bit integer, got {v}")
+        return v
 
     def positive_int(self, name: str, v, minimum: int = 1) -> int:
         """`v` as a Python int (`integer`) of at least `minimum`, or a TypeError / ValueError naming `name`."""

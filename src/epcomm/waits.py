@@ -33,10 +33,30 @@ def _gave_up_key(uid: int, call_id: int, rank: int) -> str:
     return f"epcomm/{uid}/{call_id}/{rank}/gave-up"
 
 
+def _failed_key(uid: int, call_id: int) -> str:
+    return f"epcomm/{uid}/{call_id}/failed"
+
+
 def announce(uid: int, call_id: int, rank: int) -> None:
     store = default_store()
     if store is not None:
         store.set(_key(uid, call_id, rank), "1")
+
+
+def announce_failure(uid: int, call_id: int, rank: int, error: str) -> None:
+    """Tell the peers of call `call_id` that `rank` stopped with `error` during it (an error of its own, such as out
+    of memory, after the ranks had agreed on the call): their bounded waits raise `PeerFailed` naming it rather than
+    wait out the timeout for a rank that will not come."""
+    store = default_store()
+    if store is not None:
+        try:
+            store.set(_failed_key(uid, call_id), f"{rank}\n{error[:500]}")
+        except Exception:  # a store that is gone: the peers time out as before
+            pass
+
+
+class PeerFailed(TransportTimeout):
+    """A peer stopped with an error of its own during the call; the buffer is unusable afterwards."""
 
 
 def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_ranks: int, uid: int,
@@ -50,11 +70,15 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
     """
     start = time.monotonic()
     announced = False
+    next_look = start + min(1.0, timeout_s / 4)  # slow waits look in the store for a failed peer, twice a second
     while not work.is_completed():
         now = time.monotonic()
         if not announced and now > start + min(1.0, timeout_s / 4):
             announce(uid, call_id, rank)  # only slow waits pay for a store round trip
             announced = True
+        if now > next_look:
+            next_look = now + 0.5
+            _raise_if_peer_failed(what, call_id, rank, uid, owner, group)
         if now > start + timeout_s:
             _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group)
         # NOTE: on GPU spin first: a sleeping poll added ~3 ms to every CPU-synced NCCL dispatch (2x H200,
@@ -62,6 +86,26 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
         if device.type == "cpu" or now - start > 2e-3:
             time.sleep(1e-4)
     work.wait()
+
+
+def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: str, group) -> None:
+    """Raise `PeerFailed` when a peer announced that it stopped with an error during call `call_id`."""
+    store = default_store()
+    key = _failed_key(uid, call_id)
+    try:
+        if store is None or not store.check([key]):
+            return
+        failed, _, error = store.get(key).decode(errors="replace").partition("\n")
+    except Exception:  # the store itself failed: the timeout still bounds the wait
+        return
+    every = _global_ranks(group)
+    who = f"group rank {failed}" + (f" (global rank {every[int(failed)]})" if every else "")
+    me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
+    raise PeerFailed(
+        f"{what}: {me}: {who} stopped with an error of its own during call #{call_id} ({error}), so the call cannot "
+        f"complete. The {owner} and its process group are unusable now (an unmatched collective is pending): end "
+        "the job; while that rank is alive the process cannot exit cleanly, so exit with os._exit(1) or let the "
+        "launcher kill it")
 
 
 def _global_ranks(group) -> Optional[list]:
