@@ -81,7 +81,11 @@ class CallOrder:
                     follow(stream, self.comm)
                 else:
                     stream.wait_event(self._done)
-            yield
+            try:
+                yield
+            except BaseException:  # work enqueued before the error: a later call on another stream waits for it
+                self._direct_done()
+                raise
             return
         self.to_comm(previous_event)
         with switched_to(self.comm):
@@ -111,15 +115,21 @@ class CallOrder:
         """
         if self.comm is None or not direct:
             return finish(self.device, self.comm, epilogue, inputs, async_op, defer)
-        outputs = epilogue()
+        try:
+            return epilogue(), EventOverlap(None)
+        finally:
+            self._direct_done()
+
+    def _direct_done(self) -> None:
+        """A synchronous call's work is enqueued on the current stream: record where it ends, for a later call on
+        another stream (under capture there is nothing to wait for later: the work runs at replay)."""
         if torch.cuda.is_current_stream_capturing():
             self._last = None
-        else:
-            if self._done is None:
-                self._done = torch.cuda.Event()
-            self._done.record(current_stream(self.device.index))
-            self._last = torch._C._cuda_getCurrentStream(self.device.index)
-        return outputs, EventOverlap(None)
+            return
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        self._done.record(current_stream(self.device.index))
+        self._last = torch._C._cuda_getCurrentStream(self.device.index)
 
 
 _CURRENT: dict = {}  # torch._C._cuda_getCurrentStream's (id, device index, device type) -> a Stream of that id
