@@ -396,8 +396,10 @@ def events_on_cpu(rank: int, world: int):
 def stream_order(rank: int, world: int, transport: str = "auto"):
     """Synchronous calls run on the caller's current stream, the others on the comm stream (streams.CallOrder),
     and a call on another stream than the buffer's previous call runs after it: stream A sleeps ~25 ms before its
-    call, stream B does not wait for A, yet B's call ends after A's (event times), for each pair of kinds; results
-    stay the reference's. Also: a synchronous call leaves no work on the comm stream."""
+    call, stream B does not wait for A, yet B's call ends after A's (event times), for each pair of kinds with a
+    synchronous call in it; results stay the reference's. Also: a synchronous call leaves no work on the comm stream;
+    an asynchronous combine on a handle that is dropped before its event is waited on reads it intact (a smoke
+    check: which of the handle's tensors a combine reads on the device depends on the path)."""
     torch.manual_seed(rank)
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=512, hidden=1024, transport=transport)
     idx, w = random_routing(torch.Generator().manual_seed(rank), 512, 32, 4)
@@ -436,7 +438,7 @@ def stream_order(rank: int, world: int, transport: str = "auto"):
                 ev.current_stream_wait()
         return out, done
 
-    for first, second in (("sync", "sync"), ("sync", "async"), ("async", "sync"), ("async", "async")):
+    for first, second in (("sync", "sync"), ("sync", "async"), ("async", "sync")):  # (async, async: stream order)
         for _ in range(2):
             start = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(a):
@@ -448,6 +450,20 @@ def stream_order(rank: int, world: int, transport: str = "auto"):
             assert start.elapsed_time(done_a) > 5, (first, second)  # A's call came after the sleep
             assert done_a.elapsed_time(done_b) > 0, (first, second, "the second call did not wait for the first")
             assert torch.equal(out_a, ref_combined) and torch.equal(out_b, ref_combined)
+    # A handle made by a synchronous dispatch (its tensors from the current stream's pool), used by an asynchronous
+    # combine on the comm stream and dropped at once: the current stream then allocates and writes while the
+    # combine still waits behind a sleep on the comm stream; the buffer's hold keeps the handle's memory untouched.
+    for _ in range(2):
+        own_x, _, _, own_handle, _ = buf.dispatch(x, idx, w, num_experts=32)
+        with torch.cuda.stream(comm):
+            torch.cuda._sleep(50_000_000)
+        out, _, ev = buf.combine(own_x, own_handle, async_with_compute_stream=True)
+        del own_handle
+        scribble = [torch.full((n,), -1, dtype=torch.int64, device="cuda")  # sizes of the handle's small blocks
+                    for n in (16, 64, 512, 2048, 8192, 65536) for _ in range(16)]
+        ev.current_stream_wait()
+        assert torch.equal(out, ref_combined)
+        del scribble
     buf.destroy()
     return True
 

@@ -694,7 +694,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             with debug.phase("dispatch_epilogue"):
                 outputs = finish(self, call, launched)
                 return resolve.narrowed_outputs(call.handle, outputs) if cached else outputs
-        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct)
+        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct, call.handle)
         if defer_epilogue:
             return result
         (recv_x, recv_topk_idx, recv_w, out_handle), event = result
@@ -779,16 +779,17 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         def epilogue():
             with debug.phase("combine_reduce"):
                 return pipeline.combine_finish(self, call, launched)
-        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct)
+        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct, call.handle)
         if defer_epilogue:
             return result
         (combined_x, combined_w), event = result
         return combined_x, combined_w, event
 
     # -- streams (reference §3.4-3.5; streams.py) --------------------------------------------------------
-    def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool, direct: bool):
-        """Run or defer the epilogue (`direct`: on the current stream, `streams.CallOrder`); a deferred one marks
-        the buffer busy until its first wait."""
+    def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool, direct: bool, handle=None):
+        """Run or defer the epilogue (`direct`: on the current stream, `streams.CallOrder`; an asynchronous call
+        keeps the `handle` it reads alive until its event completes); a deferred one marks the buffer busy until its
+        first wait."""
         if defer:
             self._pending_deferred = True
             inner = epilogue
@@ -796,7 +797,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             def epilogue():
                 self._pending_deferred = False
                 return inner()
-        return self._order.finish(epilogue, inputs, async_op, defer, direct)
+        return self._order.finish(epilogue, inputs, async_op, defer, direct, handle)
 
 
 def _as_int(value) -> int:

@@ -50,20 +50,39 @@ class CallOrder:
     The transports reuse staging areas and count device barriers from call to call, so calls must reach the device
     in the order they were made, whatever their stream: a call on another stream than the buffer's previous call
     first waits for it (the comm stream's work so far, or an event recorded after the previous synchronous call).
-    Under CUDA-graph capture nothing waits for work outside the graph (capture begins after a device
-    synchronisation) and a captured call leaves nothing to wait for (its work runs at replay, in the caller's
-    order). On CPU every call is synchronous and nothing here applies.
+    Under CUDA-graph capture every call runs on the comm stream, as the reference's, so the calls of one capture
+    keep their order at replay by the comm stream's order; nothing there waits for work outside the graph (capture
+    begins after a device synchronisation). Calls on another device than the current one run on the comm stream
+    too (switching to it makes the buffer's device current).
+
+    An asynchronous call may read tensors that a synchronous call allocated on another stream (a handle's): until
+    its event has completed the buffer keeps a reference to them (`hold`), so that their memory is not reused by the
+    stream that allocated them while the comm stream still reads it. On CPU every call is synchronous and nothing
+    here applies.
     """
 
     def __init__(self, device: torch.device, comm: Optional["torch.cuda.Stream"]):
         self.device, self.comm = device, comm
         self._last = None  # None, "comm", or the `_cuda_getCurrentStream` key of the last synchronous call's stream
         self._done = None  # event recorded after the last synchronous call's work (made at first use)
+        self._held: list = []  # (event, objects): kept alive until the event has completed (`hold`)
 
     def is_direct(self, previous_event, async_op: bool, allocate_on_comm_stream: bool, defer: bool) -> bool:
-        """Whether the call runs on the current stream (CUDA, synchronous, none of the comm-stream options)."""
+        """Whether the call runs on the current stream: CUDA, synchronous, none of the comm-stream options, the
+        buffer's device current, not under CUDA-graph capture."""
         return (self.comm is not None and previous_event is None and not async_op and not allocate_on_comm_stream
-                and not defer)
+                and not defer and torch._C._cuda_getDevice() == self.device.index
+                and not torch.cuda.is_current_stream_capturing())
+
+    def hold(self, event, objects) -> None:
+        """Keep `objects` alive until `event` (a CUDA event on the comm stream, None: nothing) has completed; the
+        completed ones are let go at each call."""
+        if event is not None and objects:
+            self._held.append((event, objects))
+
+    def _let_go(self) -> None:
+        while self._held and self._held[0][0].query():
+            self._held.pop(0)
 
     @contextmanager
     def launch(self, previous_event: Optional[EventHandle], direct: bool):
@@ -72,10 +91,11 @@ class CallOrder:
         if self.comm is None:
             yield
             return
+        if self._held:
+            self._let_go()
         if direct:
             last = self._last
-            if last is not None and last != torch._C._cuda_getCurrentStream(self.device.index) \
-                    and not torch.cuda.is_current_stream_capturing():
+            if last is not None and last != torch._C._cuda_getCurrentStream(self.device.index):
                 stream = current_stream(self.device.index)
                 if last == "comm":
                     follow(stream, self.comm)
@@ -106,15 +126,20 @@ class CallOrder:
             self.comm.wait_event(self._done)
         self._last = "comm"
 
-    def finish(self, epilogue: Callable, inputs: list, async_op: bool, defer: bool, direct: bool):
+    def finish(self, epilogue: Callable, inputs: list, async_op: bool, defer: bool, direct: bool, keep=None):
         """Run or defer `epilogue` and build the event; a `direct` call's epilogue runs on the current stream, and
-        the call is then marked done there.
+        the call is then marked done there. An asynchronous or deferred call `hold`s `keep` (the handle it reads)
+        until its event has completed.
 
         Returns:
             `(outputs, EventOverlap)`; or, when `defer`, an `EventOverlap` whose first wait returns the outputs.
         """
         if self.comm is None or not direct:
-            return finish(self.device, self.comm, epilogue, inputs, async_op, defer)
+            result = finish(self.device, self.comm, epilogue, inputs, async_op, defer)
+            if self.comm is not None and keep is not None and (async_op or defer):
+                overlap = result if defer else result[1]
+                self.hold(overlap.event.event, keep)
+            return result
         try:
             return epilogue(), EventOverlap(None)
         finally:
@@ -122,10 +147,7 @@ class CallOrder:
 
     def _direct_done(self) -> None:
         """A synchronous call's work is enqueued on the current stream: record where it ends, for a later call on
-        another stream (under capture there is nothing to wait for later: the work runs at replay)."""
-        if torch.cuda.is_current_stream_capturing():
-            self._last = None
-            return
+        another stream."""
         if self._done is None:
             self._done = torch.cuda.Event()
         self._done.record(current_stream(self.device.index))

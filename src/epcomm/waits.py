@@ -33,8 +33,8 @@ def _gave_up_key(uid: int, call_id: int, rank: int) -> str:
     return f"epcomm/{uid}/{call_id}/{rank}/gave-up"
 
 
-def _failed_key(uid: int, call_id: int) -> str:
-    return f"epcomm/{uid}/{call_id}/failed"
+def _failed_key(uid: int) -> str:
+    return f"epcomm/{uid}/failed"
 
 
 def announce(uid: int, call_id: int, rank: int) -> None:
@@ -44,13 +44,14 @@ def announce(uid: int, call_id: int, rank: int) -> None:
 
 
 def announce_failure(uid: int, call_id: int, rank: int, error: str) -> None:
-    """Tell the peers of call `call_id` that `rank` stopped with `error` during it (an error of its own, such as out
-    of memory, after the ranks had agreed on the call): their bounded waits raise `PeerFailed` naming it rather than
-    wait out the timeout for a rank that will not come."""
+    """Tell the peers that `rank` stopped with `error` during call `call_id` of buffer `uid` (out of memory, ...:
+    not a bad argument, which every rank reports together): their bounded waits in this or any later call of the
+    buffer (GPU calls without a host wait come before one) raise `PeerFailed` naming it rather than wait out the
+    timeout for a rank that will not come."""
     store = default_store()
     if store is not None:
         try:
-            store.set(_failed_key(uid, call_id), f"{rank}\n{error[:500]}")
+            store.set(_failed_key(uid), f"{rank}\n{call_id}\n{error[:500]}")
         except Exception:  # a store that is gone: the peers time out as before
             pass
 
@@ -89,23 +90,24 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
 
 
 def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: str, group) -> None:
-    """Raise `PeerFailed` when a peer announced that it stopped with an error during call `call_id`."""
+    """Raise `PeerFailed` when a peer announced that it stopped with an error during a call of this buffer."""
     store = default_store()
-    key = _failed_key(uid, call_id)
+    key = _failed_key(uid)
     try:
         if store is None or not store.check([key]):
             return
-        failed, _, error = store.get(key).decode(errors="replace").partition("\n")
+        failed, _, rest = store.get(key).decode(errors="replace").partition("\n")
+        failed_call, _, error = rest.partition("\n")
     except Exception:  # the store itself failed: the timeout still bounds the wait
         return
     every = _global_ranks(group)
     who = f"group rank {failed}" + (f" (global rank {every[int(failed)]})" if every else "")
     me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
     raise PeerFailed(
-        f"{what}: {me}: {who} stopped with an error of its own during call #{call_id} ({error}), so the call cannot "
-        f"complete. The {owner} and its process group are unusable now (an unmatched collective is pending): end "
-        "the job; while that rank is alive the process cannot exit cleanly, so exit with os._exit(1) or let the "
-        "launcher kill it")
+        f"{what}: {me} waited for call #{call_id} but {who} stopped with an error during call #{failed_call} "
+        f"({error}), so the call cannot complete. The {owner} and its process group are unusable now (an unmatched "
+        "collective is pending): end the job; while that rank is alive the process cannot exit cleanly, so exit "
+        "with os._exit(1) or let the launcher kill it")
 
 
 def _global_ranks(group) -> Optional[list]:
