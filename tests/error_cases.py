@@ -318,23 +318,28 @@ def missing_peer(rank: int, world: int, timeout_s: float):
 
 def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
     """Rank 1 runs out of memory during a dispatch (`where`: "resolve", before the header exchange, or "move",
-    after it): it re-raises the error and its buffer refuses the next call; the peers raise `PeerFailed` naming
-    rank 1 and its error within a few seconds, not after the timeout."""
+    after it) or a combine ("combine", after its header exchange): it re-raises the error and its buffer refuses
+    the next call; the peers raise `PeerFailed` naming rank 1 and its error within a few seconds, not after the
+    timeout."""
     import epcomm.pipeline as pipeline
     import epcomm.resolve as resolve
 
     buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)
     x, idx, w = _inputs(rank)
-    buf.dispatch(x, idx, w, num_experts=E)  # a call that works first
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)  # a call that works first
     if rank == 1:
-        owner, name = (resolve, "resolve_dispatch") if where == "resolve" else (pipeline, "_move_fields")
+        owner, name = {"resolve": (resolve, "resolve_dispatch"), "move": (pipeline, "_move_fields"),
+                       "combine": (pipeline, "_return_fields")}[where]
 
         def out_of_memory(*args, **kwargs):
             raise torch.OutOfMemoryError("CPU out of memory (injected)")
         setattr(owner, name, out_of_memory)
     start = time.monotonic()
     try:
-        buf.dispatch(x, idx, w, num_experts=E)
+        if where == "combine":
+            buf.combine(recv_x, handle)
+        else:
+            buf.dispatch(x, idx, w, num_experts=E)
         return "no error"
     except (torch.OutOfMemoryError, TimeoutError) as e:
         first, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - start

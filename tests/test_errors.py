@@ -231,7 +231,7 @@ def test_handle_from_another_buffer_and_use_after_destroy(run_ranks):
         assert "the buffer was destroyed" in out[2] and "the buffer was destroyed" in out[3]
 
 
-@pytest.mark.parametrize("where", ["resolve", "move"])
+@pytest.mark.parametrize("where", ["resolve", "move", "combine"])
 def test_out_of_memory_on_one_rank_mid_call(where):
     """An error of one rank's own (out of memory) before or after the header exchange: that rank re-raises it and
     its buffer refuses later calls (its next call would meet the peers' pending collective); the peers learn it
@@ -242,7 +242,7 @@ def test_out_of_memory_on_one_rank_mid_call(where):
     assert "unusable after an earlier failure" in after and "failed on this rank" in after, after
     for r in (0, 2, 3):
         msg, elapsed, after = results[r]
-        assert msg.startswith("PeerFailed: EPBuffer.dispatch: "), msg
+        assert msg.startswith(f"PeerFailed: EPBuffer.{'combine' if where == 'combine' else 'dispatch'}: "), msg
         assert "group rank 1 stopped with an error during call #" in msg and "OutOfMemoryError" in msg, msg
         assert elapsed < 10, elapsed
         assert "unusable after an earlier failure" in after, after
