@@ -318,9 +318,11 @@ def missing_peer(rank: int, world: int, timeout_s: float):
 
 def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
     """Rank 1 runs out of memory during a dispatch (`where`: "resolve", before the header exchange, or "move",
-    after it) or a combine ("combine", after its header exchange): it re-raises the error and its buffer refuses
-    the next call; the peers raise `PeerFailed` naming rank 1 and its error within a few seconds, not after the
-    timeout."""
+    after it) or a combine ("combine", after its header exchange). Before the exchange the error travels in it as a
+    bad argument does: rank 1 re-raises it, its peers raise "group rank 1 rejected the call", and the buffers stay
+    usable. After it, rank 1 re-raises it and its buffer and group refuse later calls and constructions; the peers
+    raise `PeerFailed` naming rank 1, the call and its error within a few seconds, not after the timeout. Returns
+    (first error, seconds to it, [next dispatch, a new buffer on the group])."""
     import epcomm.pipeline as pipeline
     import epcomm.resolve as resolve
 
@@ -330,6 +332,7 @@ def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
     if rank == 1:
         owner, name = {"resolve": (resolve, "resolve_dispatch"), "move": (pipeline, "_move_fields"),
                        "combine": (pipeline, "_return_fields")}[where]
+        original = getattr(owner, name)
 
         def out_of_memory(*args, **kwargs):
             raise torch.OutOfMemoryError("CPU out of memory (injected)")
@@ -341,14 +344,19 @@ def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
         else:
             buf.dispatch(x, idx, w, num_experts=E)
         return "no error"
-    except (torch.OutOfMemoryError, TimeoutError) as e:
+    except (torch.OutOfMemoryError, TimeoutError, ValueError) as e:
         first, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - start
-    try:
-        buf.dispatch(x, idx, w, num_experts=E)
-        after = "no error"
-    except ValueError as e:
-        after = str(e)
-    return first, elapsed, after
+    if rank == 1:
+        setattr(owner, name, original)
+    outcome = []
+    for make in (lambda: buf.dispatch(x, idx, w, num_experts=E)[0],  # the buffer
+                 lambda: epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)):  # another one on the group
+        try:
+            make()
+            outcome.append("no error")
+        except ValueError as e:
+            outcome.append(str(e))
+    return first, elapsed, outcome
 
 
 def late_rank_with_bad_value(rank: int, world: int, timeout_s: float):

@@ -48,7 +48,7 @@ EXPECTED = {
     "previous_event_type": (TypeError, r"previous_event must be None, an EventHandle \(EPBuffer.capture\(\)\) or an "
                                        r"EventOverlap, got str"),
     "do_handle_copy": (ValueError, r"do_handle_copy must be False"),
-    "num_qps_too_many": (ValueError, r"num_qps=10000 exceeds num_allocated_qps=65"),
+    "num_qps_too_many": (ValueError, r"num_qps=10000 must be in \[0, num_allocated_qps=65\]"),
     "capacity_hidden": (ValueError, r"the call needs \d+ bytes .*hidden=65536.* but the buffer has num_bytes=\d+; "
                                     r"at this shape it fits num_max_tokens_per_rank <= \d+\. Size the buffer"),
     "combine_rows": (ValueError, r"x has \d+ rows but the handle's non-expand layout has \d+"),
@@ -233,19 +233,32 @@ def test_handle_from_another_buffer_and_use_after_destroy(run_ranks):
 
 @pytest.mark.parametrize("where", ["resolve", "move", "combine"])
 def test_out_of_memory_on_one_rank_mid_call(where):
-    """An error of one rank's own (out of memory) before or after the header exchange: that rank re-raises it and
-    its buffer refuses later calls (its next call would meet the peers' pending collective); the peers learn it
-    from the store and raise PeerFailed naming it within a few seconds, not at their 20 s timeout."""
+    """An error of one rank's own (out of memory). Before the header exchange it travels there as a bad argument:
+    every rank raises, nothing is pending, the buffers stay usable. After it, that rank re-raises it and its buffer
+    and group refuse later calls and constructions (they would meet the peers' pending collective); the peers learn
+    it from the store and raise PeerFailed naming it within a few seconds, not at their 20 s timeout."""
     results = run_in_fresh_world(4, error_cases.failure_mid_call, 20.0, where, timeout=90)
-    first, elapsed, after = results[1]
+    first, elapsed, (after, another) = results[1]
     assert first.startswith("OutOfMemoryError: CPU out of memory (injected)"), first
+    if where == "resolve":
+        assert after == another == "no error", (after, another)
+        for r in (0, 2, 3):
+            msg, _, (after, another) = results[r]
+            assert msg.startswith("ValueError: EPBuffer.dispatch: rank") and "group rank 1 rejected the call" in msg
+            assert "CPU out of memory (injected)" in msg, msg
+            assert after == another == "no error", (after, another)
+        return
+    op = "EPBuffer.combine" if where == "combine" else "EPBuffer.dispatch"
     assert "unusable after an earlier failure" in after and "failed on this rank" in after, after
+    assert "process group is unusable after an earlier failure" in another, another
     for r in (0, 2, 3):
-        msg, elapsed, after = results[r]
-        assert msg.startswith(f"PeerFailed: EPBuffer.{'combine' if where == 'combine' else 'dispatch'}: "), msg
-        assert "group rank 1 stopped with an error during call #" in msg and "OutOfMemoryError" in msg, msg
+        msg, elapsed, (after, another) = results[r]
+        assert msg.startswith(f"PeerFailed: {op}: "), msg
+        assert f"group rank 1 stopped with an error during its {op} (call #" in msg, msg
+        assert "OutOfMemoryError: CPU out of memory (injected)" in msg, msg
         assert elapsed < 10, elapsed
         assert "unusable after an earlier failure" in after, after
+        assert "process group is unusable after an earlier failure" in another, another
 
 
 def test_missing_peer_times_out_naming_it():

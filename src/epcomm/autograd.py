@@ -24,6 +24,7 @@ S expanded rows (expand).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -141,8 +142,9 @@ class TokenDispatcher:
         if not isinstance(buffer, EPBuffer):
             raise TypeError(f"{name}: buffer must be an epcomm.EPBuffer, got {type(buffer).__name__}")
         for arg, value in (("num_experts", num_experts), ("expert_alignment", expert_alignment)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name}: {arg} must be an int, got {type(value).__name__}")
+        num_experts, expert_alignment = int(num_experts), int(expert_alignment)  # numpy ints too
         if not isinstance(do_expand, bool):
             raise TypeError(f"{name}: do_expand must be a bool, got {type(do_expand).__name__}")
         if not buffer.allow_multiple_reduction:

@@ -118,6 +118,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     ):
         self.group = process_group("EPBuffer", group)
         self.rank_idx = self.rank = self.group.rank()
+        if _group_broken(self.group) is not None:  # a construction is collective: it would meet the pending one
+            raise ValueError(f"EPBuffer construction: rank {self.rank}: the process group is unusable after an "
+                             f"earlier failure of an epcomm buffer on it ({_group_broken(self.group)}); restart the "
+                             "process group")
         self.num_ranks = self.group.size()
         self.device = _group_device(self.group)
         self.deterministic = deterministic
@@ -423,18 +427,30 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             torch.cuda.synchronize(self.device)
 
     def _mark_broken(self, name: str, e: TimeoutError) -> None:
-        """After a timeout the group holds an unmatched collective: the buffer cannot be used again."""
-        self._broken = f"{name} timed out" if not isinstance(e, PeerFailed) else f"{name}: a peer failed during it"
+        """After a timeout the group holds an unmatched collective: the buffer and its group cannot be used again."""
+        self._break_group(f"{name} timed out" if not isinstance(e, PeerFailed) else f"{name}: a peer failed during it")
         raise (PeerFailed if isinstance(e, PeerFailed) else TransportTimeout)(f"{name}: {e}") from e
 
-    def _fail_mid_call(self, name: str, call_id: int, e: Exception) -> None:
+    def _fail_mid_call(self, name: str, call_id: int, e: BaseException) -> None:
         """An error of this rank's own (out of memory, ...) after the ranks agreed on the call: its peers are in, or
-        will enter, exchanges this rank does not join, so the buffer cannot be used again (its next call would
-        meet their pending collective). The peers' bounded waits learn it from the store and raise `PeerFailed`
-        naming this rank instead of waiting out their timeout. Re-raises `e`."""
-        self._broken = f"{name} failed on this rank during the call ({type(e).__name__})"
-        waits.announce_failure(self.uid, call_id, self.rank, f"{type(e).__name__}: {e}")
+        will enter, exchanges this rank does not join, so the buffer and its process group cannot be used again (a
+        next call would meet their pending collective). The failure goes into the store for the peers' bounded
+        waits (`PeerFailed` naming this rank). Re-raises `e`; or, when a peer had already failed (this error is
+        then likely its consequence: a connection its exit closed), raises `PeerFailed` naming that peer."""
+        earlier = waits.peer_failure(self.uid)
+        if earlier is not None and earlier[0] != self.rank:
+            self._break_group(f"{name}: group rank {earlier[0]} failed during the call")
+            raise PeerFailed(waits.peer_failed_message(f"{name}", call_id, self.rank, earlier, "EPBuffer",
+                                                       self.group)) from e
+        self._break_group(f"{name} failed on this rank during the call ({type(e).__name__})")
+        waits.announce_failure(self.uid, call_id, self.rank, name, f"{type(e).__name__}: {e}")
         raise e
+
+    def _break_group(self, reason: str) -> None:
+        """This buffer, and every epcomm buffer on its process group in this process, refuse later calls: the group
+        holds a collective that will not complete, and a new one on it would meet it (gloo aborts on that)."""
+        self._broken = reason
+        _BROKEN_GROUPS[id(self.group)] = (self.group, reason)
 
     def print_memory_usage(self) -> None:
         """Print the buffer's accounted sizes (GiB)."""
@@ -451,7 +467,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         """Release the buffer (collective: every rank must call it). A second call is a no-op."""
         if self._destroyed:
             return
-        if self._broken is None:
+        if self._broken is None and _group_broken(self.group) is None:  # else: no collective can complete there
             self._barrier("EPBuffer.destroy", agreement.OP_DESTROY)
         self.transport.destroy()
         if getattr(self, "_ll_nvlink", None) is not None:
@@ -488,6 +504,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         if self._broken is not None:
             raise ValueError(f"{call}: rank {self.rank}: the buffer is unusable after an earlier failure "
                              f"({self._broken}); destroy it and restart the process group")
+        group_broken = _group_broken(self.group)
+        if group_broken is not None:
+            raise ValueError(f"{call}: rank {self.rank}: the process group is unusable after an earlier failure of "
+                             f"another epcomm buffer on it ({group_broken}); restart the process group")
 
     def _next_call_id(self) -> int:
         self._call_id += 1
@@ -649,10 +669,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf,
                     defer_value_checks=exact_nvlink.enabled(self))
             call.call_id = call_id  # a new handle keeps it: ranks that combine other dispatches' handles disagree
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # a bad argument, or out of memory in a copy, ...: it travels in the header exchange
             err = e
-        except Exception as e:  # out of memory in a copy, ...: the peers wait in this call's header exchange
-            self._fail_mid_call(name, call_id, e)
         cached = handle is not None
         direct = self._order.is_direct(previous_event, async_with_compute_stream, allocate_on_comm_stream,
                                        defer_epilogue)
@@ -683,9 +701,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     finish = pipeline.dispatch_finish
         except TimeoutError as e:
             self._mark_broken(name, e)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError):  # raised on every rank together (the header exchange's agreement, ...)
             raise
-        except Exception as e:
+        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the header exchange
+            if e is err:  # its argument failure, raised once every rank saw it in the header exchange
+                raise
             self._fail_mid_call(name, call_id, e)
         debug.log_dispatch(self, call, launched)
         inputs = [call.x.data, call.x.sf, call.topk_idx, call.topk_weights]
@@ -754,10 +774,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             check_event_options(c, previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
                                 async_with_compute_stream=async_with_compute_stream, defer_epilogue=defer_epilogue)
             call = resolve.resolve_combine(self, c, x, handle, topk_weights, bias, num_sms, num_qps)
-        except (TypeError, ValueError) as e:
-            err = e
         except Exception as e:  # as dispatch
-            self._fail_mid_call(name, call_id, e)
+            err = e
         direct = self._order.is_direct(previous_event, async_with_compute_stream, allocate_on_comm_stream,
                                        defer_epilogue)
         try:
@@ -770,9 +788,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     launched = pipeline.combine_launch(self, call, call_id, defer=defer_epilogue)
         except TimeoutError as e:
             self._mark_broken(name, e)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError):  # as dispatch
             raise
-        except Exception as e:
+        except (Exception, KeyboardInterrupt) as e:
+            if e is err:
+                raise
             self._fail_mid_call(name, call_id, e)
         inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]
 
@@ -798,6 +818,15 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 self._pending_deferred = False
                 return inner()
         return self._order.finish(epilogue, inputs, async_op, defer, direct, handle)
+
+
+_BROKEN_GROUPS: dict = {}  # id(process group) -> (the group, why): groups holding a collective that cannot complete
+
+
+def _group_broken(group) -> Optional[str]:
+    """Why `group` is unusable in this process (an epcomm buffer on it failed mid-call or timed out), or None."""
+    entry = _BROKEN_GROUPS.get(id(group))
+    return entry[1] if entry is not None and entry[0] is group else None
 
 
 def _as_int(value) -> int:

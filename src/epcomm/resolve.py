@@ -50,6 +50,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
                                  ("num_max_tokens_per_rank", n, handle.num_max_tokens_per_rank),
                                  ("expert_alignment", expert_alignment, handle.expert_alignment),
                                  ("do_expand", do_expand, handle.do_expand)):
+            if value is not None and arg != "do_expand":
+                value = c.integer(arg, value)
             c.require(value is None or value == want, f"{arg}={value} does not match the handle's {arg}={want}; "
                                                       "pass the values of the dispatch that made the handle")
         try:
@@ -102,8 +104,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
 
 def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, num_topk: int) -> int:
     num_qps = c.integer("num_qps", num_qps)
-    c.require(num_qps <= buf.num_allocated_qps,
-              f"num_qps={num_qps} exceeds num_allocated_qps={buf.num_allocated_qps}")
+    c.require(0 <= num_qps <= buf.num_allocated_qps,
+              f"num_qps={num_qps} must be in [0, num_allocated_qps={buf.num_allocated_qps}]")
     num_sms = c.integer("num_sms", num_sms)
     c.require(num_sms >= 0, f"num_sms must be an int >= 0 (0 = get_theoretical_num_sms), got {num_sms!r}")
     if buf.device.type == "cpu":

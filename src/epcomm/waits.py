@@ -43,17 +43,44 @@ def announce(uid: int, call_id: int, rank: int) -> None:
         store.set(_key(uid, call_id, rank), "1")
 
 
-def announce_failure(uid: int, call_id: int, rank: int, error: str) -> None:
-    """Tell the peers that `rank` stopped with `error` during call `call_id` of buffer `uid` (out of memory, ...:
-    not a bad argument, which every rank reports together): their bounded waits in this or any later call of the
-    buffer (GPU calls without a host wait come before one) raise `PeerFailed` naming it rather than wait out the
-    timeout for a rank that will not come."""
+def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str) -> None:
+    """Tell the peers that `rank` stopped with `error` during `call` (call number `call_id`) of buffer `uid` (out of
+    memory, ...: not a bad argument, which every rank reports together): their bounded waits in this or any later
+    call of the buffer (GPU calls without a host wait come before one) raise `PeerFailed` naming it rather than
+    wait out the timeout for a rank that will not come. The first failure recorded stays (a later one is likely
+    its consequence, such as a peer's connection closed by the failing rank's exit)."""
     store = default_store()
     if store is not None:
         try:
-            store.set(_failed_key(uid), f"{rank}\n{call_id}\n{error[:500]}")
+            if not store.check([_failed_key(uid)]):
+                store.set(_failed_key(uid), f"{rank}\n{call_id}\n{call}\n{error[:500]}")
         except Exception:  # a store that is gone: the peers time out as before
             pass
+
+
+def peer_failure(uid: int) -> Optional[tuple]:
+    """`(rank, call id, call, error)` of the failure recorded for buffer `uid`, or None."""
+    store = default_store()
+    key = _failed_key(uid)
+    try:
+        if store is None or not store.check([key]):
+            return None
+        rank, call_id, call, error = store.get(key).decode(errors="replace").split("\n", 3)
+        return int(rank), call_id, call, error
+    except Exception:  # the store itself failed (or an odd record): as if nothing were recorded
+        return None
+
+
+def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: str, group=None) -> str:
+    """The message of `PeerFailed`: who waited for what, which rank failed in which call, with which error."""
+    failed, failed_call_id, failed_call, error = failure
+    every = _global_ranks(group)
+    who = f"group rank {failed}" + (f" (global rank {every[failed]})" if every else "")
+    me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
+    return (f"{what}: {me} waited for call #{call_id} but {who} stopped with an error during its {failed_call} "
+            f"(call #{failed_call_id}): {error}. The call cannot complete: the {owner} and its process group are "
+            "unusable now (an unmatched collective is pending): end the job; while that rank is alive the process "
+            "cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
 
 
 class PeerFailed(TransportTimeout):
@@ -90,24 +117,10 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
 
 
 def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: str, group) -> None:
-    """Raise `PeerFailed` when a peer announced that it stopped with an error during a call of this buffer."""
-    store = default_store()
-    key = _failed_key(uid)
-    try:
-        if store is None or not store.check([key]):
-            return
-        failed, _, rest = store.get(key).decode(errors="replace").partition("\n")
-        failed_call, _, error = rest.partition("\n")
-    except Exception:  # the store itself failed: the timeout still bounds the wait
-        return
-    every = _global_ranks(group)
-    who = f"group rank {failed}" + (f" (global rank {every[int(failed)]})" if every else "")
-    me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
-    raise PeerFailed(
-        f"{what}: {me} waited for call #{call_id} but {who} stopped with an error during call #{failed_call} "
-        f"({error}), so the call cannot complete. The {owner} and its process group are unusable now (an unmatched "
-        "collective is pending): end the job; while that rank is alive the process cannot exit cleanly, so exit "
-        "with os._exit(1) or let the launcher kill it")
+    """Raise `PeerFailed` when a peer recorded that it stopped with an error during a call of this buffer."""
+    failure = peer_failure(uid)
+    if failure is not None and failure[0] != rank:
+        raise PeerFailed(peer_failed_message(what, call_id, rank, failure, owner, group))
 
 
 def _global_ranks(group) -> Optional[list]:
