@@ -359,6 +359,35 @@ def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
     return first, elapsed, outcome
 
 
+def low_latency_failure_mid_call(rank: int, world: int, timeout_s: float):
+    """Rank 1 runs out of memory in the FP8 cast of a low-latency dispatch (portable path, after the call's own
+    header): it re-raises, its buffer refuses the next call, and the peers, already in the dispatch that follows,
+    raise PeerFailed naming it within a few seconds."""
+    import epcomm.lowlatency as lowlatency
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=128, num_cpu_timeout_secs=timeout_s)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 128, generator=gen).bfloat16()
+    idx = torch.rand(6, E, generator=gen).topk(K, dim=1).indices
+    buf.low_latency_dispatch(x, idx, N, E, use_fp8=True)  # a call that works first
+    if rank == 1:
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CPU out of memory (injected)")
+        lowlatency.per_token_cast_to_fp8 = out_of_memory
+    start = time.monotonic()
+    try:
+        buf.low_latency_dispatch(x, idx, N, E, use_fp8=True)
+        return "no error"
+    except (torch.OutOfMemoryError, TimeoutError) as e:
+        first, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - start
+    try:
+        buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+        after = "no error"
+    except ValueError as e:
+        after = str(e)
+    return first, elapsed, after
+
+
 def late_rank_with_bad_value(rank: int, world: int, timeout_s: float):
     """Rank 1 calls dispatch after rank 0 has given up waiting for it, with a bad expert id: its header exchange
     pairs with rank 0's abandoned one and shows its own failure, and the message gather that follows is bounded

@@ -261,6 +261,18 @@ def test_out_of_memory_on_one_rank_mid_call(where):
         assert "process group is unusable after an earlier failure" in another, another
 
 
+def test_out_of_memory_in_a_low_latency_call():
+    results = run_in_fresh_world(2, error_cases.low_latency_failure_mid_call, 20.0, timeout=90)
+    first, _, after = results[1]
+    assert first.startswith("OutOfMemoryError: CPU out of memory (injected)"), first
+    assert "unusable after an earlier failure" in after, after
+    msg, elapsed, after = results[0]
+    assert msg.startswith("PeerFailed: ") and "group rank 1 stopped with an error during its " \
+        "EPBuffer.low_latency_dispatch" in msg and "OutOfMemoryError" in msg, msg
+    assert elapsed < 10, elapsed
+    assert "unusable after an earlier failure" in after, after
+
+
 def test_missing_peer_times_out_naming_it():
     results = run_in_fresh_world(2, error_cases.missing_peer, 3.0, timeout=60)
     msg, elapsed, after = results[0]

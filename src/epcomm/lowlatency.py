@@ -430,14 +430,17 @@ class LowLatencyMixin:
             return recv_x, recv_count, ll_handle, event, receive
         # Its own header first (CPU): the expand dispatch below exchanges a regular dispatch's header, which cannot
         # tell this call from a dispatch nor name use_fp8 / use_ue8m0.
-        self._low_latency_header(name, signature, None, dispatch_wait_recv_cost_stats)
-        if use_fp8:
-            data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
-            if round_scale and not use_ue8m0:
-                scales = unpack_ue8m0(scales, num_sf_packs(x.shape[1]))
-            payload = (data, scales)
-        else:
-            payload = x.detach()  # this call warned about gradients already (not the dispatch below)
+        ll_call = self._low_latency_header(name, signature, None, dispatch_wait_recv_cost_stats)
+        try:
+            if use_fp8:
+                data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
+                if round_scale and not use_ue8m0:
+                    scales = unpack_ue8m0(scales, num_sf_packs(x.shape[1]))
+                payload = (data, scales)
+            else:
+                payload = x.detach()  # this call warned about gradients already (not the dispatch below)
+        except (Exception, KeyboardInterrupt) as e:  # out of memory, ...: the peers go on to the dispatch below
+            self._fail_mid_call(name, ll_call, e)
         try:
             recv, _, _, handle, _ = self.dispatch(payload, topk_idx, None, cumulative_local_expert_recv_stats,
                                                   num_experts=num_experts, num_max_tokens_per_rank=n, do_expand=True,
@@ -587,6 +590,10 @@ class LowLatencyMixin:
             launched = pipeline.combine_launch(self, call, call_id)
         except TimeoutError as e:
             self._mark_broken(name, e)
+        except (TypeError, ValueError):  # raised on every rank together
+            raise
+        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the header exchange (EPBuffer.combine)
+            self._fail_mid_call(name, call_id, e)
         item_TK = pipeline.returned_item_rows(self, h, per_pair=True)
         y = launched["spec"].view(launched["recv_XB"], "x")
         combined = weighted_reduce_torch(y, item_TK, topk_weights, torch.bfloat16)
