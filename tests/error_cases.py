@@ -322,7 +322,7 @@ def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
     bad argument does: rank 1 re-raises it, its peers raise "group rank 1 rejected the call", and the buffers stay
     usable. After it, rank 1 re-raises it and its buffer and group refuse later calls and constructions; the peers
     raise `PeerFailed` naming rank 1, the call and its error within a few seconds, not after the timeout. Returns
-    (first error, seconds to it, [next dispatch, a new buffer on the group])."""
+    (first error, seconds to it, [next dispatch, a new EPBuffer, a new BucketBuffer on the group])."""
     import epcomm.pipeline as pipeline
     import epcomm.resolve as resolve
 
@@ -350,9 +350,12 @@ def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
         setattr(owner, name, original)
     outcome = []
     for make in (lambda: buf.dispatch(x, idx, w, num_experts=E)[0],  # the buffer
-                 lambda: epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)):  # another one on the group
+                 lambda: epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H),  # another one on the group
+                 lambda: epcomm.BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=20)):
         try:
-            make()
+            made = make()
+            if isinstance(made, epcomm.BucketBuffer):
+                made.destroy()
             outcome.append("no error")
         except ValueError as e:
             outcome.append(str(e))

@@ -118,9 +118,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     ):
         self.group = process_group("EPBuffer", group)
         self.rank_idx = self.rank = self.group.rank()
-        if _group_broken(self.group) is not None:  # a construction is collective: it would meet the pending one
+        if waits.group_broken(self.group) is not None:  # a construction is collective: it would meet the pending one
             raise ValueError(f"EPBuffer construction: rank {self.rank}: the process group is unusable after an "
-                             f"earlier failure of an epcomm buffer on it ({_group_broken(self.group)}); restart the "
+                             f"earlier failure of an epcomm buffer on it ({waits.group_broken(self.group)}); restart the "
                              "process group")
         self.num_ranks = self.group.size()
         self.device = _group_device(self.group)
@@ -450,7 +450,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         """This buffer, and every epcomm buffer on its process group in this process, refuse later calls: the group
         holds a collective that will not complete, and a new one on it would meet it (gloo aborts on that)."""
         self._broken = reason
-        _BROKEN_GROUPS[id(self.group)] = (self.group, reason)
+        waits.break_group(self.group, reason)
 
     def print_memory_usage(self) -> None:
         """Print the buffer's accounted sizes (GiB)."""
@@ -467,7 +467,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         """Release the buffer (collective: every rank must call it). A second call is a no-op."""
         if self._destroyed:
             return
-        if self._broken is None and _group_broken(self.group) is None:  # else: no collective can complete there
+        if self._broken is None and waits.group_broken(self.group) is None:  # else: no collective can complete there
             self._barrier("EPBuffer.destroy", agreement.OP_DESTROY)
         self.transport.destroy()
         if getattr(self, "_ll_nvlink", None) is not None:
@@ -504,7 +504,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         if self._broken is not None:
             raise ValueError(f"{call}: rank {self.rank}: the buffer is unusable after an earlier failure "
                              f"({self._broken}); destroy it and restart the process group")
-        group_broken = _group_broken(self.group)
+        group_broken = waits.group_broken(self.group)
         if group_broken is not None:
             raise ValueError(f"{call}: rank {self.rank}: the process group is unusable after an earlier failure of "
                              f"another epcomm buffer on it ({group_broken}); restart the process group")
@@ -818,15 +818,6 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 self._pending_deferred = False
                 return inner()
         return self._order.finish(epilogue, inputs, async_op, defer, direct, handle)
-
-
-_BROKEN_GROUPS: dict = {}  # id(process group) -> (the group, why): groups holding a collective that cannot complete
-
-
-def _group_broken(group) -> Optional[str]:
-    """Why `group` is unusable in this process (an epcomm buffer on it failed mid-call or timed out), or None."""
-    entry = _BROKEN_GROUPS.get(id(group))
-    return entry[1] if entry is not None and entry[0] is group else None
 
 
 def _as_int(value) -> int:

@@ -83,6 +83,23 @@ def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: st
             "cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
 
 
+_BROKEN_GROUPS: dict = {}  # id(process group) -> (the group, why): groups holding a collective that cannot complete
+
+
+def break_group(group, reason: str) -> None:
+    """Record that `group` holds a collective that will not complete (an epcomm call on it timed out or failed
+    mid-call on this rank): every epcomm buffer on it in this process refuses later calls and constructions, since
+    a new collective on it would meet the pending one (gloo aborts the process on such a mismatch)."""
+    if group is not None:
+        _BROKEN_GROUPS[id(group)] = (group, reason)
+
+
+def group_broken(group) -> Optional[str]:
+    """Why `group` is unusable in this process (`break_group`), or None."""
+    entry = _BROKEN_GROUPS.get(id(group))
+    return entry[1] if entry is not None and entry[0] is group else None
+
+
 class PeerFailed(TransportTimeout):
     """A peer stopped with an error of its own during the call; the buffer is unusable afterwards."""
 
