@@ -619,12 +619,14 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             num_max_tokens_per_rank: N, defaults to the buffer's (or the handle's); `T <= N`.
             expert_alignment: each expert's segment is padded to a multiple of it; default 1.
             num_sms: SM hint for GPU transports (0 = `get_theoretical_num_sms`); ignored on CPU (warns once).
-            num_qps: accepted; must not exceed `num_allocated_qps`.
+            num_qps: accepted; an int in [0, `num_allocated_qps`].
             previous_event: an `EventHandle` (`EPBuffer.capture()`) or an `EventOverlap` (DeepEP V1 style); the
                 comm stream waits for it instead of the current stream; needs `allocate_on_comm_stream=True`.
                 Anything else raises TypeError.
             async_with_compute_stream: return without making the current stream wait; wait on the event.
-            allocate_on_comm_stream: outputs belong to the comm stream's allocator pool.
+            allocate_on_comm_stream: outputs belong to the comm stream's allocator pool. A call with none of
+                `previous_event`, `async_with_compute_stream`, `allocate_on_comm_stream`, `defer_epilogue` runs on
+                the current stream (docs/decisions.md "Streams on CUDA"), the others on the comm stream.
             handle: an `EPHandle` from an earlier dispatch of this buffer: replay its routing (cached dispatch).
             do_handle_copy: legacy; must be False.
             do_cpu_sync: True (default) gives exact output sizes (the host waits for counts); False gives the
@@ -652,7 +654,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             TypeError: an argument of the wrong type or dtype (on every rank when counts are exchanged).
             ValueError: wrong shape, value, device, capacity, or inconsistent options; ranks that disagree on
                 the call (every rank; see docs/decisions.md "Errors and timeouts").
-            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`, or (`PeerFailed`) a peer stopped with
+                an error of its own during this or an earlier call (docs/decisions.md "Errors and timeouts").
+            Any other error of this rank's own (out of memory, ...) is re-raised; after the header exchange the
+            buffer and its process group then refuse later calls.
         """
         name = "EPBuffer.dispatch"
         self._check_alive(name)
@@ -763,7 +768,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             TypeError: wrong types or dtypes.
             ValueError: shapes that do not match the handle, a handle from another buffer, a modified
                 `topk_idx`, bad bias, inconsistent options; ranks that disagree (on CPU, every rank).
-            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`.
+            TimeoutError: a peer did not arrive within `num_cpu_timeout_secs`, or (`PeerFailed`) a peer stopped
+                with an error of its own (as dispatch).
+            Any other error of this rank's own is re-raised, as dispatch.
         """
         name = "EPBuffer.combine"
         self._check_alive(name)

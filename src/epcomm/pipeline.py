@@ -4,8 +4,9 @@ dispatch: layout -> exchange counts (+ call header) -> (CPU sync) -> pack record
           -> epilogue (compact, unpack, place) -> outputs + handle
 combine:  per-rank partials / rows back -> move rows -> canonical reduce (+ bias) at the origin
 
-Each path is split into `*_launch` (everything up to the row exchange, on the comm stream) and `*_finish` (the
-epilogue, which a deferred call runs at wait time on the current stream). DeepEP V2.5 EPBuffer behaviour,
+Each path is split into `*_launch` (everything up to the row exchange; on the comm stream, or on the current
+stream for a synchronous call: streams.CallOrder) and `*_finish` (the epilogue, which a deferred call runs at wait
+time on the current stream). DeepEP V2.5 EPBuffer behaviour,
 §9 and §11; orders and layouts as docs/decisions.md decision 4.
 
 Shape legend (docs/shapes.md): T tokens, H hidden, K top-k, R ranks, L local experts, N capacity per rank,
