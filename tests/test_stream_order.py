@@ -48,6 +48,7 @@ def world(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: w.capturing)
     monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(log))
     monkeypatch.setattr(streams, "current_stream", lambda index: named[w.current])
+    monkeypatch.setattr(streams, "_stream_of", lambda key: named[key[0]])
     monkeypatch.setattr(streams, "follow", lambda waiter, stream: log.append(f"{waiter.name} follows {stream.name}"))
 
     @contextmanager

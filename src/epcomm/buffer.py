@@ -118,10 +118,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     ):
         self.group = process_group("EPBuffer", group)
         self.rank_idx = self.rank = self.group.rank()
-        if waits.group_broken(self.group) is not None:  # a construction is collective: it would meet the pending one
-            raise ValueError(f"EPBuffer construction: rank {self.rank}: the process group is unusable after an "
-                             f"earlier failure of an epcomm buffer on it ({waits.group_broken(self.group)}); restart the "
-                             "process group")
+        # A construction is collective: on a group holding a pending collective it would meet that one.
+        waits.require_group_usable(self.group, f"EPBuffer construction: rank {self.rank}")
         self.num_ranks = self.group.size()
         self.device = _group_device(self.group)
         self.deterministic = deterministic
@@ -440,7 +438,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         earlier = waits.peer_failure(self.uid)
         if earlier is not None and earlier[0] != self.rank:
             self._break_group(f"{name}: group rank {earlier[0]} failed during the call")
-            raise PeerFailed(waits.peer_failed_message(f"{name}", call_id, self.rank, earlier, "EPBuffer",
+            raise PeerFailed(waits.peer_failed_message(name, call_id, self.rank, earlier, "EPBuffer",
                                                        self.group)) from e
         self._break_group(f"{name} failed on this rank during the call ({type(e).__name__})")
         waits.announce_failure(self.uid, call_id, self.rank, name, f"{type(e).__name__}: {e}")
@@ -504,10 +502,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         if self._broken is not None:
             raise ValueError(f"{call}: rank {self.rank}: the buffer is unusable after an earlier failure "
                              f"({self._broken}); destroy it and restart the process group")
-        group_broken = waits.group_broken(self.group)
-        if group_broken is not None:
-            raise ValueError(f"{call}: rank {self.rank}: the process group is unusable after an earlier failure of "
-                             f"another epcomm buffer on it ({group_broken}); restart the process group")
+        waits.require_group_usable(self.group, f"{call}: rank {self.rank}")
 
     def _next_call_id(self) -> int:
         self._call_id += 1

@@ -27,7 +27,7 @@ from torch import Tensor
 from . import gloo_exit
 from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages, rejected, status_of
 from .compile_guard import eager_under_compile
-from .waits import TransportTimeout, bounded_wait, break_group, group_broken
+from .waits import TransportTimeout, bounded_wait, break_group, require_group_usable
 from .validate import Checker
 
 __all__ = ["CommContext", "barrier", "get_comm_stream", "group_device"]
@@ -75,10 +75,8 @@ class CommContext:
         gloo_exit.arm(self.group)
         self.owner = owner
         self.rank = self.group.rank()
-        if group_broken(self.group) is not None:  # a construction is collective: it would meet the pending one
-            raise ValueError(f"{owner} construction: rank {self.rank}: the process group is unusable after an "
-                             f"earlier failure of an epcomm buffer on it ({group_broken(self.group)}); restart the "
-                             "process group")
+        # A construction is collective: on a group holding a pending collective it would meet that one.
+        require_group_usable(self.group, f"{owner} construction: rank {self.rank}")
         self.num_ranks = self.group.size()
         self.device = group_device(self.group)
         self.timeout_s = float(num_cpu_timeout_secs)
@@ -141,9 +139,7 @@ class CommContext:
         if self.broken is not None:
             c.fail(ValueError, f"the {self.owner} is unusable after an earlier failure ({self.broken}); destroy "
                                "it and restart the process group")
-        if group_broken(self.group) is not None:
-            c.fail(ValueError, f"the process group is unusable after an earlier failure of another epcomm buffer on "
-                               f"it ({group_broken(self.group)}); restart the process group")
+        require_group_usable(self.group, f"{call}: rank {self.rank}")
         return c
 
     def next_call_id(self) -> int:

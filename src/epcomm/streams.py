@@ -150,8 +150,8 @@ class CallOrder:
         another stream."""
         if self._done is None:
             self._done = torch.cuda.Event()
-        self._done.record(current_stream(self.device.index))
         self._last = torch._C._cuda_getCurrentStream(self.device.index)
+        self._done.record(_stream_of(self._last))
 
 
 _CURRENT: dict = {}  # torch._C._cuda_getCurrentStream's (id, device index, device type) -> a Stream of that id
@@ -161,7 +161,11 @@ _LINKS: dict = {}  # (waiting stream id, stream id, device index) -> the event `
 def current_stream(index: int) -> "torch.cuda.Stream":
     """`torch.cuda.current_stream(index)`, without a new `Stream` object per call: a Stream is only its id, so one
     object per id serves every call (an eager call asked for the current stream twice)."""
-    key = torch._C._cuda_getCurrentStream(index)
+    return _stream_of(torch._C._cuda_getCurrentStream(index))
+
+
+def _stream_of(key: tuple) -> "torch.cuda.Stream":
+    """The `Stream` of a `_cuda_getCurrentStream` key (one object per key)."""
     stream = _CURRENT.get(key)
     if stream is None:
         if len(_CURRENT) >= 256:  # a bound for programs that make streams without end

@@ -75,8 +75,7 @@ def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: st
     """The message of `PeerFailed`: who waited for what, which rank failed in which call, with which error."""
     failed, failed_call_id, failed_call, error = failure
     every = _global_ranks(group)
-    who = f"group rank {failed}" + (f" (global rank {every[failed]})" if every else "")
-    me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
+    who, me = f"group {_rank_name(failed, every)}", _rank_name(rank, every)
     return (f"{what}: {me} waited for call #{call_id} but {who} stopped with an error during its {failed_call} "
             f"(call #{failed_call_id}): {error}. The call cannot complete: the {owner} and its process group are "
             "unusable now (an unmatched collective is pending): end the job; while that rank is alive the process "
@@ -98,6 +97,14 @@ def group_broken(group) -> Optional[str]:
     """Why `group` is unusable in this process (`break_group`), or None."""
     entry = _BROKEN_GROUPS.get(id(group))
     return entry[1] if entry is not None and entry[0] is group else None
+
+
+def require_group_usable(group, where: str) -> None:
+    """Raise ValueError, prefixed `where` (the call and the rank), when `break_group` recorded `group`."""
+    why = group_broken(group)
+    if why is not None:
+        raise ValueError(f"{where}: the process group is unusable after an earlier failure of an epcomm buffer on it "
+                         f"({why}); restart the process group")
 
 
 class PeerFailed(TransportTimeout):
@@ -140,6 +147,11 @@ def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: s
         raise PeerFailed(peer_failed_message(what, call_id, rank, failure, owner, group))
 
 
+def _rank_name(rank: int, every: Optional[list]) -> str:
+    """"rank r", with its global rank on a subgroup (`every`: `_global_ranks`)."""
+    return f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
+
+
 def _global_ranks(group) -> Optional[list]:
     """The global rank of every group rank when `group` is a subgroup (the processes a user looks for), else None."""
     try:
@@ -175,7 +187,7 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
         who = "a peer (could not tell which) did not arrive"
     else:
         who = "every group rank arrived and the collective still did not finish (mismatched calls or sizes?)"
-    me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
+    me = _rank_name(rank, every)
     raise TransportTimeout(
         f"{what}: {me} waited {timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} but {who}. Every "
         f"rank of the group must make the same {owner} calls in the same order. The {owner} and its process group "
