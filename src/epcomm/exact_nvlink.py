@@ -106,9 +106,11 @@ def routing_cols(num_topk: int, weights: Optional[Tensor]) -> int:
 
 
 def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, call_id: int, head: Tensor,
-              ex: Tensor) -> dict:
+              ex: Tensor, publish: Optional[dict] = None) -> dict:
     """Launch `send_plan`: the sender-side layout, the routing field, and the rows to publish in `ex` ([R, C'] int64,
-    zero, C' >= `_cols`), headed by `head` (`header_row`) with `call_id`."""
+    zero, C' >= `_cols`), headed by `head` (`header_row`) with `call_id`; with `publish` (the transport's
+    `publish_args`) the kernel publishes them too, unless there are no tokens (then nothing is launched):
+    `published` in the result says whether it did."""
     from .kernels import _exact_triton as k
 
     topk = call.topk_idx if call.topk_idx.stride(1) == 1 else call.topk_idx.contiguous()
@@ -131,13 +133,21 @@ def send_plan(call: pipeline.DispatchCall, rank: int, num_ranks: int, call_id: i
             dst_slot_TK, routing, ex, head, counts_R, num_tokens, topk.stride(0), 0 if w is None else w.stride(0),
             rank, call_id, N=call.n, K=num_topk, R=num_ranks, L=num_local, EX_STRIDE=ex.shape[1],
             CNT_COL=agreement.HEADER_LEN, RT_COLS=routing.shape[1], HAS_W=w is not None, K_POW2=k_pow2, R_POW2=r_pow2,
-            H_POW2=next_pow2(agreement.HEADER_LEN), TC=tc, TL=tl_, num_warps=4)
+            H_POW2=next_pow2(agreement.HEADER_LEN), TC=tc, TL=tl_, PUBLISH=publish is not None,
+            **(publish if publish is not None else _NO_PUBLISH), num_warps=4)
     else:  # no tokens: the header, and zero counts and pairs (`ex` is zero)
         ex[:, :agreement.HEADER_LEN] = head
         ex[:, 1] = call_id
         counts_R.zero_()
     send = SendLayout(num_tokens_per_rank_R=counts_R, token_slot_TR=token_slot_TR, last_pos_TR=last_pos_TR)
-    return dict(send=send, send_row_TR=send_row_TR, send_src=send_src, dst_slot_TK=dst_slot_TK, routing=routing)
+    return dict(send=send, send_row_TR=send_row_TR, send_src=send_src, dst_slot_TK=dst_slot_TK, routing=routing,
+                published=bool(num_tokens) and publish is not None)
+
+
+# `send_plan` without the publish: its publish arguments are not read (the pointers are any int).
+_NO_PUBLISH = dict(done_ptr=0, host_ptr=0, local_ptr=0, delta16_ptr=0, status_ptr=0, timeout_ns=0, flags_off=0,
+                   hdr_off=0, EX_COLS=1, C_POW2=1, STAGES=0, USE_TIMER=False)
+_FUSED_PUBLISH = True  # send_plan publishes the rows (False: publish_rows launches on its own; for A/B runs)
 
 
 def read_rows(buf, call: pipeline.DispatchCall, host_RC: np.ndarray) -> dict:
@@ -181,11 +191,12 @@ def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
         TimeoutError: a peer did not arrive.
     """
     tr, num_ranks = buf.transport, buf.num_ranks
+    cols = _cols(num_ranks, call.num_experts // num_ranks)
     with phase("layout"):
         launched = send_plan(call, buf.rank, num_ranks, call_id, header_row(call, buf.uid, buf.device),
-                             tr.exact_table())
+                             tr.exact_table(), tr.publish_args(cols) if _FUSED_PUBLISH else None)
     with phase("exchange_counts"):
-        host_RC = tr.publish_rows(_cols(num_ranks, call.num_experts // num_ranks), call_id=call_id)
+        host_RC = tr.publish_rows(cols, call_id=call_id, published=launched.pop("published"))
         sizes = read_rows(buf, call, host_RC)
     num_send = sum(sizes["send_splits"])
     route = Route(sizes["send_splits"], sizes["recv_splits"], launched.pop("send_src")[:num_send], sizes["matrix"])

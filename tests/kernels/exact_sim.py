@@ -1,7 +1,8 @@
 """The fused CPU-synced dispatch (exact_nvlink.py) under TRITON_INTERPRET=1, field by field against the generic path.
 
-Ranks are simulated one after another in one process. Every rank's `send_plan` runs, then every rank's
-`publish_rows` into simulated regions (slices of one CPU tensor, addressed through 16-byte deltas as on GPU), then
+Ranks are simulated one after another in one process. Every rank's `send_plan` runs (publishing from its last
+program, as on GPU: up to the first barrier's arrival, all of it with one rank), then every rank's `publish_rows`
+for the rest, into simulated regions (slices of one CPU tensor, addressed through 16-byte deltas as on GPU), then
 each rank reads its headers as the host read would. The pull is replaced by its torch twin (each receiver
 concatenates, per source rank, the source's rows in the route's send order), the same for both paths, so the two
 paths meet at the same moved fields. The expected values come from `pipeline.dispatch_finish` on the generic
@@ -98,23 +99,38 @@ def exchange(calls, num_ranks):
     from epcomm.kernels import _exact_triton as k
 
     regions = sim_regions(num_ranks)
-    launched, tables = [], []
-    for r, call in enumerate(calls):
-        tables.append(torch.zeros(num_ranks, HDR_COLS, dtype=torch.int64))
-        head = exact_nvlink.header_row(call, 7, torch.device("cpu"))
-        launched.append(exact_nvlink.send_plan(call, r, num_ranks, CALL_ID, head, tables[r]))
     # ranks that disagree on num_experts publish other widths
     cols = [exact_nvlink._cols(num_ranks, call.num_experts // num_ranks) for call in calls]
     hosts = [torch.full((num_ranks * cols[r],), -7, dtype=torch.int64) for r in range(num_ranks)]
     status = [torch.zeros(1, dtype=torch.int64) for _ in range(num_ranks)]
+    done = [torch.zeros(1, dtype=torch.int64) for _ in range(num_ranks)]
+    launched, tables, published = [], [], []
+    for r, call in enumerate(calls):
+        tables.append(torch.zeros(num_ranks, HDR_COLS, dtype=torch.int64))
+        head = exact_nvlink.header_row(call, 7, torch.device("cpu"))
+        # send_plan publishes in its last program, as on GPU: all of it with one rank, else the first barrier's
+        # arrival only (the interpreter runs one rank at a time); publish_rows runs the rest, or all of it for a
+        # rank without tokens (send_plan then launches nothing)
+        publish = dict(done_ptr=done[r], host_ptr=hosts[r].data_ptr(), local_ptr=regions[r].local,
+                       delta16_ptr=regions[r].delta16, status_ptr=status[r].data_ptr(), timeout_ns=10 ** 10,
+                       flags_off=FLAGS_OFF, hdr_off=0, EX_COLS=cols[r], C_POW2=next_pow2(cols[r]),
+                       STAGES=7 if num_ranks == 1 else 1, USE_TIMER=False)
+        launched.append(exact_nvlink.send_plan(call, r, num_ranks, CALL_ID, head, tables[r], publish))
+        published.append(launched[-1].pop("published"))
+        assert published[-1] == (call.topk_idx.shape[0] > 0)
+        assert int(done[r][0]) == 0, "send_plan left its counter of finished programs non-zero"
     for stage in (1, 2, 4):
         for r in range(num_ranks):
+            if published[r] and (num_ranks == 1 or stage == 1):
+                continue
             k.publish_rows[(1,)](tables[r], hosts[r].data_ptr(), regions[r].local, regions[r].delta16,
                                  status[r].data_ptr(), r, 10 ** 10, FLAGS_OFF, 0, R=num_ranks,
                                  R_POW2=next_pow2(num_ranks), EX_COLS=cols[r], HDR_COLS=HDR_COLS,
                                  C_POW2=next_pow2(cols[r]), STAGES=stage, USE_TIMER=False)
     recv = []
     for r in range(num_ranks):
+        flags = regions[r].local[FLAGS_OFF:].view(torch.int64)[:num_ranks + 1].tolist()
+        assert flags == [2] * (num_ranks + 1), f"rank {r}: two barriers, one arrival each from every rank: {flags}"
         assert not tables[r].any(), f"rank {r}: the publish kernel left its table non-zero"
         assert int(status[r][0]) == 0
         rows = hosts[r].view(num_ranks, cols[r]).numpy()
@@ -180,6 +196,10 @@ CASES["many-tokens-small-chunks"] = (dict(ranks=3, n=40, hidden=16, dtype=torch.
                                           idx_dtype=torch.int64, w_dtype=torch.float32, expand=True, alignment=4,
                                           emit=True, stats=True, token_elems=64, count_elems=64),
                                      (40, 33, 17))
+# One rank publishes from send_plan's last program all the way (both barriers with itself), over several programs.
+CASES["one-rank-small-chunks"] = (dict(ranks=1, n=40, hidden=16, dtype=torch.bfloat16, experts=6, topk=3,
+                                       idx_dtype=torch.int64, w_dtype=torch.float32, expand=False, alignment=1,
+                                       emit=False, stats=True, token_elems=64, count_elems=64), (37,))
 
 
 def check_bad_values(kind):

@@ -3,10 +3,13 @@ eager nvlink pulls (transport/pull.py). The GPU suite runs it in every eager CPU
 
 import pytest
 
-from gather_sim import CASES
+from gather_sim import BARRIER_CASES, CASES
 from interpreter import run_sim
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+ALL = sorted(CASES) + sorted(BARRIER_CASES)
+
+
+@pytest.mark.parametrize("case", ALL)
 def test_gather_fields(case):
-    run_sim("gather_sim.py", case, batch=sorted(CASES))
+    run_sim("gather_sim.py", case, batch=ALL)

@@ -9,6 +9,8 @@
   expert twice in a token), which the host turns into the generic path's errors;
 * `publish_rows` (one program): a barrier, row p of that table into row `me` of rank p's header area, a barrier,
   then the rows every rank published here into pinned host memory: the host reads them without a copy of its own.
+  `send_plan` with `PUBLISH` runs the same steps in its last program to finish, one launch instead of two (eager
+  calls on the H200 hosts are bound by launch cost); `publish_rows` alone serves a call without tokens.
 
 Each program counts the tokens of the chunks before its own (a two-level scan in one launch: no host round trip),
 so the work grows as T^2 / TC, a few us at 4096 tokens.
@@ -17,17 +19,20 @@ so the work grows as T^2 / TC, a few us at 4096 tokens.
 import triton
 import triton.language as tl
 
-from ._signal_triton import _region, group_barrier
+from ._signal_triton import _last_to_finish, _region, group_barrier
 from ._syncfree_triton import tokens_sent
 
 
-@triton.jit(do_not_specialize=["num_tokens", "stride_topk", "stride_w", "me", "call_id"])
+@triton.jit(do_not_specialize=["num_tokens", "stride_topk", "stride_w", "me", "call_id", "timeout_ns", "flags_off",
+                               "hdr_off"])
 def send_plan(
     topk_ptr, w_ptr, token_slot_ptr, last_pos_ptr, send_row_ptr, send_src_ptr, dst_slot_ptr, rt_ptr, ex_ptr, hdr_ptr,
     counts_ptr, num_tokens, stride_topk, stride_w, me, call_id,
+    done_ptr, host_ptr, local_ptr, delta16_ptr, status_ptr, timeout_ns, flags_off, hdr_off,
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, EX_STRIDE: tl.constexpr,
     CNT_COL: tl.constexpr, RT_COLS: tl.constexpr, HAS_W: tl.constexpr, K_POW2: tl.constexpr, R_POW2: tl.constexpr,
     H_POW2: tl.constexpr, TC: tl.constexpr, TL: tl.constexpr,
+    PUBLISH: tl.constexpr, EX_COLS: tl.constexpr, C_POW2: tl.constexpr, STAGES: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
     """Program g: tokens g*TC .. ; it first counts every rank's tokens, TL at a time (those before its chunk, and the
     totals). `ex` is [R, EX_STRIDE] int64, zero (the previous call's `publish_rows` left it so): program 0 writes
@@ -35,7 +40,11 @@ def send_plan(
     `counts` [R]); every program adds its pairs to `ex[d, CNT_COL + R + l]` (expert l of rank d) and raises the
     flags `ex[:, CNT_COL + R + L]` (bad id) and `ex[:, CNT_COL + R + L + 1]` (an expert twice). The routing field
     `rt` ([T, RT_COLS] int64) gets each token's top-k ids, its key and, with `HAS_W`, its weights' bits (`w`, the
-    int32 or int64 view of fp32 or fp64 weights) from column K + 1."""
+    int32 or int64 view of fp32 or fp64 weights) from column K + 1.
+
+    `PUBLISH`: then the last program to finish (`done_ptr`: an int64 counter at zero) runs `publish_rows`'s steps
+    on the complete table (its arguments from `host_ptr` on, `EX_COLS` .. `USE_TIMER`; the table's row stride is
+    `EX_STRIDE`). Without it they are not read."""
     g_id = tl.program_id(0)
     kk = tl.arange(0, K_POW2)
     rr = tl.arange(0, R_POW2)
@@ -96,13 +105,26 @@ def send_plan(
         tl.atomic_max(ex_ptr + rr * EX_STRIDE + flag_col, tl.full([R_POW2], 1, tl.int64), mask=rr < R)
     if dup > 0:
         tl.atomic_max(ex_ptr + rr * EX_STRIDE + flag_col + 1, tl.full([R_POW2], 1, tl.int64), mask=rr < R)
+    if PUBLISH:
+        if _last_to_finish(done_ptr, tl.num_programs(0)):  # every program's counts and flags are in the table
+            _publish(ex_ptr, host_ptr, local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, hdr_off, R,
+                     R_POW2, EX_COLS, EX_STRIDE, C_POW2, STAGES, USE_TIMER)
 
 
 @triton.jit(do_not_specialize=["me", "timeout_ns", "flags_off", "hdr_off"])
 def publish_rows(ex_ptr, host_ptr, local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, hdr_off,
                  R: tl.constexpr, R_POW2: tl.constexpr, EX_COLS: tl.constexpr, HDR_COLS: tl.constexpr,
                  C_POW2: tl.constexpr, STAGES: tl.constexpr, USE_TIMER: tl.constexpr):
-    """One program, between two barriers of the region: row p of `ex` ([R, HDR_COLS] int64, EX_COLS used) into
+    """One program: `_publish`."""
+    _publish(ex_ptr, host_ptr, local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, hdr_off, R, R_POW2,
+             EX_COLS, HDR_COLS, C_POW2, STAGES, USE_TIMER)
+
+
+@triton.jit
+def _publish(ex_ptr, host_ptr, local_ptr, delta16_ptr, status_ptr, me, timeout_ns, flags_off, hdr_off,
+             R: tl.constexpr, R_POW2: tl.constexpr, EX_COLS: tl.constexpr, HDR_COLS: tl.constexpr,
+             C_POW2: tl.constexpr, STAGES: tl.constexpr, USE_TIMER: tl.constexpr):
+    """In one program, between two barriers of the region: row p of `ex` ([R, HDR_COLS] int64, EX_COLS used) into
     row `me` of rank p's header area (R rows of HDR_COLS int64 at byte `hdr_off` of every region), then `ex`'s rows
     back to zero for the next call's `send_plan`; after the second barrier, this rank's [R, EX_COLS] headers (row s
     from rank s) into `host_ptr` (pinned host memory, rows of EX_COLS), which the host reads once the kernel is done.

@@ -34,7 +34,7 @@ and timeouts").
 import triton
 import triton.language as tl
 
-from ._signal_triton import _region, _wait, _wait_all, _wait_all_timed
+from ._signal_triton import _last_to_finish, _region, _wait, _wait_all, _wait_all_timed
 
 # Integer arguments that change between calls or ranks: one compiled variant for all their values (the fused
 # kernels' grids come from the variant's occupancy, so a variant must not change under a new token count).
@@ -106,23 +106,6 @@ def _signal_all(local_ptr, delta16_ptr, kind, what, parity, me, amount, R: tl.co
     base = local_ptr + tl.load(delta16_ptr + r, mask=r < R, other=0) * 16
     flags = base.to(tl.pointer_type(tl.int64)) + ((kind * 2 + what) * 2 + parity) * R + me
     tl.atomic_add(flags, amount, mask=(r < R) & (amount > 0), sem="release", scope="sys")
-
-
-@triton.jit
-def _last_to_finish(counter_ptr, num_programs):
-    """Every program calls this after its reads and writes; True in exactly one: the last (it resets the counter).
-
-    GPU scope is enough. After the receives, the counter orders this GPU's programs among themselves, and what the
-    last one then publishes to peers (`freed`) goes out with a system-scope release (`_signal_all`), which carries
-    the order on. After a split send kernel's sends, the only reader of what the last program does (the call
-    counter) is a later kernel on this GPU. A system-scope fence here would also wait for every program's NVLink
-    stores, with a thousand programs on one counter (measured on 2x H200: 3-10 us per call at 128 tokens)."""
-    tl.debug_barrier()  # every thread's reads and writes happen before this program's release below
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = done == num_programs - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-    return last
 
 
 @triton.jit

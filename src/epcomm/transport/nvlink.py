@@ -152,11 +152,26 @@ class NVLinkTransport(Transport):
             self._headers = self.region.peer(self.rank, self._headers_off, (r * _HEADER_COLS * 8,), torch.uint8)
         return self._exact_table
 
-    def publish_rows(self, cols: int, *, call_id: int):
-        """The count exchange of the fused CPU-synced dispatch, in one kernel (`_exact_triton.publish_rows`): row p
-        of `exact_table()` (first `cols` columns) lands in row `me` of rank p's headers, between two device barriers;
-        then the kernel writes the rows every rank published here into pinned host memory, and the host waits
-        (bounded) for it.
+    def publish_args(self, cols: int) -> dict:
+        """The arguments with which `_exact_triton.send_plan` publishes `exact_table()`'s rows (first `cols`
+        columns) in its last program, as `publish_rows` would launch them.
+
+        Raises:
+            TimeoutError: an earlier device barrier of the region timed out.
+        """
+        self.exact_table()
+        region = self.region
+        sync = region.barrier_in_kernel()
+        return dict(done_ptr=sync["done_ptr"], host_ptr=self._exact_host.data_ptr(), local_ptr=region.local,
+                    delta16_ptr=region.delta16, status_ptr=region.status.data_ptr(), timeout_ns=region.timeout_ns,
+                    flags_off=region.flags_off, hdr_off=self._headers_off, EX_COLS=cols, C_POW2=next_pow2(cols),
+                    STAGES=7, USE_TIMER=True)
+
+    def publish_rows(self, cols: int, *, call_id: int, published: bool = False):
+        """The count exchange of the fused CPU-synced dispatch, in one kernel (`_exact_triton.publish_rows`, or
+        `send_plan` already with `publish_args`: `published`): row p of `exact_table()` (first `cols` columns)
+        lands in row `me` of rank p's headers, between two device barriers; then the kernel writes the rows every
+        rank published here into pinned host memory, and the host waits (bounded) for it.
 
         Returns:
             [R, cols] int64 numpy array, row s from rank s: a view of the pinned rows, valid until the next call.
@@ -171,10 +186,11 @@ class NVLinkTransport(Transport):
         assert cols <= _HEADER_COLS
         table = self.exact_table()
         region.check_status()
-        launch(k.publish_rows, (1,), table, self._exact_host.data_ptr(), region.local, region.delta16,
-               region.status.data_ptr(), self.rank, region.timeout_ns, region.flags_off, self._headers_off, R=r,
-               R_POW2=next_pow2(r), EX_COLS=cols, HDR_COLS=_HEADER_COLS, C_POW2=next_pow2(cols), STAGES=7,
-               USE_TIMER=True, num_warps=4)
+        if not published:
+            launch(k.publish_rows, (1,), table, self._exact_host.data_ptr(), region.local, region.delta16,
+                   region.status.data_ptr(), self.rank, region.timeout_ns, region.flags_off, self._headers_off, R=r,
+                   R_POW2=next_pow2(r), EX_COLS=cols, HDR_COLS=_HEADER_COLS, C_POW2=next_pow2(cols), STAGES=7,
+                   USE_TIMER=True, num_warps=4)
         self._host_wait("count exchange", call_id)
         return self._exact_host_np[:r * cols].reshape(r, cols)
 

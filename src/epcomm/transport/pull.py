@@ -151,15 +151,18 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
 
     one_launch = chunks == 1 and side is None and by_words
     for c in range(chunks):
+        synced = False
         with phase("stage"):
-            if one_launch:  # my staged rows and my own rows in one launch
-                gather_in_one_launch(plan, moves, row_bytes, None if staged[0] is None else staged[0][2], lo)
+            if one_launch:  # my staged rows, my own rows and the barrier in one launch
+                synced = gather_in_one_launch(plan, moves, row_bytes, None if staged[0] is None else staged[0][2],
+                                              lo, tr.region.barrier_in_kernel() if _GATHER_BARRIER else None)
             elif staged[c] is not None:  # in a graph index_select gathers faster than one word launch (2x H200)
                 pieces, first, views = staged[c]
                 for idx, row in pieces:
                     for (src, _), view in zip(moves, views):
                         torch.index_select(src, 0, idx, out=view[row - first: row - first + idx.shape[0]])
-        tr.barrier()  # chunk c of every peer's staging area is complete
+        if not synced:
+            tr.barrier()  # chunk c of every peer's staging area is complete
         if side is not None:
             side.wait_stream(main)
         with phase("pull"), _on(side):
@@ -184,6 +187,7 @@ def pull_fields(tr, plan: PullPlan, moves: list, row_bytes: list, stage: int, ca
 
 
 _MAX_FIELDS = 4  # of `_gather_triton.gather_fields`
+_GATHER_BARRIER = True  # the one-launch gather runs the barrier after it (False: a launch of its own; for A/B runs)
 _WORDS_PER_PROGRAM = 1024
 _SM_PULL_ROW_BYTES = 512  # fields of rows this narrow are pulled by the SMs in a graph
 
@@ -210,9 +214,11 @@ def _gathers_in_one_launch(moves: list, row_bytes: list) -> bool:
             and all(src.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0 for src, out in moves))
 
 
-def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int) -> None:
+def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_views: Optional[list], lo: int,
+                         barrier: Optional[dict] = None) -> bool:
     """`_gather_triton.gather_fields`: every send row of every field into my staging area (`stage_views`, one per
-    field; None when I stage nothing) or, for my rows for myself, into the outputs from row `lo`.
+    field; None when I stage nothing) or, for my rows for myself, into the outputs from row `lo`; then, given
+    `barrier`, the region's device barrier in the same launch.
 
     Args:
         moves: up to four `(src [T, ...], out [num_recv, ...])` pairs, row-contiguous, any dtype, rows of whole
@@ -220,12 +226,16 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
         row_bytes: bytes of one row of each field.
         stage_views: one `[staged rows, ...]` view of my staging area per field, or None.
         lo: output row of my first row for myself.
+        barrier: the kernel's barrier arguments (`SymmetricRegion.barrier_in_kernel`), or None.
+
+    Returns:
+        whether the barrier ran (not when there is no send row: nothing is launched).
     """
     from ..kernels._gather_triton import gather_fields
 
     num_send = plan.send_idx.shape[0]
     if not num_send:
-        return
+        return False
     order = sorted(range(len(moves)), key=lambda i: -row_bytes[i])  # the widest field spans the programs' blocks
     args, widths = [], []
     for i in order:  # the tensors as they are: the kernel reads and writes their rows as int32 words
@@ -235,10 +245,17 @@ def gather_in_one_launch(plan: PullPlan, moves: list, row_bytes: list, stage_vie
     while len(widths) < _MAX_FIELDS:
         args += args[:3]
         widths.append(0)
+    sync = barrier if barrier is not None else _NO_BARRIER
     launch(gather_fields, (num_send, ceil_div(widths[0], _WORDS_PER_PROGRAM)),
         plan.send_idx, plan.own_rows[0], plan.own_rows[1], lo, *args, W0=widths[0], W1=widths[1], W2=widths[2],
         W3=widths[3], P1=next_pow2(max(widths[1], 1)), P2=next_pow2(max(widths[2], 1)),
-        P3=next_pow2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, num_warps=4)
+        P3=next_pow2(max(widths[3], 1)), BLOCK=_WORDS_PER_PROGRAM, BARRIER=barrier is not None, **sync, num_warps=4)
+    return barrier is not None
+
+
+# `gather_fields` without the barrier: its barrier arguments are not read (the pointers are any int).
+_NO_BARRIER = dict(done_ptr=0, local_ptr=0, delta16_ptr=0, status_ptr=0, me=0, timeout_ns=0, flags_off=0, R=1,
+                   R_POW2=1, SIGNAL=False, WAIT=False, USE_TIMER=False)
 
 
 def _on(stream: Optional["torch.cuda.Stream"]):

@@ -105,6 +105,12 @@ class SymmetricRegion:
         self._args = (self._storage.data_ptr(), self.delta16.data_ptr(), self.status.data_ptr(), self.rank,
                       self.timeout_ns, self._flags_off, self.num_ranks, 1 << (self.num_ranks - 1).bit_length(),
                       True, True, True)  # R, R_POW2, SIGNAL, WAIT, USE_TIMER
+        # A kernel that runs the barrier inside itself (`barrier_in_kernel`): the same flags, and a counter of its
+        # finished programs (its last one runs the barrier and sets the counter back to zero).
+        self._in_kernel = dict(done_ptr=torch.zeros(1, dtype=torch.int64, device=device), local_ptr=self.local,
+                               delta16_ptr=self.delta16, status_ptr=self.status.data_ptr(), me=self.rank,
+                               timeout_ns=self.timeout_ns, flags_off=self._flags_off, R=self.num_ranks,
+                               R_POW2=1 << (self.num_ranks - 1).bit_length(), SIGNAL=True, WAIT=True, USE_TIMER=True)
         # Every rank's flags are zero before anyone adds to them: torch's barrier, once.
         self.handle.barrier(channel=0, timeout_ms=max(1, math.ceil(timeout_s * 1000)))
         self.barrier()
@@ -146,6 +152,18 @@ class SymmetricRegion:
         # The compiled kernel directly, pointers as ints: Triton's JIT dispatch and tensor arguments cost ~20 us
         # of host time per barrier, which an eager call with four barriers would pay four times.
         self._launch((1, 1, 1), self._args, None, torch._C._cuda_getCurrentRawStream(self._device_index))
+
+    def barrier_in_kernel(self) -> dict:
+        """The arguments of a kernel that runs this region's barrier inside itself once its own programs are done
+        (`_gather_triton.gather_fields` with `BARRIER`): the barrier's flags, this rank's counter of finished
+        programs, and `R`, `R_POW2`, `SIGNAL`, `WAIT`, `USE_TIMER`. The barrier's rules hold (one stream order for
+        the region's barriers; a timeout records the missing rank and traps); the dict is shared, not to be changed.
+
+        Raises:
+            TimeoutError: an earlier barrier of this region timed out (`check_status`).
+        """
+        self.check_status()
+        return self._in_kernel
 
     def check_status(self) -> None:
         """Raises: TimeoutError -- a device barrier of this region timed out waiting for a rank (named)."""
