@@ -202,7 +202,7 @@ def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
     route = Route(sizes["send_splits"], sizes["recv_splits"], launched.pop("send_src")[:num_send], sizes["matrix"])
     tensors = dict(x=call.x.data, sf=call.x.sf, routing=launched["routing"])
     fields = pipeline._move_fields(tr, tensors, route, call_id)
-    return dict(launched, counts=tr.received_headers(), route=route, fields=fields,
+    return dict(launched, counts=tr.received_headers(), done=tr.region.programs_done, route=route, fields=fields,
                 num_unaligned=sizes["num_unaligned"], send_splits=route.send_splits, recv_splits=route.recv_splits,
                 fused=True)
 
@@ -220,7 +220,8 @@ def dispatch_finish(buf, call: pipeline.DispatchCall, launched: dict) -> tuple:
         call, rank, num_ranks, num_rows=route.num_recv, num_expanded=sum(aligned) if call.do_expand else 0,
         blocked=False, counts=(headers, (agreement.HEADER_LEN + rank) * 8, header_cols),
         routing=(routing, 0, row_bytes, 0, num_topk * 8),
-        weights=(routing, 0, 0) if call.topk_weights is None else (routing, (num_topk + 1) * 8, row_bytes))
+        weights=(routing, 0, 0) if call.topk_weights is None else (routing, (num_topk + 1) * 8, row_bytes),
+        done=launched["done"])
     plan = pipeline.Plan(exact=True, blocked=False, send_splits=route.send_splits, recv_splits=route.recv_splits,
                          send_row_TR=launched["send_row_TR"], send_src_X=route.src_X, out_src_M=p["out_src_M"],
                          buf_out_X=p["buf_out_X"], src_rank_M=p["src_rank_M"], valid_M=p["valid_M"], recv=p["recv"],

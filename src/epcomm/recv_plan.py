@@ -25,6 +25,7 @@ from .sizing import align, ceil_div, contiguous_strides, next_pow2
 
 WORDS_PER_PROGRAM = 1024  # int32 words of a data row per program of the send and place kernels
 _FILL = 1024  # expanded rows initialised per step by the plan kernel
+_TOTALS_IN_ROWS = True  # non-expand: the per-expert totals in plan_rows' last program (False: a launch of their own)
 # One-hot elements ([rows, local experts]) per program of the plan kernels: 16 rows of 128 local experts, so that
 # a chunk is a few us of work and the chunks run in parallel.
 _PLAN_ELEMS = 2048
@@ -43,9 +44,11 @@ def outputs(buf, call: pipeline.DispatchCall, plan: pipeline.Plan, p: dict, recv
 
 
 def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_rows: int, num_expanded: int,
-              blocked: bool, counts: tuple, routing: tuple, weights: tuple) -> dict:
+              blocked: bool, counts: tuple, routing: tuple, weights: tuple, done: Optional[Tensor] = None) -> dict:
     """Launch `dispatch_plan_rows` and `dispatch_plan_experts` over `num_rows` received rows (`num_expanded`
-    expanded rows); returns every tensor they write, and the `RecvLayout` (`recv`).
+    expanded rows); returns every tensor they write, and the `RecvLayout` (`recv`). Without expand, given `done`
+    (an int64 counter at zero, left at zero: `SymmetricRegion.programs_done`), `dispatch_plan_rows` writes the
+    per-expert totals in its last program and `dispatch_plan_experts` is not launched.
 
     Where the kernels read (tensor, byte offset, ...): `counts` = (t, off, row stride in int64): row s holds what
     rank s sent here; `routing` = (t, off, stride, top-k offset, key offset) of received row b; `weights` = (t, off,
@@ -83,6 +86,10 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
                   pair_ptr=ptr_or(out["pair_S"], meta), expert_ids_ptr=ptr_or(out["expert_ids"], meta), num_rows=m,
                   chunk_rows=chunk_rows)
     recv_idx = out["recv_topk_idx"]
+    totals = dict(unaligned_ptr=out["unaligned_L"], start_ptr=out["start_L"], psum_expert_ptr=out["psum_expert"],
+                  unaligned32_ptr=out["unaligned32"], stats_ptr=ptr_or(stats, out["unaligned32"]),
+                  alignment=call.expert_alignment, HAS_STATS=stats is not None, GC=max(1, min(64, 4096 // l_pow2)))
+    in_rows = done is not None and not call.do_expand and _TOTALS_IN_ROWS  # in plan_rows' last program
     with phase("plan_kernels"):
         launch(k.dispatch_plan_rows, (num_chunks,),
             counts[0], routing[0], counts_ptr=out["counts_R"], out_src_ptr=out["out_src_M"],
@@ -90,14 +97,12 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
             psum_rank_ptr=out["psum_rank"], recv_idx_ptr=ptr_or(recv_idx, meta), WRITE_IDX=recv_idx is not None,
             me=rank, num_expanded=s, cnt_off=counts[1], rt_off=routing[1],
             rt_stride=routing[2], topk_off=routing[3], g_off=routing[4], N=call.n, R=num_ranks, HDR_COLS=counts[2],
-            BLOCKED=blocked, R_POW2=next_pow2(num_ranks), FILL=_FILL, **common, **w_rec, **w_bits,
-            **shape)
-        launch(k.dispatch_plan_experts, (num_chunks if call.do_expand else 1,),
-            out_src_ptr=out["out_src_M"], unaligned_ptr=out["unaligned_L"], start_ptr=out["start_L"],
-            psum_expert_ptr=out["psum_expert"], unaligned32_ptr=out["unaligned32"],
-            stats_ptr=ptr_or(stats, out["unaligned32"]), row_ptr_ptr=ptr_or(out["row_ptr_MK"], meta),
-            num_chunks=num_chunks, alignment=call.expert_alignment, HAS_STATS=stats is not None,
-            GC=max(1, min(64, 4096 // l_pow2)), **common, **w_rec, **w_bits, **shape)
+            BLOCKED=blocked, R_POW2=next_pow2(num_ranks), FILL=_FILL, done_ptr=done if in_rows else meta,
+            TOTALS=in_rows, **totals, **common, **w_rec, **w_bits, **shape)
+        if not in_rows:
+            launch(k.dispatch_plan_experts, (num_chunks if call.do_expand else 1,),
+                out_src_ptr=out["out_src_M"], row_ptr_ptr=ptr_or(out["row_ptr_MK"], meta), num_chunks=num_chunks,
+                **totals, **common, **w_rec, **w_bits, **shape)
     if stats is not call.stats:  # the kernel added into a contiguous copy of strided stats
         call.stats.copy_(stats)
     out["recv"] = layout.RecvLayout(local_idx_MK=out["local_idx_MK"], num_unaligned_L=out["unaligned_L"],

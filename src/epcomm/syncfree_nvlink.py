@@ -47,13 +47,14 @@ class Areas:
     """Where the kernels find the regions: `local` ([bytes] uint8, this rank's region), `delta16` ([R] int64, every
     region's base relative to it in 16-byte units), the receive area (`rows_off`) and the count headers
     (`hdr_off`, R rows of `hdr_cols` int64; the sender writes its count of rows for the receiver in column 0 of its
-    row)."""
+    row), and the region's counter of finished programs (`done`, `SymmetricRegion.programs_done`)."""
 
     local: Tensor
     delta16: Tensor
     rows_off: int
     hdr_off: int
     hdr_cols: int
+    done: Tensor
 
 
 def _fits(buf, n: int, x: Tensor) -> bool:
@@ -143,7 +144,7 @@ def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tu
     p = plan_rows(call, buf.rank, num_ranks, num_rows=num_ranks * n, num_expanded=s, blocked=True,
                   counts=(areas.local, areas.hdr_off, areas.hdr_cols),
                   routing=(areas.local, base, rec, spec.offsets["topk"], spec.offsets["g"]),
-                  weights=(areas.local, base + spec.offsets.get("w", 0), rec))
+                  weights=(areas.local, base + spec.offsets.get("w", 0), rec), done=areas.done)
     plan = pipeline.Plan(exact=False, blocked=True, send_splits=None, recv_splits=None,
                          send_row_TR=launched["send_row_TR"], send_src_X=launched["send_src_X"],
                          out_src_M=p["out_src_M"], buf_out_X=p["buf_out_X"], src_rank_M=p["src_rank_M"],
@@ -222,7 +223,7 @@ def cached_finish(areas: Areas, call: pipeline.DispatchCall, spec) -> tuple:
 # -- on a buffer ---------------------------------------------------------------------------------------------------
 def _areas(tr) -> Areas:
     return Areas(local=tr.region.local, delta16=tr.region.delta16, rows_off=tr.rows_off, hdr_off=tr.headers_off,
-                 hdr_cols=tr.header_cols)
+                 hdr_cols=tr.header_cols, done=tr.region.programs_done)
 
 
 def _between_barriers(buf, num_rows: int, spec, send_kernel, call):

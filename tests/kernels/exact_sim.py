@@ -148,12 +148,14 @@ def fused(calls, num_ranks):
         sizes = exact_nvlink.read_rows(fake_buf(r, num_ranks), call, recv[r][1])
         src = launched[r].pop("send_src")[:sum(sizes["send_splits"])]
         routes.append(Route(sizes["send_splits"], sizes["recv_splits"], src, sizes["matrix"]))
-        launched[r].update(counts=(recv[r][0], HDR_COLS), num_unaligned=sizes["num_unaligned"])
+        launched[r].update(counts=(recv[r][0], HDR_COLS), num_unaligned=sizes["num_unaligned"],
+                           done=torch.zeros(1, dtype=torch.int64))
         tensors.append(dict(x=call.x.data, sf=call.x.sf, routing=launched[r]["routing"]))
     out = []
     for r, call in enumerate(calls):
         launched[r].update(route=routes[r], fields=twin_move(tensors, routes, r))
         out.append(exact_nvlink.dispatch_finish(fake_buf(r, num_ranks), call, launched[r]))
+        assert launched[r]["done"].item() == 0, "the plan kernel left its counter of finished programs non-zero"
     return out
 
 

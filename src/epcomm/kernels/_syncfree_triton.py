@@ -27,7 +27,7 @@ whole words.
 import triton
 import triton.language as tl
 
-from ._signal_triton import _region
+from ._signal_triton import _last_to_finish, _region
 
 _RUNTIME_INTS = ["num_tokens", "stride_x", "stride_sf_t", "stride_sf_p", "stride_topk", "stride_w", "me",
                  "num_rows", "num_expanded", "alignment", "num_chunks", "chunk_rows"]
@@ -185,15 +185,20 @@ def _source_counts(cnt_ptr, cnt_off, R: tl.constexpr, HDR_COLS: tl.constexpr, R_
 def dispatch_plan_rows(
     cnt_ptr, rt_ptr, wr_ptr, counts_ptr, out_src_ptr, buf_out_ptr, src_rank_ptr, valid_ptr, local_idx_ptr, meta_ptr,
     psum_rank_ptr, chunk_counts_ptr, w_in_ptr, w_out_ptr, pair_ptr, expert_ids_ptr, recv_idx_ptr,
-    me, num_rows, num_expanded, chunk_rows, cnt_off, rt_off, rt_stride, topk_off, g_off, wr_off, wr_stride,
+    done_ptr, unaligned_ptr, start_ptr, psum_expert_ptr, unaligned32_ptr, stats_ptr,
+    me, num_rows, num_expanded, chunk_rows, alignment, cnt_off, rt_off, rt_stride, topk_off, g_off, wr_off, wr_stride,
     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, L: tl.constexpr, HDR_COLS: tl.constexpr,
     BLOCKED: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr, EMIT_IDS: tl.constexpr, WRITE_IDX: tl.constexpr,
     K_POW2: tl.constexpr, R_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, FILL: tl.constexpr,
+    TOTALS: tl.constexpr, HAS_STATS: tl.constexpr, GC: tl.constexpr,
 ):
     """Program g: the chunk of rows g*chunk_rows .. of the `num_rows` received rows, MC at a time (`chunk_rows` is a
     multiple of MC): compaction, local expert ids, metadata, (non-expand) weights and `recv_topk_idx`
     (`WRITE_IDX`), and the chunk's count of rows per local expert (`chunk_counts[g]`); with `EXPAND`, also
     its share of the expanded rows set to empty (before `dispatch_plan_experts` places the pairs: stream order).
+    `TOTALS` (not with `EXPAND`): the last program to finish (`done_ptr`: an int64 counter at zero) also writes the
+    per-expert totals (`_expert_totals`), which are then all `dispatch_plan_experts` would do; without it the
+    pointers from `done_ptr` on are not read.
 
     Received row b's routing is at byte `rt_off + b * rt_stride` of `rt_ptr` (top-k ids at `topk_off`, key at
     `g_off`), its weights at `wr_off + b * wr_stride` of `wr_ptr`. `BLOCKED`: the sync-free receive area, R blocks of
@@ -264,23 +269,19 @@ def dispatch_plan_rows(
                 tl.store(w_out_ptr + mm[:, None] * K + kk[None, :], w, mask=in_mk)
         n_l += tl.sum(_onehot(local, kk, ll, K, MC, L_POW2), axis=0)
     tl.store(chunk_counts_ptr + g_id * L_POW2 + ll, n_l)
+    if TOTALS:
+        if _last_to_finish(done_ptr, tl.num_programs(0)):  # every chunk's counts are stored
+            _expert_totals(chunk_counts_ptr, tl.num_programs(0), 0, unaligned_ptr, start_ptr, psum_expert_ptr,
+                           unaligned32_ptr, stats_ptr, alignment, L, False, HAS_STATS, L_POW2, GC)
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
-def dispatch_plan_experts(
-    wr_ptr, out_src_ptr, local_idx_ptr, meta_ptr, chunk_counts_ptr, unaligned_ptr, start_ptr, psum_expert_ptr,
-    unaligned32_ptr, stats_ptr, w_in_ptr, w_out_ptr, row_ptr_ptr, pair_ptr, expert_ids_ptr,
-    num_rows, num_chunks, chunk_rows, alignment, wr_off, wr_stride,
-    K: tl.constexpr, L: tl.constexpr,
-    EXPAND: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, EMIT_IDS: tl.constexpr,
-    K_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, GC: tl.constexpr,
-):
-    """Program g (one program without `EXPAND`): per-expert counts and aligned starts from every chunk's counts;
-    program 0 stores them (and adds the stats). With `EXPAND`, program g places the pairs of its chunk's rows
-    g*chunk_rows .., MC at a time: (row m, position j) of expert e goes to start[e] + (rows before m that chose e),
-    prefix sums in token-key order. Row m's weights are at byte `wr_off + out_src[m] * wr_stride` of `wr_ptr` (`dispatch_plan_rows`)."""
-    g_id = tl.program_id(0)
-    kk = tl.arange(0, K_POW2)
+@triton.jit
+def _expert_totals(chunk_counts_ptr, num_chunks, g_id, unaligned_ptr, start_ptr, psum_expert_ptr, unaligned32_ptr,
+                   stats_ptr, alignment, L: tl.constexpr, EXPAND: tl.constexpr, HAS_STATS: tl.constexpr,
+                   L_POW2: tl.constexpr, GC: tl.constexpr):
+    """Per-expert rows from every chunk's counts, GC chunks at a time; returns ([L_POW2] aligned starts, [L_POW2]
+    rows of the chunks before chunk `g_id`). For chunk 0 it stores the counts, starts and per-expert prefix sums
+    (ends of the aligned segments; of the rows without `EXPAND`) and adds the counts to the stats."""
     ll = tl.arange(0, L_POW2)
     n_l = tl.zeros([L_POW2], dtype=tl.int32)
     before_l = tl.zeros([L_POW2], dtype=tl.int32)  # rows of the chunks before this one, per expert
@@ -304,6 +305,27 @@ def dispatch_plan_experts(
         if HAS_STATS:
             stats = tl.load(stats_ptr + ll, mask=ll < L, other=0)
             tl.store(stats_ptr + ll, stats + n_l, mask=ll < L)
+    return start_l, before_l
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def dispatch_plan_experts(
+    wr_ptr, out_src_ptr, local_idx_ptr, meta_ptr, chunk_counts_ptr, unaligned_ptr, start_ptr, psum_expert_ptr,
+    unaligned32_ptr, stats_ptr, w_in_ptr, w_out_ptr, row_ptr_ptr, pair_ptr, expert_ids_ptr,
+    num_rows, num_chunks, chunk_rows, alignment, wr_off, wr_stride,
+    K: tl.constexpr, L: tl.constexpr,
+    EXPAND: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, EMIT_IDS: tl.constexpr,
+    K_POW2: tl.constexpr, L_POW2: tl.constexpr, MC: tl.constexpr, GC: tl.constexpr,
+):
+    """Program g (one program without `EXPAND`): per-expert counts and aligned starts from every chunk's counts;
+    program 0 stores them (and adds the stats). With `EXPAND`, program g places the pairs of its chunk's rows
+    g*chunk_rows .., MC at a time: (row m, position j) of expert e goes to start[e] + (rows before m that chose e),
+    prefix sums in token-key order. Row m's weights are at byte `wr_off + out_src[m] * wr_stride` of `wr_ptr` (`dispatch_plan_rows`)."""
+    g_id = tl.program_id(0)
+    kk = tl.arange(0, K_POW2)
+    ll = tl.arange(0, L_POW2)
+    start_l, before_l = _expert_totals(chunk_counts_ptr, num_chunks, g_id, unaligned_ptr, start_ptr, psum_expert_ptr,
+                                       unaligned32_ptr, stats_ptr, alignment, L, EXPAND, HAS_STATS, L_POW2, GC)
     if EXPAND:
         base_l = start_l + before_l  # the next expanded row of each expert
         for sub in range(0, chunk_rows, MC):

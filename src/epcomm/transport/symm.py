@@ -105,9 +105,11 @@ class SymmetricRegion:
         self._args = (self._storage.data_ptr(), self.delta16.data_ptr(), self.status.data_ptr(), self.rank,
                       self.timeout_ns, self._flags_off, self.num_ranks, 1 << (self.num_ranks - 1).bit_length(),
                       True, True, True)  # R, R_POW2, SIGNAL, WAIT, USE_TIMER
-        # A kernel that runs the barrier inside itself (`barrier_in_kernel`): the same flags, and a counter of its
-        # finished programs (its last one runs the barrier and sets the counter back to zero).
-        self._in_kernel = dict(done_ptr=torch.zeros(1, dtype=torch.int64, device=device), local_ptr=self.local,
+        # Kernels on this region whose last program does more (runs the barrier, publishes, sums up) count their
+        # finished programs here; the last one sets it back to zero (`_signal_triton._last_to_finish`).
+        self.programs_done = torch.zeros(1, dtype=torch.int64, device=device)
+        # A kernel that runs the barrier inside itself (`barrier_in_kernel`): the same flags, and that counter.
+        self._in_kernel = dict(done_ptr=self.programs_done, local_ptr=self.local,
                                delta16_ptr=self.delta16, status_ptr=self.status.data_ptr(), me=self.rank,
                                timeout_ns=self.timeout_ns, flags_off=self._flags_off, R=self.num_ranks,
                                R_POW2=1 << (self.num_ranks - 1).bit_length(), SIGNAL=True, WAIT=True, USE_TIMER=True)
