@@ -23,6 +23,7 @@ from torch import Tensor
 
 from . import agreement, debug, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink, waits
 from .allocator import BufferAllocator
+from .comm import group_device, new_comm_stream
 from .compile_guard import eager_under_compile
 from .events import EventHandle
 from .handle import EPHandle
@@ -42,13 +43,6 @@ _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
 _AGREED_OPTIONS = ("num_max_tokens_per_rank", "hidden", "num_topk", "dtype", "use_fp8_dispatch",
                    "allow_multiple_reduction", "num_bytes")
 _FLAGS = ("use_fp8_dispatch", "allow_multiple_reduction")
-
-
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
@@ -121,7 +115,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         # A construction is collective: on a group holding a pending collective it would meet that one.
         waits.require_group_usable(self.group, f"EPBuffer construction: rank {self.rank}")
         self.num_ranks = self.group.size()
-        self.device = _group_device(self.group)
+        self.device = group_device(self.group)
         self.deterministic = deterministic
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
@@ -206,7 +200,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self._lb_attach_transport()  # collective: on nvlink the LB region moves into symmetric memory (lb.py)
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
-        self._comm_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.device.type == "cuda" else None
+        self._comm_stream = new_comm_stream(self.device)
         self._order = streams.CallOrder(self.device, self._comm_stream)  # which stream each call runs on
         self._call_id = 0
         self.transport.on_calls_differ = self._take_back_call_id
