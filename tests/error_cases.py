@@ -391,6 +391,71 @@ def low_latency_failure_mid_call(rank: int, world: int, timeout_s: float):
     return first, elapsed, after
 
 
+def collective_failure_mid_call(rank: int, world: int, timeout_s: float, which: str):
+    """Rank 1 runs out of memory after the ranks agreed on a call, while its data moves: a BucketBuffer all-gather
+    ("bucket"), an EngramBuffer fetch ("engram", after the row ids went out) or a load-balancing weight prefetch
+    ("lb"). It re-raises, its buffer and process group refuse later calls; its peers, waiting in a collective it
+    never joins, raise `PeerFailed` naming it within a few seconds rather than at their timeout. Returns (first
+    error, seconds to it, the next call's outcome)."""
+    import epcomm.bucket_placement as bucket_placement
+    import epcomm.engram as engram
+    import epcomm.lb as lb
+    from lb_cases import make_mapping
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CPU out of memory (injected)")
+
+    gen = torch.Generator().manual_seed(rank)
+    if which == "bucket":
+        buf = epcomm.BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=timeout_s)
+        words = buf.storage.view(torch.float32)  # buckets are views of the buffer's storage
+        src, dst = words[:64], words[64: 64 + 64 * world]
+        src.copy_(torch.randn(64, generator=gen))
+        buf.all_gather([src], [dst]).wait()  # a call that works first
+        owner, name = bucket_placement, "_all_gather"
+        call = lambda: buf.all_gather([src], [dst]).wait()  # noqa: E731
+    elif which == "engram":
+        entries, hidden, tokens, per_token = [40], 16, 4, 3  # 40 rows of the table per rank
+        gpu, storage = epcomm.EngramBuffer.get_storage_size_hint(None, entries, hidden, tokens, per_token,
+                                                                 torch.bfloat16, 0)
+        buf = epcomm.EngramBuffer(None, gpu, storage, False, 1, 1, explicitly_destroy=True,
+                                  num_cpu_timeout_secs=timeout_s)
+        buf.set_config(entries, hidden, tokens, per_token, torch.bfloat16, 0)
+        buf.write([torch.randn(40, hidden, generator=gen).bfloat16()])
+        idx = torch.randint(0, 40 * world, (1, tokens, per_token), generator=gen).int()  # [layers, T, per token]
+        buf.fetch(idx)  # a call that works first
+        owner, name = engram, "transfer_word"  # after the row ids went out, before the rows come back
+        call = lambda: buf.fetch(idx)  # noqa: E731
+    else:
+        num_local, num_slots, nbytes = 2, 3, 64
+        plan = epcomm.BufferAllocator()
+        red = plan.allocate((num_slots, nbytes), torch.uint8)
+        orig = torch.randint(0, 255, (num_local, nbytes), generator=gen, dtype=torch.uint8)
+        mapping = make_mapping("ring", world, num_local, num_slots)
+        buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s,
+                              lb_allocation_plan_or_num_bytes=plan)
+        buf.lb_prefetch_weights(red, orig, mapping).current_stream_wait()  # a call that works first
+        owner, name = lb, "lb_routes"
+        call = lambda: buf.lb_prefetch_weights(red, orig, mapping).current_stream_wait()  # noqa: E731
+    if rank == 1:
+        original = getattr(owner, name)
+        setattr(owner, name, out_of_memory)
+    start = time.monotonic()
+    try:
+        call()
+        first, elapsed = "no error", time.monotonic() - start
+    except (torch.OutOfMemoryError, TimeoutError) as e:
+        first, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - start
+    if rank == 1:
+        setattr(owner, name, original)
+    try:
+        call()
+        after = "no error"
+    except ValueError as e:
+        after = str(e)
+    return first, elapsed, after
+
+
 def late_rank_with_bad_value(rank: int, world: int, timeout_s: float):
     """Rank 1 calls dispatch after rank 0 has given up waiting for it, with a bad expert id: its header exchange
     pairs with rank 0's abandoned one and shows its own failure, and the message gather that follows is bounded

@@ -275,6 +275,25 @@ def test_out_of_memory_in_a_low_latency_call():
     assert "unusable after an earlier failure" in after, after
 
 
+@pytest.mark.parametrize("which,op", [("bucket", "BucketBuffer.all_gather"), ("engram", "EngramBuffer.fetch"),
+                                      ("lb", "EPBuffer.lb_prefetch_weights")])
+def test_out_of_memory_on_one_rank_in_a_collective_buffer(which, op):
+    """The bucket, Engram and load-balancing calls report an error of one rank's own after the ranks agreed on the
+    call as dispatch does: that rank re-raises it and refuses the next call; its peers raise PeerFailed naming it,
+    the call and the error within a few seconds, not at their 20 s timeout, and refuse the next call too."""
+    results = run_in_fresh_world(3, error_cases.collective_failure_mid_call, 20.0, which, timeout=90)
+    first, _, after = results[1]
+    assert first.startswith("OutOfMemoryError: CPU out of memory (injected)"), first
+    assert "unusable after an earlier failure" in after, after
+    for r in (0, 2):
+        msg, elapsed, after = results[r]
+        assert msg.startswith("PeerFailed: "), msg
+        assert f"group rank 1 stopped with an error during its {op} (call #" in msg, msg
+        assert "OutOfMemoryError: CPU out of memory (injected)" in msg, msg
+        assert elapsed < 10, elapsed
+        assert "unusable after an earlier failure" in after, after
+
+
 def test_missing_peer_times_out_naming_it():
     results = run_in_fresh_world(2, error_cases.missing_peer, 3.0, timeout=60)
     msg, elapsed, after = results[0]

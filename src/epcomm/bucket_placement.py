@@ -316,7 +316,19 @@ def _check_contiguous(c, name: str, t: Tensor) -> None:
 
 def _launch(buf: BucketBuffer, ctx: CommContext, call: str, op: str, buckets: list, scale: float, num_sms: int,
             single: bool) -> BucketEvent:
-    """Run the buckets' collectives on the comm stream (CUDA) or now (CPU); the event returns the results."""
+    """Run the buckets' collectives on the comm stream (CUDA) or now (CPU); the event returns the results. An error
+    of this rank's own on the way (out of memory, ...) breaks the buffer and its group and reaches the peers' waits
+    (`CommContext.fail_mid_call`); a timeout has already broken them."""
+    try:
+        return _move(buf, ctx, call, op, buckets, scale, num_sms, single)
+    except TimeoutError:
+        raise
+    except (Exception, KeyboardInterrupt) as e:
+        ctx.fail_mid_call(call, e)
+
+
+def _move(buf: BucketBuffer, ctx: CommContext, call: str, op: str, buckets: list, scale: float, num_sms: int,
+          single: bool) -> BucketEvent:
     cuda = buf.device.type == "cuda"
     stream = ctx.comm_stream
     if cuda:

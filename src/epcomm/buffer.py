@@ -424,19 +424,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         raise (PeerFailed if isinstance(e, PeerFailed) else TransportTimeout)(f"{name}: {e}") from e
 
     def _fail_mid_call(self, name: str, call_id: int, e: BaseException) -> None:
-        """An error of this rank's own (out of memory, ...) after the ranks agreed on the call: its peers are in, or
-        will enter, exchanges this rank does not join, so the buffer and its process group cannot be used again (a
-        next call would meet their pending collective). The failure goes into the store for the peers' bounded
-        waits (`PeerFailed` naming this rank). Re-raises `e`; or, when a peer had already failed (this error is
-        then likely its consequence: a connection its exit closed), raises `PeerFailed` naming that peer."""
-        earlier = waits.peer_failure(self.uid)
-        if earlier is not None and earlier[0] != self.rank:
-            self._break_group(f"{name}: group rank {earlier[0]} failed during the call")
-            raise PeerFailed(waits.peer_failed_message(name, call_id, self.rank, earlier, "EPBuffer",
-                                                       self.group)) from e
-        self._break_group(f"{name} failed on this rank during the call ({type(e).__name__})")
-        waits.announce_failure(self.uid, call_id, self.rank, name, f"{type(e).__name__}: {e}")
-        raise e
+        """An error of this rank's own after the ranks agreed on the call (`waits.fail_mid_call`): the buffer and
+        its group are broken, the peers learn it from the store; re-raises `e` (or `PeerFailed` for an earlier
+        failure of a peer)."""
+        waits.fail_mid_call(e, uid=self.uid, call_id=call_id, rank=self.rank, call=name, owner="EPBuffer",
+                            group=self.group, mark_broken=self._break_group)
 
     def _break_group(self, reason: str) -> None:
         """This buffer, and every epcomm buffer on its process group in this process, refuse later calls: the group

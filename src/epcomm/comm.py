@@ -27,7 +27,7 @@ from torch import Tensor
 from . import gloo_exit
 from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages, rejected, status_of
 from .compile_guard import eager_under_compile
-from .waits import TransportTimeout, bounded_wait, break_group, require_group_usable
+from .waits import TransportTimeout, bounded_wait, break_group, fail_mid_call, require_group_usable
 from .validate import Checker
 
 __all__ = ["CommContext", "barrier", "get_comm_stream", "group_device"]
@@ -145,6 +145,18 @@ class CommContext:
     def next_call_id(self) -> int:
         self._call_id += 1
         return self._call_id
+
+    def fail_mid_call(self, call: str, e: BaseException) -> None:
+        """An error of this rank's own (out of memory, ...) while `call` moves data, after the ranks agreed on it
+        (`waits.fail_mid_call`): the context and its process group are broken, and the peers' bounded waits raise
+        `PeerFailed` naming this rank instead of timing out. Re-raises `e` (or `PeerFailed` for an earlier failure
+        of a peer)."""
+        def mark_broken(reason: str) -> None:
+            self.broken = reason
+            break_group(self.group, f"{self.owner}: {reason}")
+
+        fail_mid_call(e, uid=self.uid, call_id=self._call_id, rank=self.rank, call=call, owner=self.owner,
+                      group=self.group, mark_broken=mark_broken)
 
     # -- bounded waits -------------------------------------------------------------------------------
     def wait(self, work: "dist.Work", what: str) -> None:

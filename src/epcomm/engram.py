@@ -414,6 +414,16 @@ class EngramBuffer(ContextLifecycle):
         except (TypeError, ValueError) as e:
             err = e
         recv_counts = self._agree(call, 3, err, [], (), counts_R)
+        try:
+            return self._move(call, cfg, order_X, row_X, num_tokens, send_counts, recv_counts)
+        except TimeoutError:  # the context's wait broke it already
+            raise
+        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the ranks agreed on the call
+            self.context.fail_mid_call(call, e)
+
+    def _move(self, call: str, cfg: dict, order_X, row_X, num_tokens: int, send_counts: list,
+              recv_counts: list) -> tuple:
+        """The row ids to their owners, the rows back (`_serve`'s result)."""
         ids = torch.empty(sum(recv_counts), dtype=torch.int64, device=self.device)
         self.context.complete(dist.all_to_all_single(ids, row_X[order_X], recv_counts, send_counts,
                                                      group=self.context.group, async_op=True), call)

@@ -2,7 +2,9 @@
 
 DeepEP V2.5 behaviour, §13 (API and checks), §6-7 (the LB region), §8.4 (SM hint). `EPBuffer` inherits
 `LoadBalancingMixin`, which uses only the buffer's `group`, `rank`, `num_ranks`, `device`, `transport`,
-`num_lb_bytes` and `num_gpu_timeout_secs` (plus its call counter and comm stream when present); `EPBuffer` calls
+`num_lb_bytes` and `num_gpu_timeout_secs` (plus its call counter and comm stream when present) and, when a call
+fails after the ranks agreed on it, the buffer's `_mark_broken` / `_fail_mid_call` (a timeout, or an error of this
+rank's own that the peers learn from the store: `PeerFailed`); `EPBuffer` calls
 `_init_lb_region` before its transport exists and `_lb_attach_transport` (collective) right after.
 
 Both calls are collective over the whole group (one logical domain, docs/decisions.md decision 4): every rank calls
@@ -48,7 +50,6 @@ from .allocator import BufferAllocator
 from .compile_guard import eager_under_compile
 from .events import EventHandle, EventOverlap
 from .validate import Checker, warn_caller
-from .waits import TransportTimeout
 
 __all__ = ["MAX_LB_PAYLOADS", "LoadBalancingMixin", "lb_routes"]
 
@@ -279,9 +280,12 @@ class LoadBalancingMixin:
                     sub = replace(call, redundant=[call.redundant[k] for k in slow], original=[
                         call.original[k] for k in slow], payload_bytes=[call.payload_bytes[k] for k in slow])
                     (self._lb_prefetch if op == _OP_PREFETCH else self._lb_reduce)(sub, route, call_id)
-        except TimeoutError as e:  # the message names the call, as every other call's does
-            self._broken = f"{name} timed out"
-            raise TransportTimeout(f"{name}: {e}") from e
+        except TimeoutError as e:  # the buffer and its group are broken; the message names the call
+            self._mark_broken(name, e)
+        except (TypeError, ValueError):  # raised on every rank together (the header exchange's agreement, ...)
+            raise
+        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the ranks agreed on the call
+            self._fail_mid_call(name, call_id, e)
         if stream is None:
             return EventOverlap(EventHandle())
         for t in call.redundant + call.original:

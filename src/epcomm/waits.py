@@ -58,6 +58,22 @@ def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str) -
             pass
 
 
+def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: str, owner: str, group,
+                  mark_broken) -> None:
+    """An error of this rank's own (out of memory, ...) after the ranks agreed on `call`: its peers are in, or will
+    enter, collectives this rank does not join, so the buffer and its process group cannot be used again
+    (`mark_broken(reason)`, which calls `break_group`). The failure goes into the store for the peers' bounded waits
+    (`PeerFailed` naming this rank). Re-raises `e`; or, when a peer had already failed (this error is then likely
+    its consequence: a connection its exit closed), raises `PeerFailed` naming that peer."""
+    earlier = peer_failure(uid)
+    if earlier is not None and earlier[0] != rank:
+        mark_broken(f"{call}: group rank {earlier[0]} failed during the call")
+        raise PeerFailed(peer_failed_message(call, call_id, rank, earlier, owner, group)) from e
+    mark_broken(f"{call} failed on this rank during the call ({type(e).__name__})")
+    announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}")
+    raise e
+
+
 def peer_failure(uid: int) -> Optional[tuple]:
     """`(rank, call id, call, error)` of the failure recorded for buffer `uid`, or None."""
     store = default_store()
