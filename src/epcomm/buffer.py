@@ -674,7 +674,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 elif err is None and exact_nvlink.applies(self, call):  # layouts in kernels, one host read
                     launched = exact_nvlink.dispatch_launch(self, call, call_id)
                     finish = exact_nvlink.dispatch_finish
-                elif err is None and syncfree_nvlink.applies(self, call):  # decode sizes: 4 kernels, same results
+                elif err is None and syncfree_nvlink.applies(self, call):  # decode sizes: 3-4 kernels, same results
                     launched = syncfree_nvlink.dispatch_launch(self, call, call_id)
                     finish = syncfree_nvlink.dispatch_finish
                 else:

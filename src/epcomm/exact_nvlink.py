@@ -7,10 +7,11 @@ dsv3 4096 tokens on 2x H200 (eager), where a cached dispatch on its handle takes
 (benchmarks/results/dsv3-s8_2xH200-NV18_2026-11-30.md). This module does the same
 call as:
 
-    send_plan (layout, routing field, counts, value flags) -> publish_rows (barrier, rows into the peers, barrier,
-        the received rows into pinned host memory) -> host read -> pull of the data, scales and routing fields
-        (transport/pull.py, as the generic path) -> dispatch_plan_rows -> dispatch_plan_experts
-        (-> dispatch_place with expand)
+    send_plan (layout, routing field, counts, value flags; its last program publishes: barrier, rows into the
+        peers, barrier, the received rows into pinned host memory) -> host read -> pull of the data, scales and
+        routing fields (transport/pull.py, as the generic path; its gather runs the barrier) -> dispatch_plan_rows
+        (its last program writes the per-expert totals without expand) (-> dispatch_plan_experts ->
+        dispatch_place with expand)
 
 with the kernels of `kernels/_exact_triton.py` and the receive-side plan kernels the fused sync-free path uses
 (`kernels/_syncfree_triton.py`, here on rows packed by source). The row each rank publishes to a peer carries the
@@ -202,7 +203,7 @@ def dispatch_launch(buf, call: pipeline.DispatchCall, call_id: int) -> dict:
     route = Route(sizes["send_splits"], sizes["recv_splits"], launched.pop("send_src")[:num_send], sizes["matrix"])
     tensors = dict(x=call.x.data, sf=call.x.sf, routing=launched["routing"])
     fields = pipeline._move_fields(tr, tensors, route, call_id)
-    return dict(launched, counts=tr.received_headers(), done=tr.region.programs_done, route=route, fields=fields,
+    return dict(launched, counts=tr.received_headers(), done=tr.region.programs_done("totals"), route=route, fields=fields,
                 num_unaligned=sizes["num_unaligned"], send_splits=route.send_splits, recv_splits=route.recv_splits,
                 fused=True)
 

@@ -47,7 +47,7 @@ def plan_rows(call: pipeline.DispatchCall, rank: int, num_ranks: int, *, num_row
               blocked: bool, counts: tuple, routing: tuple, weights: tuple, done: Optional[Tensor] = None) -> dict:
     """Launch `dispatch_plan_rows` and `dispatch_plan_experts` over `num_rows` received rows (`num_expanded`
     expanded rows); returns every tensor they write, and the `RecvLayout` (`recv`). Without expand, given `done`
-    (an int64 counter at zero, left at zero: `SymmetricRegion.programs_done`), `dispatch_plan_rows` writes the
+    (an int64 counter at zero, left at zero: `SymmetricRegion.programs_done("totals")`), `dispatch_plan_rows` writes the
     per-expert totals in its last program and `dispatch_plan_experts` is not launched.
 
     Where the kernels read (tensor, byte offset, ...): `counts` = (t, off, row stride in int64): row s holds what

@@ -1,4 +1,5 @@
-"""The fused sync-free path on the nvlink transport: decode-sized `dispatch(do_cpu_sync=False)` in 4 kernels, and
+"""The fused sync-free path on the nvlink transport: decode-sized `dispatch(do_cpu_sync=False)` in 3 kernels (4 with
+expand), and
 the combine and cached dispatch on its handle with one send kernel each.
 
 The generic sync-free path (pipeline.py) computes the layouts with ~100 small torch kernels, about 500 us per call
@@ -6,7 +7,8 @@ in a CUDA graph at 128 tokens (2x H200), whatever the transport. At decode sizes
 as:
 
     barrier -> dispatch_send (layout + records into peers + counts) -> barrier -> dispatch_plan_rows
-            -> dispatch_plan_experts -> dispatch_place
+            (-> dispatch_plan_experts with expand; without, the plan kernel's last program writes its totals)
+            -> dispatch_place
 
 with the kernels of `kernels/_syncfree_triton.py`. Outputs, handle and plan are the generic path's, value for value:
 the receive area holds the same records in the same blocked layout, and the kernels write every tensor of the
@@ -47,7 +49,7 @@ class Areas:
     """Where the kernels find the regions: `local` ([bytes] uint8, this rank's region), `delta16` ([R] int64, every
     region's base relative to it in 16-byte units), the receive area (`rows_off`) and the count headers
     (`hdr_off`, R rows of `hdr_cols` int64; the sender writes its count of rows for the receiver in column 0 of its
-    row), and the region's counter of finished programs (`done`, `SymmetricRegion.programs_done`)."""
+    row), and the plan kernel's counter of finished programs (`done`, `SymmetricRegion.programs_done("totals")`)."""
 
     local: Tensor
     delta16: Tensor
@@ -133,7 +135,7 @@ def send(areas: Areas, call: pipeline.DispatchCall, rank: int, num_ranks: int, s
 
 
 def finish(buf, areas: Areas, call: pipeline.DispatchCall, launched: dict) -> tuple:
-    """After the barrier: launch `dispatch_plan_rows`, `dispatch_plan_experts` and `dispatch_place`; returns dispatch's
+    """After the barrier: launch the plan kernels (`recv_plan.plan_rows`) and `dispatch_place`; returns dispatch's
     `(recv_x, recv_topk_idx, recv_topk_weights, handle)` (`pipeline.dispatch_finish`'s values)."""
     num_ranks, n = buf.num_ranks, call.n
     num_topk, num_local = call.topk_idx.shape[1], call.num_experts // num_ranks
@@ -223,7 +225,7 @@ def cached_finish(areas: Areas, call: pipeline.DispatchCall, spec) -> tuple:
 # -- on a buffer ---------------------------------------------------------------------------------------------------
 def _areas(tr) -> Areas:
     return Areas(local=tr.region.local, delta16=tr.region.delta16, rows_off=tr.rows_off, hdr_off=tr.headers_off,
-                 hdr_cols=tr.header_cols, done=tr.region.programs_done)
+                 hdr_cols=tr.header_cols, done=tr.region.programs_done("totals"))
 
 
 def _between_barriers(buf, num_rows: int, spec, send_kernel, call):

@@ -92,10 +92,11 @@ def sim_regions(num_ranks):
 CALL_ID = 5
 
 
-def exchange(calls, num_ranks):
+def exchange(calls, num_ranks, in_send_plan=True):
     """Every rank's send_plan, then the publish kernel stage by stage over all ranks (the interpreter runs one rank
     at a time); returns (launched per rank, (header bytes, host rows [R, C] numpy) per rank). Checks that the
-    publish kernel leaves every rank's table zero for the next call."""
+    publish kernel leaves every rank's table zero for the next call. `in_send_plan`: send_plan publishes (as on
+    GPU); else publish_rows does all of it (the separate launch, also a rank's without tokens)."""
     from epcomm.kernels import _exact_triton as k
 
     regions = sim_regions(num_ranks)
@@ -104,24 +105,28 @@ def exchange(calls, num_ranks):
     hosts = [torch.full((num_ranks * cols[r],), -7, dtype=torch.int64) for r in range(num_ranks)]
     status = [torch.zeros(1, dtype=torch.int64) for _ in range(num_ranks)]
     done = [torch.zeros(1, dtype=torch.int64) for _ in range(num_ranks)]
+    # send_plan publishes in its last program, as on GPU: all of it with one rank; else the first barrier's arrival
+    # (the interpreter runs one rank at a time), and for the last rank also the rows into the peers' headers once
+    # every rank has arrived (when every rank has tokens: a rank without any launches no send_plan and arrives in
+    # publish_rows later); publish_rows runs the rest.
+    every = all(call.topk_idx.shape[0] > 0 for call in calls)
+    stages = [7 if num_ranks == 1 else 3 if every and r == num_ranks - 1 else 1 for r in range(num_ranks)]
     launched, tables, published = [], [], []
     for r, call in enumerate(calls):
         tables.append(torch.zeros(num_ranks, HDR_COLS, dtype=torch.int64))
         head = exact_nvlink.header_row(call, 7, torch.device("cpu"))
-        # send_plan publishes in its last program, as on GPU: all of it with one rank, else the first barrier's
-        # arrival only (the interpreter runs one rank at a time); publish_rows runs the rest, or all of it for a
-        # rank without tokens (send_plan then launches nothing)
         publish = dict(done_ptr=done[r], host_ptr=hosts[r].data_ptr(), local_ptr=regions[r].local,
                        delta16_ptr=regions[r].delta16, status_ptr=status[r].data_ptr(), timeout_ns=10 ** 10,
                        flags_off=FLAGS_OFF, hdr_off=0, EX_COLS=cols[r], C_POW2=next_pow2(cols[r]),
-                       STAGES=7 if num_ranks == 1 else 1, USE_TIMER=False)
-        launched.append(exact_nvlink.send_plan(call, r, num_ranks, CALL_ID, head, tables[r], publish))
+                       STAGES=stages[r], USE_TIMER=False)
+        launched.append(exact_nvlink.send_plan(call, r, num_ranks, CALL_ID, head, tables[r],
+                                               publish if in_send_plan else None))
         published.append(launched[-1].pop("published"))
-        assert published[-1] == (call.topk_idx.shape[0] > 0)
+        assert published[-1] == (in_send_plan and call.topk_idx.shape[0] > 0)
         assert int(done[r][0]) == 0, "send_plan left its counter of finished programs non-zero"
     for stage in (1, 2, 4):
         for r in range(num_ranks):
-            if published[r] and (num_ranks == 1 or stage == 1):
+            if published[r] and stage & stages[r]:
                 continue
             k.publish_rows[(1,)](tables[r], hosts[r].data_ptr(), regions[r].local, regions[r].delta16,
                                  status[r].data_ptr(), r, 10 ** 10, FLAGS_OFF, 0, R=num_ranks,
@@ -141,8 +146,11 @@ def exchange(calls, num_ranks):
     return launched, recv
 
 
-def fused(calls, num_ranks):
-    launched, recv = exchange(calls, num_ranks)
+def fused(calls, num_ranks, separate=False):
+    """The fused path on simulated ranks; `separate`: the publish and the per-expert totals in launches of their
+    own (`exact_nvlink._FUSED_PUBLISH`, `recv_plan._TOTALS_IN_ROWS` off: the kernels' plain variants)."""
+    recv_plan._TOTALS_IN_ROWS = not separate
+    launched, recv = exchange(calls, num_ranks, in_send_plan=not separate)
     routes, tensors = [], []
     for r, call in enumerate(calls):
         sizes = exact_nvlink.read_rows(fake_buf(r, num_ranks), call, recv[r][1])
@@ -174,7 +182,7 @@ def check(c, tokens, seed=0):
     calls = [exact(make_call(gen, t, c, r)) for r, t in enumerate(tokens)]
     want = generic([clone_call(k) for k in calls], c["ranks"], c["n"])
     fused_calls = [clone_call(k) for k in calls]
-    got = fused(fused_calls, c["ranks"])
+    got = fused(fused_calls, c["ranks"], c.get("separate", False))
     for r in range(c["ranks"]):
         (wx, wi, ww, wh), (gx, gi, gw, gh) = want[r], got[r]
         same(wx, gx, f"rank {r} recv_x")
@@ -202,6 +210,10 @@ CASES["many-tokens-small-chunks"] = (dict(ranks=3, n=40, hidden=16, dtype=torch.
 CASES["one-rank-small-chunks"] = (dict(ranks=1, n=40, hidden=16, dtype=torch.bfloat16, experts=6, topk=3,
                                        idx_dtype=torch.int64, w_dtype=torch.float32, expand=False, alignment=1,
                                        emit=False, stats=True, token_elems=64, count_elems=64), (37,))
+# The publish and the per-expert totals in launches of their own (the variants behind the A/B switches).
+CASES["separate-launches"] = (dict(ranks=3, n=20, hidden=16, dtype=torch.bfloat16, experts=6, topk=3,
+                                   idx_dtype=torch.int64, w_dtype=torch.float32, stats=True, separate=True,
+                                   token_elems=64, count_elems=64), (20, 13, 17))
 
 
 def check_bad_values(kind):

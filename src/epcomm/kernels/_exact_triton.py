@@ -35,7 +35,7 @@ def send_plan(
     PUBLISH: tl.constexpr, EX_COLS: tl.constexpr, C_POW2: tl.constexpr, STAGES: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
     """Program g: tokens g*TC .. ; it first counts every rank's tokens, TL at a time (those before its chunk, and the
-    totals). `ex` is [R, EX_STRIDE] int64, zero (the previous call's `publish_rows` left it so): program 0 writes
+    totals). `ex` is [R, EX_STRIDE] int64, zero (the previous call's publish left it so): program 0 writes
     the header (`hdr`, CNT_COL int64, with `call_id` in column 1) and the counts `ex[:, CNT_COL + r]` (and into
     `counts` [R]); every program adds its pairs to `ex[d, CNT_COL + R + l]` (expert l of rank d) and raises the
     flags `ex[:, CNT_COL + R + L]` (bad id) and `ex[:, CNT_COL + R + L + 1]` (an expert twice). The routing field

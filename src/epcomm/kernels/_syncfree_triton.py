@@ -1,6 +1,7 @@
 """Triton bodies of the fused sync-free dispatch and combine send on NVLink (imported lazily by `syncfree_nvlink.py`).
 
-Four dispatch kernels replace the ~100 small kernels of the generic sync-free path (pipeline.py) at decode sizes:
+Three dispatch kernels (four with expand) replace the ~100 small kernels of the generic sync-free path
+(pipeline.py) at decode sizes:
 
 * `dispatch_send` (program (token slot t, block c of the row)): the sender-side layout of layout.py (rank dedup;
   the slot of a token among the tokens sent to a rank = the tokens before it that go there), block c of the token's
@@ -9,10 +10,11 @@ Four dispatch kernels replace the ~100 small kernels of the generic sync-free pa
   headers;
 * `dispatch_plan_rows` (program: a chunk of MC received rows): after the barrier, pipeline._compaction and the
   row-wise part of layout.recv_layout from the counts and the records' top-k rows (compaction, local expert ids,
-  metadata, non-expand weights) and the chunk's count of rows per local expert;
-* `dispatch_plan_experts` (one program, or one per chunk with expand): per-expert counts and aligned starts from the
-  chunk counts; with expand, each chunk's expanded-row pointers (prefix sums in token-key order, no sort), pairs,
-  expert ids and weights;
+  metadata, non-expand weights) and the chunk's count of rows per local expert; without expand its last program to
+  finish also writes the per-expert totals (`_expert_totals`);
+* `dispatch_plan_experts` (with expand, one program per chunk; without, one program when the totals are not in the
+  plan kernel): per-expert counts and aligned starts from the chunk counts; with expand, each chunk's expanded-row
+  pointers (prefix sums in token-key order, no sort), pairs, expert ids and weights;
 * `dispatch_place` (program (output row, block)): the data row (and scales; for a cached dispatch, the weights) from
   the receive area into the output layout, zeros for rows that hold no token.
 

@@ -1,6 +1,6 @@
 """Eager launches of Triton kernels at a fraction of the host cost of `kernel[grid](...)`.
 
-An eager CPU-synced dispatch on nvlink launches five Triton kernels and is bound by host time. `kernel[grid](...)`
+An eager CPU-synced dispatch on nvlink launches three Triton kernels (four with expand) and is bound by host time. `kernel[grid](...)`
 costs the host 40-100 us per launch for kernels of 15-60 arguments (2x H200 hosts, Triton 3.6, measured by wrapping
 `JITFunction.run`); Triton's binder alone specialises each tensor argument in ~3 us (Triton 3.9 on CPU). `launch`
 keys its own cache with a cheaper description of the arguments that is at least as fine as Triton's

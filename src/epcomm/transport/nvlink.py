@@ -143,7 +143,8 @@ class NVLinkTransport(Transport):
 
     def exact_table(self) -> Tensor:
         """[R, header_cols] int64 on the device: the rows the fused CPU-synced dispatch publishes (exact_nvlink.py),
-        zero between calls: its `send_plan` adds into it and `publish_rows` zeroes it again (made at first use)."""
+        zero between calls: its `send_plan` adds into it and the publish (in `send_plan`'s last program, or
+        `publish_rows`) zeroes it again (made at first use)."""
         if self._exact_table is None:
             r = self.num_ranks
             self._exact_table = torch.zeros(r, _HEADER_COLS, dtype=torch.int64, device=self.device)
@@ -154,16 +155,17 @@ class NVLinkTransport(Transport):
 
     def publish_args(self, cols: int) -> dict:
         """The arguments with which `_exact_triton.send_plan` publishes `exact_table()`'s rows (first `cols`
-        columns) in its last program, as `publish_rows` would launch them.
+        columns) in its last program, as `publish_rows` would launch them. The kernel takes the table's row stride
+        for the header rows' too: both are `_HEADER_COLS` int64.
 
         Raises:
             TimeoutError: an earlier device barrier of the region timed out.
         """
-        self.exact_table()
+        assert self.exact_table().stride(0) == _HEADER_COLS
         region = self.region
-        sync = region.barrier_in_kernel()
-        return dict(done_ptr=sync["done_ptr"], host_ptr=self._exact_host.data_ptr(), local_ptr=region.local,
-                    delta16_ptr=region.delta16, status_ptr=region.status.data_ptr(), timeout_ns=region.timeout_ns,
+        region.check_status()
+        return dict(done_ptr=region.programs_done("publish"), host_ptr=self._exact_host.data_ptr(),
+                    local_ptr=region.local, delta16_ptr=region.delta16, status_ptr=region.status.data_ptr(), timeout_ns=region.timeout_ns,
                     flags_off=region.flags_off, hdr_off=self._headers_off, EX_COLS=cols, C_POW2=next_pow2(cols),
                     STAGES=7, USE_TIMER=True)
 

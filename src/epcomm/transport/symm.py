@@ -36,6 +36,12 @@ def available() -> Optional[str]:
     return None
 
 
+# The kinds of kernels that count their finished programs (`SymmetricRegion.programs_done`): the gather that runs
+# the barrier (`barrier_in_kernel`), the send plan that publishes the fused dispatch's rows, the plan kernel that
+# writes the per-expert totals.
+_DONE_COUNTERS = ("barrier", "publish", "totals")
+
+
 class SymmetricRegion:
     """`nbytes` of device memory on every rank of `group`, addressable by every peer over NVLink, with a device
     barrier that names a rank that does not arrive.
@@ -105,11 +111,12 @@ class SymmetricRegion:
         self._args = (self._storage.data_ptr(), self.delta16.data_ptr(), self.status.data_ptr(), self.rank,
                       self.timeout_ns, self._flags_off, self.num_ranks, 1 << (self.num_ranks - 1).bit_length(),
                       True, True, True)  # R, R_POW2, SIGNAL, WAIT, USE_TIMER
-        # Kernels on this region whose last program does more (runs the barrier, publishes, sums up) count their
-        # finished programs here; the last one sets it back to zero (`_signal_triton._last_to_finish`).
-        self.programs_done = torch.zeros(1, dtype=torch.int64, device=device)
-        # A kernel that runs the barrier inside itself (`barrier_in_kernel`): the same flags, and that counter.
-        self._in_kernel = dict(done_ptr=self.programs_done, local_ptr=self.local,
+        # Kernels on this region whose last program does more count their finished programs in a counter of their
+        # own (`programs_done`); the last one sets it back to zero (`_signal_triton._last_to_finish`).
+        counters = torch.zeros(len(_DONE_COUNTERS), dtype=torch.int64, device=device)
+        self._done = {name: counters[i: i + 1] for i, name in enumerate(_DONE_COUNTERS)}
+        # A kernel that runs the barrier inside itself (`barrier_in_kernel`): the same flags, and its counter.
+        self._in_kernel = dict(done_ptr=self._done["barrier"], local_ptr=self.local,
                                delta16_ptr=self.delta16, status_ptr=self.status.data_ptr(), me=self.rank,
                                timeout_ns=self.timeout_ns, flags_off=self._flags_off, R=self.num_ranks,
                                R_POW2=1 << (self.num_ranks - 1).bit_length(), SIGNAL=True, WAIT=True, USE_TIMER=True)
@@ -154,6 +161,12 @@ class SymmetricRegion:
         # The compiled kernel directly, pointers as ints: Triton's JIT dispatch and tensor arguments cost ~20 us
         # of host time per barrier, which an eager call with four barriers would pay four times.
         self._launch((1, 1, 1), self._args, None, torch._C._cuda_getCurrentRawStream(self._device_index))
+
+    def programs_done(self, kind: str) -> torch.Tensor:
+        """[1] int64 on the device, zero between launches: the counter of finished programs of the kernels of `kind`
+        (`_DONE_COUNTERS`) on this region, one per kind, so that kernels of different kinds (which may run on
+        different streams: a deferred epilogue runs on the caller's) never share one."""
+        return self._done[kind]
 
     def barrier_in_kernel(self) -> dict:
         """The arguments of a kernel that runs this region's barrier inside itself once its own programs are done
