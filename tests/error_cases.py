@@ -393,8 +393,8 @@ def low_latency_failure_mid_call(rank: int, world: int, timeout_s: float):
 
 def collective_failure_mid_call(rank: int, world: int, timeout_s: float, which: str):
     """Rank 1 runs out of memory after the ranks agreed on a call, while its data moves: a BucketBuffer all-gather
-    ("bucket"), an EngramBuffer fetch ("engram", after the row ids went out) or a load-balancing weight prefetch
-    ("lb"). It re-raises, its buffer and process group refuse later calls; its peers, waiting in a collective it
+    ("bucket"), an EngramBuffer fetch ("engram", after the row ids went out) or write ("engram-write", copying its
+    rows in) or a load-balancing weight prefetch ("lb"). It re-raises, its buffer and process group refuse later calls; its peers, waiting in a collective it
     never joins, raise `PeerFailed` naming it within a few seconds rather than at their timeout. Returns (first
     error, seconds to it, the next call's outcome)."""
     import epcomm.bucket_placement as bucket_placement
@@ -414,7 +414,7 @@ def collective_failure_mid_call(rank: int, world: int, timeout_s: float, which: 
         buf.all_gather([src], [dst]).wait()  # a call that works first
         owner, name = bucket_placement, "_all_gather"
         call = lambda: buf.all_gather([src], [dst]).wait()  # noqa: E731
-    elif which == "engram":
+    elif which.startswith("engram"):
         entries, hidden, tokens, per_token = [40], 16, 4, 3  # 40 rows of the table per rank
         gpu, storage = epcomm.EngramBuffer.get_storage_size_hint(None, entries, hidden, tokens, per_token,
                                                                  torch.bfloat16, 0)
@@ -426,6 +426,9 @@ def collective_failure_mid_call(rank: int, world: int, timeout_s: float, which: 
         buf.fetch(idx)  # a call that works first
         owner, name = engram, "transfer_word"  # after the row ids went out, before the rows come back
         call = lambda: buf.fetch(idx)  # noqa: E731
+        if which == "engram-write":  # copying this rank's rows in, before the barrier after them
+            owner, name = engram.sizing, "dense_strides"
+            call = lambda: buf.write([torch.randn(40, hidden, generator=gen).bfloat16()])  # noqa: E731
     else:
         num_local, num_slots, nbytes = 2, 3, 64
         plan = epcomm.BufferAllocator()

@@ -276,7 +276,7 @@ def test_out_of_memory_in_a_low_latency_call():
 
 
 @pytest.mark.parametrize("which,op", [("bucket", "BucketBuffer.all_gather"), ("engram", "EngramBuffer.fetch"),
-                                      ("lb", "EPBuffer.lb_prefetch_weights")])
+                                      ("engram-write", "EngramBuffer.write"), ("lb", "EPBuffer.lb_prefetch_weights")])
 def test_out_of_memory_on_one_rank_in_a_collective_buffer(which, op):
     """The bucket, Engram and load-balancing calls report an error of one rank's own after the ranks agreed on the
     call as dispatch does: that rank re-raises it and refuses the next call; its peers raise PeerFailed naming it,

@@ -325,6 +325,15 @@ class EngramBuffer(ContextLifecycle):
         except (TypeError, ValueError) as e:
             err = e
         self._agree(call, 2, err, [], ())
+        try:
+            self._store(call, cfg, storages, sfs)
+        except TimeoutError:  # the context's wait broke it already
+            raise
+        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the ranks agreed on the call
+            self.context.fail_mid_call(call, e)
+
+    def _store(self, call: str, cfg: dict, storages: Sequence[Tensor], sfs: Optional[Sequence[Tensor]]) -> None:
+        """`write` once the ranks agreed on it: barrier (nvlink), this rank's rows into its shard, barrier."""
         if self._nvlink is not None:
             self._nvlink.begin_write(self.context.comm_stream)
         elif self.device.type == "cuda":  # this rank's own fetches read the table on the communication stream
