@@ -673,3 +673,105 @@ def missing_peer_in_subgroup(rank: int, world: int, timeout_s: float):
     except TimeoutError as e:
         return str(e)
     return "no error"
+
+
+def collective_error_before_header(rank: int, world: int, which: str):
+    """Rank 1's error before the ranks agree on a call travels in the call's header as a bad argument does: a
+    conjugate view that torch refuses to reinterpret as bytes (a RuntimeError) in a bucket all-gather ("conj"), out
+    of memory while a bucket all-reduce is checked ("bucket-oom") or while an Engram fetch plans its rows
+    ("engram-oom"). Rank 1 raises its error, rank 0 "group rank 1 rejected the call"; nothing is left pending, so
+    the next call is right on both. Returns (first outcome, next call's result)."""
+    import epcomm.bucket_placement as bucket_placement
+    import epcomm.engram as engram
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CPU out of memory (injected)")
+
+    if which.startswith("engram"):
+        hidden, tokens, per_token = 16, 4, 3
+        gpu, storage = epcomm.EngramBuffer.get_storage_size_hint(None, [8], hidden, tokens, per_token,
+                                                                 torch.bfloat16, 0)
+        buf = epcomm.EngramBuffer(None, gpu, storage, False, 1, 1, explicitly_destroy=True, num_cpu_timeout_secs=20)
+        buf.set_config([8], hidden, tokens, per_token, torch.bfloat16, 0)
+        table = torch.arange(8 * world * hidden, dtype=torch.float32).view(8 * world, hidden).bfloat16()
+        buf.write([table[rank * 8:(rank + 1) * 8]])
+        idx = torch.tensor([[[1, 9, 2], [15, 0, 8], [3, 3, 12], [7, 10, 4]]], dtype=torch.int32)
+        owner, name = engram, "plan"
+        call = lambda: buf.fetch(idx)[0]()  # noqa: E731
+        result = lambda out: bool(torch.equal(out.reshape(-1, hidden), table[idx.view(-1).long()]))  # noqa: E731
+    else:
+        buf = epcomm.BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=20)
+        if which == "conj":
+            shard = buf.storage.view(torch.complex64)[rank * 4:(rank + 1) * 4]
+            shard.fill_(rank + 1)
+            call = lambda: buf.all_gather(shard.conj() if rank == 1 and first else shard).wait()  # noqa: E731
+            result = lambda out: out.real.tolist()  # noqa: E731
+            owner = None
+        else:
+            x = buf.storage.view(torch.float32)[:16]  # reductions move 32-byte shards
+            x.fill_(rank + 1)
+            owner, name = bucket_placement, "_check_disjoint"
+            call = lambda: buf.all_reduce(x).wait()  # noqa: E731
+            result = lambda out: out.tolist()  # noqa: E731
+    first = True
+    if rank == 1 and owner is not None:
+        original = getattr(owner, name)
+        setattr(owner, name, out_of_memory)
+    try:
+        call()
+        outcome = "no error"
+    except (RuntimeError, ValueError, TypeError, TimeoutError) as e:
+        outcome = f"{type(e).__name__}: {e}"
+    if rank == 1 and owner is not None:
+        setattr(owner, name, original)
+    first = False
+    out = result(call())
+    buf.destroy()
+    return outcome, out
+
+
+def two_bucket_buffers(rank: int, world: int):
+    """Rank 0 calls all_reduce on buffer A while rank 1 calls it on buffer B, with the same sizes: every rank
+    raises instead of summing one buffer's data with the other's."""
+    a = epcomm.BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=20)
+    b = epcomm.BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=20)
+    buf = a if rank == 0 else b
+    buf.storage.view(torch.float32)[:16].fill_(1.0)  # reductions move 32-byte shards
+    try:
+        buf.all_reduce(buf.storage.view(torch.float32)[:16]).wait()
+        outcome = "no error"
+    except ValueError as e:
+        outcome = str(e)
+    for t in (a, b):
+        t.storage.view(torch.float32)[:16].fill_(1.0)
+    sums = [float(t.all_reduce(t.storage.view(torch.float32)[:16]).wait()[0]) for t in (a, b)]  # both usable
+    a.destroy(), b.destroy()
+    return outcome, sums
+
+
+def destroy_after_failure(rank: int, world: int):
+    """After rank 1's mid-call failure in an EPBuffer dispatch broke the group, every buffer's destroy() frees its
+    local memory without a collective on the broken group (a PP destroy's exchange aborted the peer in gloo)."""
+    import epcomm.pipeline as pipeline
+
+    ep = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=20)
+    bucket = epcomm.BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=20)
+    pp = epcomm.PPBuffer(None, 1 << 20, 2, num_cpu_timeout_secs=20)
+    x, idx, w = _inputs(rank)
+    if rank == 1:
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CPU out of memory (injected)")
+        pipeline._move_fields = out_of_memory
+    try:
+        ep.dispatch(x, idx, w, num_experts=E)
+        first = "no error"
+    except (torch.OutOfMemoryError, TimeoutError) as e:
+        first = type(e).__name__
+    outcomes = [first]
+    for buf in (bucket, pp, ep):
+        try:
+            buf.destroy()
+            outcomes.append("destroyed")
+        except Exception as e:  # noqa: BLE001 -- the outcome is the test's result
+            outcomes.append(f"{type(e).__name__}: {e}")
+    return outcomes

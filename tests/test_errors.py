@@ -6,6 +6,7 @@ docs/decisions.md "Errors and timeouts"; reference §9.2, §11.1, §24 items 9, 
 import re
 
 import pytest
+import torch
 
 import epcomm
 import error_cases
@@ -419,3 +420,52 @@ def test_inputs_requiring_grad_warn(run_ranks):
 
 def test_numpy_ints_are_ints(run_ranks):
     assert run_ranks(2, error_cases.numpy_ints) == [True, True]
+
+
+@pytest.mark.parametrize("which", ["conj", "bucket-oom", "engram-oom"])
+def test_collective_buffer_error_before_the_header_travels_in_it(which):
+    results = run_in_fresh_world(2, error_cases.collective_error_before_header, which, timeout=90)
+    (outcome0, next0), (outcome1, next1) = results
+    if which == "conj":
+        assert outcome1.startswith("RuntimeError: ") and "conjugate" in outcome1, outcome1
+        assert next0 == next1 == [1.0] * 4 + [2.0] * 4, (next0, next1)
+    else:
+        assert outcome1 == "OutOfMemoryError: CPU out of memory (injected)", outcome1
+        assert next0 == next1 == ([3.0] * 16 if which == "bucket-oom" else True), (next0, next1)
+    assert outcome0.startswith("ValueError: ") and "group rank 1 rejected the call" in outcome0, outcome0
+    assert ("conjugate" if which == "conj" else "CPU out of memory (injected)") in outcome0, outcome0
+
+
+def test_calls_on_two_bucket_buffers_of_one_group_raise():
+    for outcome, sums in run_in_fresh_world(2, error_cases.two_bucket_buffers, timeout=60):
+        assert "ranks are in calls of different BucketBuffers on this group" in outcome, outcome
+        assert sums == [2.0, 2.0], sums
+
+
+def test_destroy_after_a_failure_on_the_group_is_local():
+    results = run_in_fresh_world(2, error_cases.destroy_after_failure, timeout=60)
+    assert results[0] == ["PeerFailed", "destroyed", "destroyed", "destroyed"], results[0]
+    assert results[1] == ["OutOfMemoryError", "destroyed", "destroyed", "destroyed"], results[1]
+
+
+def test_a_lost_connection_is_not_recorded_as_the_rank_s_own_failure(monkeypatch):
+    """A peer that died without a record (killed, exited) shows as the group's own error on the survivors: it breaks
+    the buffer but is not announced, so no survivor names a healthy rank as the one that failed."""
+    from epcomm import waits
+
+    announced, broken = [], []
+    monkeypatch.setattr(waits, "announce_failure", lambda *args: announced.append(args))
+    monkeypatch.setattr(waits, "peer_failure", lambda uid: None)
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30616")
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
+        waits.fail_mid_call(lost, uid=1, call_id=3, rank=0, call="BucketBuffer.all_reduce", owner="BucketBuffer",
+                            group=None, mark_broken=broken.append)
+    assert announced == [] and broken == ["BucketBuffer.all_reduce: the process group failed during the call "
+                                          "(RuntimeError)"], (announced, broken)
+    assert any("no peer recorded an error" in note for note in getattr(info.value, "__notes__", [""])) or \
+        not hasattr(info.value, "add_note")
+    own = torch.OutOfMemoryError("CPU out of memory")
+    with pytest.raises(torch.OutOfMemoryError):
+        waits.fail_mid_call(own, uid=1, call_id=4, rank=0, call="BucketBuffer.all_reduce", owner="BucketBuffer",
+                            group=None, mark_broken=broken.append)
+    assert len(announced) == 1 and announced[0][2] == 0, announced

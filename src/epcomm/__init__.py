@@ -13,9 +13,10 @@ from .events import EventHandle, EventOverlap
 from .handle import EPHandle
 from .lowlatency import LowLatencyHandle
 from .pp import PPBuffer
+from .waits import PeerFailed, TransportTimeout
 
 topk_idx_t = torch.int64
 
 __all__ = ["BucketBuffer", "BucketSession", "BufferAllocator", "EPBuffer", "EPHandle", "EngramBuffer",
-           "EventHandle", "EventOverlap", "LowLatencyHandle", "PPBuffer", "TokenDispatcher", "__version__", "comm", "eplb",
-           "topk_idx_t"]
+           "EventHandle", "EventOverlap", "LowLatencyHandle", "PPBuffer", "PeerFailed", "TokenDispatcher",
+           "TransportTimeout", "__version__", "comm", "eplb", "topk_idx_t"]

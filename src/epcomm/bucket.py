@@ -229,11 +229,12 @@ class BucketBuffer(ContextLifecycle):
     # -- lifecycle -----------------------------------------------------------------------------------
     @eager_under_compile
     def destroy(self) -> None:
-        """Release the buffer (collective over every group: a barrier each). A second call is a no-op."""
+        """Release the buffer (collective over every group: a barrier each, skipped on a group that a timeout or a
+        mid-call failure broke). A second call is a no-op."""
         if self._destroyed:
             return
         for ctx in self.contexts:
-            if ctx.broken is None:
+            if ctx.can_meet_peers():
                 ctx.barrier(call="BucketBuffer.destroy")
             ctx.destroyed = True
         self._destroyed = True

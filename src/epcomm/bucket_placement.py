@@ -112,10 +112,9 @@ def gather_call(buf: BucketBuffer, srcs, dsts, group, num_sms, session: Optional
         names = ["srcs" if single else f"srcs[{i}]" for i in range(len(srcs_l))]
         buckets = [_gather_bucket(buf, c, ctx, name, s, d, session) for name, s, d in zip(names, srcs_l, dsts_l)]
         _check_disjoint(c, buf, buckets, names)
-    except (TypeError, ValueError) as e:
-        _agree(ctx, call, "all_gather", e, [])
-        raise
-    _agree(ctx, call, "all_gather", None, [b.inp.nbytes for b in buckets])
+    except (Exception, KeyboardInterrupt) as e:  # a bad argument, out of memory, ...: it travels in the header
+        err = e
+    _header(ctx, call, "all_gather", err, None if err is not None else [b.inp.nbytes for b in buckets])
     return _launch(buf, ctx, call, "all_gather", buckets, 1.0, 0, single)
 
 
@@ -173,10 +172,9 @@ def reduce_call(buf: BucketBuffer, op: str, srcs, dsts, comm_precision, scale, g
         if err is not None:
             raise err
         buckets, single, sms = _reduce_buckets(buf, c, ctx, op, srcs, dsts, comm_precision, scale, num_sms, session)
-    except (TypeError, ValueError) as e:
-        _agree(ctx, call, op, e, [])
-        raise
-    _agree(ctx, call, op, None, [b.inp.nbytes for b in buckets])
+    except (Exception, KeyboardInterrupt) as e:  # as all_gather
+        err = e
+    _header(ctx, call, op, err, None if err is not None else [b.inp.nbytes for b in buckets])
     return _launch(buf, ctx, call, op, buckets, float(scale), sms, single)
 
 
@@ -235,10 +233,24 @@ def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precisi
 _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 
 
+def _header(ctx: CommContext, call: str, op: str, err: Optional[BaseException], sizes: Optional[list]) -> None:
+    """`_agree`, then raise `err` (this rank's own error before the header, which every rank saw there) if any. An
+    error of this rank's own while it waits in the exchange (an interrupt, ...) breaks the buffer and its group
+    and reaches the peers (`CommContext.fail_mid_call`): they may be in the exchange without it."""
+    try:
+        _agree(ctx, call, op, err, sizes or [])
+    except (TypeError, ValueError, TimeoutError):  # every rank raises together, or the bounded wait broke it
+        raise
+    except (Exception, KeyboardInterrupt) as e:
+        if e is err:  # its own error, raised once every rank saw it in the header (on GPU: at once, locally)
+            raise
+        ctx.fail_mid_call(call, e)
+
+
 def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], sizes: list) -> None:
-    """On CPU, a header before any data moves (status, operation, bucket sizes), so that a rank's failed check or
-    ranks passing different calls or sizes raise on every rank instead of breaking the collective. On GPU the
-    checks stay local, as for EPBuffer's calls without a count exchange (docs/decisions.md)."""
+    """On CPU, a header before any data moves (status, operation, bucket sizes, the buffer's id), so that a rank's
+    failed check or ranks passing different calls, sizes or buffers raise on every rank instead of breaking the
+    collective. On GPU the checks stay local, as for EPBuffer's calls without a count exchange (docs/decisions.md)."""
     if ctx.device.type != "cpu":
         if err is not None:
             raise err
@@ -246,7 +258,7 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
     digest = 0
     for n in sizes:
         digest = (digest * 1000003 + n) & 0x7FFFFFFFFFFF
-    row = [status_of(err), _OPS[op], len(sizes), sum(sizes), digest]
+    row = [status_of(err), _OPS[op], len(sizes), sum(sizes), digest, ctx.uid]
     rows = ctx.exchange(torch.tensor([row] * ctx.num_ranks, dtype=torch.int64), f"{call} header",
                         kind="BucketBuffer header", label=call).tolist()
     failed = [r for r, got in enumerate(rows) if got[0] != STATUS_OK]
@@ -258,6 +270,10 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
             raise err
         exc = TypeError if rows[failed[0]][0] == STATUS_TYPE else ValueError
         raise exc(rejected(call, ctx.rank, failed, messages))
+    if len({got[5] for got in rows}) > 1:  # two BucketBuffers (or contexts) on one group: the calls paired
+        same = [r for r, got in enumerate(rows) if got[5] == ctx.uid]
+        raise ValueError(f"{call}: rank {ctx.rank}: ranks are in calls of different BucketBuffers on this group "
+                         f"(group ranks {same} in this one); every rank must call the same buffer in the same order")
     names = {v: k for k, v in _OPS.items()}
     for i, what in ((1, "operation"), (2, "number of buckets"), (3, "total bytes"), (4, "bucket sizes")):
         values = [got[i] for got in rows]

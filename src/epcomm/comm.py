@@ -27,7 +27,8 @@ from torch import Tensor
 from . import gloo_exit
 from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages, rejected, status_of
 from .compile_guard import eager_under_compile
-from .waits import TransportTimeout, bounded_wait, break_group, fail_mid_call, require_group_usable
+from .waits import (PeerFailed, TransportTimeout, bounded_wait, break_group, fail_mid_call, group_broken,
+                    require_group_usable)
 from .validate import Checker
 
 __all__ = ["CommContext", "barrier", "get_comm_stream", "group_device"]
@@ -142,6 +143,12 @@ class CommContext:
         require_group_usable(self.group, f"{call}: rank {self.rank}")
         return c
 
+    def can_meet_peers(self) -> bool:
+        """Whether a collective on the context may still run: neither it nor its process group is broken (after a
+        timeout or a mid-call failure of any epcomm buffer on the group, a new collective would meet the pending
+        one). `destroy()` then only frees local memory."""
+        return self.broken is None and group_broken(self.group) is None
+
     def next_call_id(self) -> int:
         self._call_id += 1
         return self._call_id
@@ -169,9 +176,9 @@ class CommContext:
             bounded_wait(work, what=what, call_id=self.next_call_id(), rank=self.rank, num_ranks=self.num_ranks,
                          uid=self.uid, device=self.device, timeout_s=self.timeout_s, owner=self.owner,
                          group=self.group)
-        except TransportTimeout:
-            self.broken = f"{what} timed out"
-            break_group(self.group, f"{self.owner}: {what} timed out")
+        except TransportTimeout as e:
+            self.broken = f"{what}: a peer failed during it" if isinstance(e, PeerFailed) else f"{what} timed out"
+            break_group(self.group, f"{self.owner}: {self.broken}")
             raise
 
     def complete(self, work: "dist.Work", what: str) -> None:

@@ -254,7 +254,7 @@ class EngramBuffer(ContextLifecycle):
                                    f"{num_entries_per_token}, {dtype}, {num_sf_packs})")
             signature = [len(entries), sum(entries), hidden, num_max_tokens, num_entries_per_token,
                          _DTYPE_CODES[dtype], num_sf_packs]
-        except (TypeError, ValueError) as e:
+        except (Exception, KeyboardInterrupt) as e:  # it travels in the header
             err = e
         self._agree(call, 1, err, signature, ("layers", "total entries", "hidden", "num_max_tokens",
                                               "num_entries_per_token", "dtype", "num_sf_packs"))
@@ -322,7 +322,7 @@ class EngramBuffer(ContextLifecycle):
                 if fp8:
                     self._check_tensor(c, f"sfs[{layer}]", sfs[layer], (torch.float32, torch.int32),
                                        (self.num_ranks * n, cfg["packs"]))
-        except (TypeError, ValueError) as e:
+        except (Exception, KeyboardInterrupt) as e:  # it travels in the header
             err = e
         self._agree(call, 2, err, [], ())
         try:
@@ -420,7 +420,7 @@ class EngramBuffer(ContextLifecycle):
             cfg = self._fetch_config(c, num_qps)
             owner_X, row_X, num_tokens, counts_R, send_counts = plan(c, cfg, indices, self.num_ranks, self.device)
             order_X = torch.argsort(owner_X, stable=True)
-        except (TypeError, ValueError) as e:
+        except (Exception, KeyboardInterrupt) as e:  # it travels in the header
             err = e
         recv_counts = self._agree(call, 3, err, [], (), counts_R)
         try:
@@ -458,7 +458,12 @@ class EngramBuffer(ContextLifecycle):
         send = torch.cat([head.expand(self.num_ranks, -1),
                           (counts_R if counts_R is not None else torch.zeros(self.num_ranks, dtype=torch.int64,
                                                                              device=self.device)).view(-1, 1)], 1)
-        rows = self.context.exchange(send.contiguous(), call, kind="EngramBuffer header").tolist()
+        try:
+            rows = self.context.exchange(send.contiguous(), call, kind="EngramBuffer header").tolist()
+        except (TypeError, ValueError, TimeoutError):  # every rank raises together, or the bounded wait broke it
+            raise
+        except (Exception, KeyboardInterrupt) as e:  # an interrupt while waiting: the peers may be in the exchange
+            self.context.fail_mid_call(call, e)
         failed = [r for r, row in enumerate(rows) if row[0]]
         if failed:  # every rank learns the first failing rank's message (one more exchange, on failure only)
             messages = gather_messages(lambda t: self.context.exchange(t, f"{call} messages", kind="error messages",
@@ -494,11 +499,12 @@ class EngramBuffer(ContextLifecycle):
     # -- lifecycle -----------------------------------------------------------------------------------
     @eager_under_compile
     def destroy(self) -> None:
-        """Release the buffer (collective: a barrier; on nvlink drained on the host first, so no peer is still
-        reading the region when it is freed). A second call is a no-op."""
+        """Release the buffer (collective: a barrier, skipped when a timeout or a mid-call failure broke the group; on
+        nvlink drained on the host first, so no peer is still reading the region when it is freed). A second call is
+        a no-op."""
         if self._destroyed:
             return
-        if self.context.broken is None:
+        if self.context.can_meet_peers():
             self.context.barrier(with_cpu_sync=self._nvlink is not None, call="EngramBuffer.destroy")
         self.context.destroyed = self._destroyed = True
         if self._nvlink is not None:

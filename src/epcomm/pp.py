@@ -357,7 +357,8 @@ class PPBuffer(ContextLifecycle):
     # -- lifecycle -----------------------------------------------------------------------------------
     @eager_under_compile
     def destroy(self) -> None:
-        """Wait for this rank's sends to be received (bounded), then release the buffer (collective).
+        """Wait for this rank's sends to be received (bounded), then release the buffer (collective; after a timeout
+        or a mid-call failure of an epcomm buffer on the group, local only: no collective runs on a broken group).
 
         Raises:
             ValueError: a send that its neighbour has not received (every rank raises at once, naming the sends; the
@@ -368,7 +369,7 @@ class PPBuffer(ContextLifecycle):
         """
         if self._destroyed:
             return
-        if self.context.broken is None:
+        if self.context.can_meet_peers():
             self._agree_counts()  # every rank is in this call, and every send was received, before any wait
             deadline = time.monotonic() + self.context.timeout_s
             for fifo in self._send.values():

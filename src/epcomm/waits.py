@@ -69,9 +69,29 @@ def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: 
     if earlier is not None and earlier[0] != rank:
         mark_broken(f"{call}: group rank {earlier[0]} failed during the call")
         raise PeerFailed(peer_failed_message(call, call_id, rank, earlier, owner, group)) from e
+    if _communication_error(e):  # a peer went away without a record (killed, exited): not this rank's own error
+        mark_broken(f"{call}: the process group failed during the call ({type(e).__name__})")
+        if hasattr(e, "add_note"):
+            e.add_note(f"epcomm: {call} on rank {rank}: the process group's connection to a peer failed during the "
+                       "call and no peer recorded an error of its own (a peer may have been killed or exited); the "
+                       f"{owner} and its process group are unusable now")
+        raise e
     mark_broken(f"{call} failed on this rank during the call ({type(e).__name__})")
-    announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}")
+    announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
     raise e
+
+
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
+                    "NCCL error", "NCCL communicator was aborted")
+
+
+def _communication_error(e: BaseException) -> bool:
+    """Whether `e` is the process group's own failure (a peer's connection lost, a communicator aborted), which a
+    rank meets when a peer died, rather than an error of its own."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _CONNECTION_LOST)
 
 
 def peer_failure(uid: int) -> Optional[tuple]:
@@ -93,7 +113,7 @@ def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: st
     every = _global_ranks(group)
     who, me = f"group {_rank_name(failed, every)}", _rank_name(rank, every)
     return (f"{what}: {me} waited for call #{call_id} but {who} stopped with an error during its {failed_call} "
-            f"(call #{failed_call_id}): {error}. The call cannot complete: the {owner} and its process group are "
+            f"(call #{failed_call_id}): {error.rstrip().rstrip('.')}. The call cannot complete: the {owner} and its process group are "
             "unusable now (an unmatched collective is pending): end the job; while that rank is alive the process "
             "cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
 
