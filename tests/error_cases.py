@@ -775,3 +775,28 @@ def destroy_after_failure(rank: int, world: int):
         except Exception as e:  # noqa: BLE001 -- the outcome is the test's result
             outcomes.append(f"{type(e).__name__}: {e}")
     return outcomes
+
+
+def failure_after_last_collective(rank: int, world: int, timeout_s: float):
+    """Rank 1 runs out of memory in a BucketBuffer reduce-scatter after the call's collectives (its peers complete
+    it); then every rank calls all_reduce on a second BucketBuffer of the group. Returns (first call, second call,
+    seconds the second took)."""
+    import epcomm.bucket_placement as bucket_placement
+
+    a = epcomm.BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=timeout_s)
+    b = epcomm.BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=timeout_s)
+    xa, xb = a.storage.view(torch.float32)[:16 * world], b.storage.view(torch.float32)[:16 * world]
+    xa.fill_(rank + 1), xb.fill_(rank + 1)
+    if rank == 1:
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CPU out of memory (injected)")
+        bucket_placement.EventHandle = out_of_memory  # made after the call's collectives
+    outcomes = []
+    for call in (lambda: a.reduce_scatter(xa).wait(), lambda: b.all_reduce(xb).wait()):
+        start = time.monotonic()
+        try:
+            call()
+            outcomes.append("no error")
+        except (torch.OutOfMemoryError, TimeoutError, ValueError) as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    return outcomes[0], outcomes[1], time.monotonic() - start

@@ -455,7 +455,7 @@ def test_a_lost_connection_is_not_recorded_as_the_rank_s_own_failure(monkeypatch
 
     announced, broken = [], []
     monkeypatch.setattr(waits, "announce_failure", lambda *args: announced.append(args))
-    monkeypatch.setattr(waits, "peer_failure", lambda uid: None)
+    monkeypatch.setattr(waits, "peer_failure", lambda uid, group=None: None)
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30616")
     with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
         waits.fail_mid_call(lost, uid=1, call_id=3, rank=0, call="BucketBuffer.all_reduce", owner="BucketBuffer",
@@ -469,3 +469,18 @@ def test_a_lost_connection_is_not_recorded_as_the_rank_s_own_failure(monkeypatch
         waits.fail_mid_call(own, uid=1, call_id=4, rank=0, call="BucketBuffer.all_reduce", owner="BucketBuffer",
                             group=None, mark_broken=broken.append)
     assert len(announced) == 1 and announced[0][2] == 0, announced
+
+
+def test_failure_after_the_last_collective_reaches_the_next_buffer_of_the_group():
+    """Rank 1 fails in a bucket reduce-scatter after its collectives (its peers complete the call); every rank then
+    calls another buffer of the group: the peers raise PeerFailed naming rank 1 and its call within a few seconds
+    (the failure is recorded for the group, not only for the first buffer), instead of waiting out the timeout."""
+    results = run_in_fresh_world(3, error_cases.failure_after_last_collective, 20.0, timeout=90)
+    assert results[1][0].startswith("OutOfMemoryError"), results[1]
+    assert "unusable after an earlier failure" in results[1][1], results[1]
+    for r in (0, 2):
+        first, second, elapsed = results[r]
+        assert first == "no error", first
+        assert second.startswith("PeerFailed: BucketBuffer.all_reduce header: ") and \
+            "group rank 1 stopped with an error during its BucketBuffer.reduce_scatter" in second, second
+        assert elapsed < 10, elapsed

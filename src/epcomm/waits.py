@@ -37,23 +37,33 @@ def _failed_key(uid: int) -> str:
     return f"epcomm/{uid}/failed"
 
 
+def _group_failed_key(group) -> Optional[str]:
+    """The store key of a failure on `group`, shared by every buffer on it (its ranks agree on its name)."""
+    name = getattr(group, "group_name", None) if group is not None else None
+    return f"epcomm/group/{name}/failed" if name else None
+
+
 def announce(uid: int, call_id: int, rank: int) -> None:
     store = default_store()
     if store is not None:
         store.set(_key(uid, call_id, rank), "1")
 
 
-def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str) -> None:
+def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str, group=None) -> None:
     """Tell the peers that `rank` stopped with `error` during `call` (call number `call_id`) of buffer `uid` (out of
     memory, ...: not a bad argument, which every rank reports together): their bounded waits in this or any later
     call of the buffer (GPU calls without a host wait come before one) raise `PeerFailed` naming it rather than
     wait out the timeout for a rank that will not come. The first failure recorded stays (a later one is likely
-    its consequence, such as a peer's connection closed by the failing rank's exit)."""
+    its consequence, such as a peer's connection closed by the failing rank's exit). With `group` the failure is
+    also recorded for every buffer on the group: a peer that completed this call and goes on with another buffer
+    of the group learns it there."""
     store = default_store()
     if store is not None:
+        record = f"{rank}\n{call_id}\n{call}\n{error[:500]}"
         try:
-            if not store.check([_failed_key(uid)]):
-                store.set(_failed_key(uid), f"{rank}\n{call_id}\n{call}\n{error[:500]}")
+            for key in (_failed_key(uid), _group_failed_key(group)):
+                if key is not None and not store.check([key]):
+                    store.set(key, record)
         except Exception:  # a store that is gone: the peers time out as before
             pass
 
@@ -65,7 +75,7 @@ def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: 
     (`mark_broken(reason)`, which calls `break_group`). The failure goes into the store for the peers' bounded waits
     (`PeerFailed` naming this rank). Re-raises `e`; or, when a peer had already failed (this error is then likely
     its consequence: a connection its exit closed), raises `PeerFailed` naming that peer."""
-    earlier = peer_failure(uid)
+    earlier = peer_failure(uid, group)
     if earlier is not None and earlier[0] != rank:
         mark_broken(f"{call}: group rank {earlier[0]} failed during the call")
         raise PeerFailed(peer_failed_message(call, call_id, rank, earlier, owner, group)) from e
@@ -77,7 +87,7 @@ def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: 
                        f"{owner} and its process group are unusable now")
         raise e
     mark_broken(f"{call} failed on this rank during the call ({type(e).__name__})")
-    announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+    announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, group)
     raise e
 
 
@@ -94,15 +104,16 @@ def _communication_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(s in str(e) for s in _CONNECTION_LOST)
 
 
-def peer_failure(uid: int) -> Optional[tuple]:
-    """`(rank, call id, call, error)` of the failure recorded for buffer `uid`, or None."""
+def peer_failure(uid: int, group=None) -> Optional[tuple]:
+    """`(rank, call id, call, error)` of the failure recorded for buffer `uid`, or else for any buffer on `group`;
+    or None."""
     store = default_store()
-    key = _failed_key(uid)
     try:
-        if store is None or not store.check([key]):
-            return None
-        rank, call_id, call, error = store.get(key).decode(errors="replace").split("\n", 3)
-        return int(rank), call_id, call, error
+        for key in (_failed_key(uid), _group_failed_key(group)):
+            if store is not None and key is not None and store.check([key]):
+                rank, call_id, call, error = store.get(key).decode(errors="replace").split("\n", 3)
+                return int(rank), call_id, call, error
+        return None
     except Exception:  # the store itself failed (or an odd record): as if nothing were recorded
         return None
 
@@ -178,7 +189,7 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
 
 def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: str, group) -> None:
     """Raise `PeerFailed` when a peer recorded that it stopped with an error during a call of this buffer."""
-    failure = peer_failure(uid)
+    failure = peer_failure(uid, group)
     if failure is not None and failure[0] != rank:
         raise PeerFailed(peer_failed_message(what, call_id, rank, failure, owner, group))
 
