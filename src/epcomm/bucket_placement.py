@@ -322,6 +322,8 @@ def _check_tensor(buf: BucketBuffer, c, name: str, t) -> Tensor:
         c.fail(ValueError, f"{name} is on {t.device} but the buffer lives on {buf.device}; move it there")
     if t.numel() == 0:
         c.fail(ValueError, f"{name} is empty; buckets must hold at least one element")
+    if t.is_conj() or t.is_neg():  # its bytes are not its values: byte moves would drop the lazy operation
+        c.fail(ValueError, f"{name} is a lazily conjugated or negated view; call .resolve_conj() / .resolve_neg()")
     return t
 
 

@@ -655,7 +655,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     do_cpu_sync, do_expand, do_zero_padding, emit_expert_ids, use_tma_aligned_col_major_sf,
                     defer_value_checks=exact_nvlink.enabled(self))
             call.call_id = call_id  # a new handle keeps it: ranks that combine other dispatches' handles disagree
-        except Exception as e:  # a bad argument, or out of memory in a copy, ...: it travels in the header exchange
+        except (Exception, KeyboardInterrupt) as e:  # a bad argument, out of memory, ...: it travels in the header
             err = e
         cached = handle is not None
         direct = self._order.is_direct(previous_event, async_with_compute_stream, allocate_on_comm_stream,
@@ -762,7 +762,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             check_event_options(c, previous_event=previous_event, allocate_on_comm_stream=allocate_on_comm_stream,
                                 async_with_compute_stream=async_with_compute_stream, defer_epilogue=defer_epilogue)
             call = resolve.resolve_combine(self, c, x, handle, topk_weights, bias, num_sms, num_qps)
-        except Exception as e:  # as dispatch
+        except (Exception, KeyboardInterrupt) as e:  # as dispatch
             err = e
         direct = self._order.is_direct(previous_event, async_with_compute_stream, allocate_on_comm_stream,
                                        defer_epilogue)

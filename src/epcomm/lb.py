@@ -330,6 +330,8 @@ class LoadBalancingMixin:
                 c.require(t.device == self.device, f"{n} is on {t.device} but the buffer lives on {self.device}; "
                                                    "move it there")
                 c.require(t.is_contiguous(), f"{n} must be contiguous (strides {t.stride()}); call .contiguous()")
+                c.require(not (t.is_conj() or t.is_neg()), f"{n} is a lazily conjugated or negated view, whose bytes "
+                                                           "are not its values; call .resolve_conj() / .resolve_neg()")
             c.require(red.shape[0] == num_slots, f"{rn} has {red.shape[0]} rows but redundancy_mapping has "
                                                  f"C={num_slots} slots per rank; expected shape [{num_slots}, ...]")
             c.require(orig.shape[0] == num_local and num_local > 0,

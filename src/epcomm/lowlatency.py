@@ -414,7 +414,7 @@ class LowLatencyMixin:
                 signature = agreement.low_latency_signature(
                     hidden=x.shape[1], num_topk=topk_idx.shape[1], num_experts=num_experts, use_fp8=use_fp8,
                     use_ue8m0=use_ue8m0, num_max_dispatch_tokens_per_rank=n)
-        except (TypeError, ValueError) as e:
+        except (Exception, KeyboardInterrupt) as e:  # a bad argument, out of memory, ...: it travels in the header
             self._low_latency_header(name, {}, e)  # raises e (on CPU every rank raises)
         num_local = num_experts // self.num_ranks
         version = EPHandle.capture_version(topk_idx)
@@ -568,7 +568,7 @@ class LowLatencyMixin:
                 fast.check_status(name)
             else:  # nvlink checks this when it launches; here every rank raises together on CPU
                 call_index = handle.calls.next_call(1, self.rank)
-        except (TypeError, ValueError) as e:
+        except (Exception, KeyboardInterrupt) as e:  # a bad argument, out of memory, ...: it travels in the header
             self._low_latency_header(name, {}, e)  # raises e (on CPU every rank raises)
         if fast is not None:
             combined = out if out is not None else torch.empty(topk_idx.shape[0], handle.hidden,
@@ -578,12 +578,15 @@ class LowLatencyMixin:
             event = EventOverlap(EventHandle(self.device) if async_finish else None)
             return combined, event, receive
         # Back to the expand layout (padding rows read the zero row), then every (token, expert) row home.
-        slot_S = (handle.expert_idx_S * rows + handle.row_in_expert_S).masked_fill(handle.expert_idx_S < 0,
-                                                                                    num_local * rows)
-        flat = torch.cat([x.reshape(num_local * rows, -1), x.new_zeros(1, x.shape[2])])
-        x_S = flat.index_select(0, slot_S)
-        h = handle.handle
-        call = pipeline.CombineCall(x=x_S, handle=h, topk_weights=None, bias_0=None, bias_1=None, per_pair=True)
+        try:
+            slot_S = (handle.expert_idx_S * rows + handle.row_in_expert_S).masked_fill(handle.expert_idx_S < 0,
+                                                                                        num_local * rows)
+            flat = torch.cat([x.reshape(num_local * rows, -1), x.new_zeros(1, x.shape[2])])
+            x_S = flat.index_select(0, slot_S)
+            h = handle.handle
+            call = pipeline.CombineCall(x=x_S, handle=h, topk_weights=None, bias_0=None, bias_1=None, per_pair=True)
+        except (Exception, KeyboardInterrupt) as e:  # out of memory, ...: it travels in the header
+            self._low_latency_header(name, {}, e)
         call_id = self._low_latency_header(name, call.signature() | {"op": agreement.OP_LOW_LATENCY_COMBINE}, None,
                                            combine_wait_recv_cost_stats)
         try:
