@@ -316,13 +316,15 @@ def missing_peer(rank: int, world: int, timeout_s: float):
     return None
 
 
-def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
+def failure_mid_call(rank: int, world: int, timeout_s: float, where: str, internal: bool = False):
     """Rank 1 runs out of memory during a dispatch (`where`: "resolve", before the header exchange, or "move",
     after it) or a combine ("combine", after its header exchange). Before the exchange the error travels in it as a
     bad argument does: rank 1 re-raises it, its peers raise "group rank 1 rejected the call", and the buffers stay
     usable. After it, rank 1 re-raises it and its buffer and group refuse later calls and constructions; the peers
     raise `PeerFailed` naming rank 1, the call and its error within a few seconds, not after the timeout. Returns
-    (first error, seconds to it, [next dispatch, a new EPBuffer, a new BucketBuffer on the group])."""
+    (first error, seconds to it, [next dispatch, a new EPBuffer, a new BucketBuffer on the group]). `internal`: a
+    ValueError of the code's own (a bug) rather than out of memory, which is this rank's too, not raised on every
+    rank by the call's agreement (gloo aborted the peers when it was taken for one)."""
     import epcomm.pipeline as pipeline
     import epcomm.resolve as resolve
 
@@ -335,6 +337,8 @@ def failure_mid_call(rank: int, world: int, timeout_s: float, where: str):
         original = getattr(owner, name)
 
         def out_of_memory(*args, **kwargs):
+            if internal:
+                raise ValueError("an internal error (injected)")
             raise torch.OutOfMemoryError("CPU out of memory (injected)")
         setattr(owner, name, out_of_memory)
     start = time.monotonic()

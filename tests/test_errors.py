@@ -484,3 +484,18 @@ def test_failure_after_the_last_collective_reaches_the_next_buffer_of_the_group(
         assert second.startswith("PeerFailed: BucketBuffer.all_reduce header: ") and \
             "group rank 1 stopped with an error during its BucketBuffer.reduce_scatter" in second, second
         assert elapsed < 10, elapsed
+
+
+@pytest.mark.parametrize("where", ["move", "combine"])
+def test_an_internal_value_error_mid_call_is_the_rank_s_own(where):
+    """A ValueError of the code's own on one rank after the header exchange (a bug, not an agreement every rank
+    reaches) is reported as that rank's failure: the peers raise PeerFailed naming it instead of being aborted by
+    gloo when that rank's next call meets their pending collective."""
+    results = run_in_fresh_world(4, error_cases.failure_mid_call, 20.0, where, True, timeout=90)
+    first, _, (after, _, _) = results[1]
+    assert first == "ValueError: an internal error (injected)", first
+    assert "unusable after an earlier failure" in after and "failed on this rank" in after, after
+    for r in (0, 2, 3):
+        msg, elapsed, (after, _, _) = results[r]
+        assert msg.startswith("PeerFailed: ") and "ValueError: an internal error (injected)" in msg, msg
+        assert elapsed < 10, elapsed

@@ -141,12 +141,25 @@ def rejected(call: str, rank: int, failed: list, messages: list, what: str = "th
     return f"{call}: rank {rank}: group rank {first} rejected {what}: {messages[first]}{also}"
 
 
+def every_rank(exc: BaseException) -> BaseException:
+    """Mark `exc` as raised by every rank of the call together (a rank's failed check and its peers' "rejected",
+    a disagreement, a limit every rank computes alike): nothing is left pending, so the call's buffer stays usable.
+    A call's error without the mark after the ranks agreed on the call is the rank's own (`waits.fail_mid_call`)."""
+    exc.epcomm_every_rank = True
+    return exc
+
+
+def raised_everywhere(exc: BaseException) -> bool:
+    """Whether `exc` was marked by `every_rank`."""
+    return getattr(exc, "epcomm_every_rank", False)
+
+
 def check(
     call: str, rank: int, recv_RC: list, local_error: Optional[BaseException], gather_messages: Callable[[str], list]
 ) -> None:
     """Raise on every rank if any rank failed its checks or the ranks disagree about the call. A rank whose own
     checks failed raises its own error; the others raise naming every rank that failed, with the messages of the
-    first four.
+    first four. Every error it raises is marked `every_rank`.
 
     Args:
         recv_RC: the received headers as host lists, row s from group rank s.
@@ -154,6 +167,14 @@ def check(
         gather_messages: gathers one string per rank, bounded (`gather_messages` above; only called when some
             rank failed).
     """
+    try:
+        _check(call, rank, recv_RC, local_error, gather_messages)
+    except (TypeError, ValueError) as e:
+        raise every_rank(e)
+
+
+def _check(call: str, rank: int, recv_RC: list, local_error: Optional[BaseException],
+           gather_messages: Callable[[str], list]) -> None:
     failed = [s for s, row in enumerate(recv_RC) if row[0] != STATUS_OK]
     if failed:
         messages = gather_messages(str(local_error) if local_error is not None else "")
@@ -265,6 +286,7 @@ def framed_exchange(exchange: Callable[[Tensor], Tensor], send_RC: Tensor, *, ki
     if any(head != heads[rank] for head in heads):
         calls = ", ".join(f"rank {s}: {_cols_text(got[s, 3:_FRAME_HEAD].tolist())}" if head[0] == _FRAME_MAGIC
                           else f"rank {s}: not an epcomm call" for s, head in enumerate(heads))
-        raise CallsDiffer(f"{label}: rank {rank}: ranks are in different calls on this group ({calls}); every rank "
-                         "of the group must make the same calls, on the same buffers, in the same order")
+        raise every_rank(CallsDiffer(f"{label}: rank {rank}: ranks are in different calls on this group ({calls}); "
+                                     "every rank of the group must make the same calls, on the same buffers, in the "
+                                     "same order"))
     return got[:, _FRAME_HEAD:_FRAME_HEAD + width].contiguous()

@@ -687,12 +687,12 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     finish = pipeline.dispatch_finish
         except TimeoutError as e:
             self._mark_broken(name, e)
-        except (TypeError, ValueError):  # raised on every rank together (the header exchange's agreement, ...)
-            raise
-        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the header exchange
-            if e is err:  # its argument failure, raised once every rank saw it in the header exchange
+        except (Exception, KeyboardInterrupt) as e:
+            # Its argument failure (raised once every rank saw it in the header exchange), or an error every rank
+            # raises together (the agreement, a limit all compute alike): nothing is pending.
+            if e is err or agreement.raised_everywhere(e):
                 raise
-            self._fail_mid_call(name, call_id, e)
+            self._fail_mid_call(name, call_id, e)  # this rank's own, after the header exchange
         debug.log_dispatch(self, call, launched)
         inputs = [call.x.data, call.x.sf, call.topk_idx, call.topk_weights]
 
@@ -776,10 +776,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     launched = pipeline.combine_launch(self, call, call_id, defer=defer_epilogue)
         except TimeoutError as e:
             self._mark_broken(name, e)
-        except (TypeError, ValueError):  # as dispatch
-            raise
-        except (Exception, KeyboardInterrupt) as e:
-            if e is err:
+        except (Exception, KeyboardInterrupt) as e:  # as dispatch
+            if e is err or agreement.raised_everywhere(e):
                 raise
             self._fail_mid_call(name, call_id, e)
         inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]

@@ -262,7 +262,7 @@ class LoadBalancingMixin:
         err, call = None, None
         try:
             call = self._lb_resolve(c, op, redundant, original, mapping, num_sms, previous_event)
-        except (TypeError, ValueError) as e:
+        except (Exception, KeyboardInterrupt) as e:  # a bad argument, out of memory, ...: it travels in the header
             err = e
         try:
             recv = self._lb_agree(name, call_id, op, call, err)
@@ -282,10 +282,10 @@ class LoadBalancingMixin:
                     (self._lb_prefetch if op == _OP_PREFETCH else self._lb_reduce)(sub, route, call_id)
         except TimeoutError as e:  # the buffer and its group are broken; the message names the call
             self._mark_broken(name, e)
-        except (TypeError, ValueError):  # raised on every rank together (the header exchange's agreement, ...)
-            raise
-        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the ranks agreed on the call
-            self._fail_mid_call(name, call_id, e)
+        except (Exception, KeyboardInterrupt) as e:
+            if e is err or agreement.raised_everywhere(e):  # raised on every rank together: nothing is pending
+                raise
+            self._fail_mid_call(name, call_id, e)  # this rank's own, after the ranks agreed on the call
         if stream is None:
             return EventOverlap(EventHandle())
         for t in call.redundant + call.original:
@@ -393,12 +393,13 @@ class LoadBalancingMixin:
                                                    label=name),
                 str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
-                raise err
-            raise _EXC.get(recv[failed[0]][0], ValueError)(agreement.rejected(name, self.rank, failed, messages))
+                raise agreement.every_rank(err)
+            raise agreement.every_rank(_EXC.get(recv[failed[0]][0], ValueError)(
+                agreement.rejected(name, self.rank, failed, messages)))
         for i, field in enumerate(_HEADER[1:], start=1):
             values = [r[i] for r in recv]
             if len(set(values)) > 1:
-                raise ValueError(self._lb_disagreement(name, call_id, field, values, call))
+                raise agreement.every_rank(ValueError(self._lb_disagreement(name, call_id, field, values, call)))
         return recv
 
     def _lb_disagreement(self, name: str, call_id: int, field: str, values: list, call: "_LBCall") -> str:

@@ -593,9 +593,9 @@ class LowLatencyMixin:
             launched = pipeline.combine_launch(self, call, call_id)
         except TimeoutError as e:
             self._mark_broken(name, e)
-        except (TypeError, ValueError):  # raised on every rank together
-            raise
         except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the header exchange (EPBuffer.combine)
+            if agreement.raised_everywhere(e):  # raised on every rank together
+                raise
             self._fail_mid_call(name, call_id, e)
         item_TK = pipeline.returned_item_rows(self, h, per_pair=True)
         y = launched["spec"].view(launched["recv_XB"], "x")

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import envs, sizing, streams
+from ..agreement import every_rank
 from ..debug import phase
 from ..kernels import push
 from ..kernels.launch import launch
@@ -111,11 +112,11 @@ class NVLinkTransport(Transport):
     def check_rows_fit(self, num_rows: int, rec: int) -> None:
         """Raises: ValueError -- `num_rows` records of `rec` bytes do not fit the receive area."""
         need = num_rows * rec
-        if need > self.rows_capacity:
-            raise ValueError(
+        if need > self.rows_capacity:  # every rank computes the same (R * N rows of one record kind)
+            raise every_rank(ValueError(
                 f"EPBuffer: rank {self.rank}: the nvlink receive area holds {self.rows_capacity} bytes but this call "
                 f"needs {need} ({num_rows} rows x {rec}-byte records); size the buffer with "
-                "EPBuffer.get_buffer_size_hint for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)")
+                "EPBuffer.get_buffer_size_hint for this shape (num_max_tokens_per_rank, hidden, num_topk, dtype)"))
 
     def _all_gather_rows(self, row: Tensor, offset: int, cols: int) -> Tensor:
         """Row `me` of every peer's [R, cols] int64 area gets `row`; returns the local area after a barrier."""
@@ -277,10 +278,10 @@ class NVLinkTransport(Transport):
     def _check_stage(self, need: int) -> None:
         """Raises: ValueError -- a staging area cannot hold `need` bytes (every rank computes the same `need`)."""
         if need > self.rows_capacity:
-            raise ValueError(
+            raise every_rank(ValueError(
                 f"EPBuffer: rank {self.rank}: the nvlink staging area holds {self.rows_capacity} bytes but this "
                 f"call needs {need}; size the buffer with EPBuffer.get_buffer_size_hint for this shape "
-                "(num_max_tokens_per_rank, hidden, num_topk, dtype)")
+                "(num_max_tokens_per_rank, hidden, num_topk, dtype)"))
 
     def _next_stage(self) -> int:
         """Byte offset of this call's staging area. The two alternate between eager calls; a captured call takes
