@@ -155,7 +155,11 @@ def require_group_usable(group, where: str) -> None:
 
 
 class PeerFailed(TransportTimeout):
-    """A peer stopped with an error of its own during the call; the buffer is unusable afterwards."""
+    """A peer stopped with an error of its own during the call (out of memory, an interrupt, a bug), after the ranks
+    agreed on it; raised by this rank's bounded wait within about a second of the peer's record in the process
+    group's store, naming the peer (group and global rank), its call and its error. The buffer, and every epcomm
+    buffer on its process group in this process, are unusable afterwards (docs/decisions.md "Errors and
+    timeouts"). A `TimeoutError` (and `TransportTimeout`), so code that catches timeouts catches it."""
 
 
 def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_ranks: int, uid: int,
