@@ -239,12 +239,8 @@ def _header(ctx: CommContext, call: str, op: str, err: Optional[BaseException], 
     and reaches the peers (`CommContext.fail_mid_call`): they may be in the exchange without it."""
     try:
         _agree(ctx, call, op, err, sizes or [])
-    except (TypeError, ValueError, TimeoutError):  # every rank raises together, or the bounded wait broke it
-        raise
-    except (Exception, KeyboardInterrupt) as e:
-        if e is err:  # its own error, raised once every rank saw it in the header (on GPU: at once, locally)
-            raise
-        ctx.fail_mid_call(call, e)
+    except (Exception, KeyboardInterrupt) as e:  # `err` is raised once every rank saw it (on GPU: at once, locally)
+        ctx.after_agreement(call, e, err=err, every_rank=(TypeError, ValueError))
 
 
 def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], sizes: list) -> None:
@@ -339,10 +335,8 @@ def _launch(buf: BucketBuffer, ctx: CommContext, call: str, op: str, buckets: li
     (`CommContext.fail_mid_call`); a timeout has already broken them."""
     try:
         return _move(buf, ctx, call, op, buckets, scale, num_sms, single)
-    except TimeoutError:
-        raise
     except (Exception, KeyboardInterrupt) as e:
-        ctx.fail_mid_call(call, e)
+        ctx.after_agreement(call, e)
 
 
 def _move(buf: BucketBuffer, ctx: CommContext, call: str, op: str, buckets: list, scale: float, num_sms: int,

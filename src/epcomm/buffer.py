@@ -423,6 +423,18 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self._break_group(f"{name} timed out" if not isinstance(e, PeerFailed) else f"{name}: a peer failed during it")
         raise (PeerFailed if isinstance(e, PeerFailed) else TransportTimeout)(f"{name}: {e}") from e
 
+    def _after_agreement(self, name: str, call_id: int, e: BaseException,
+                         err: Optional[BaseException] = None) -> None:
+        """Raise `e`, an error of call `name` after the ranks agreed on it, the way it calls for: a timeout breaks
+        the buffer and its group (`_mark_broken`); `err` (this rank's own error before the header, which every rank
+        saw there) and an error every rank raises together (`agreement.every_rank`: nothing is pending) pass as
+        they are; any other is this rank's own (`_fail_mid_call`)."""
+        if isinstance(e, TimeoutError):
+            self._mark_broken(name, e)
+        if e is err or agreement.raised_everywhere(e):
+            raise e
+        self._fail_mid_call(name, call_id, e)
+
     def _fail_mid_call(self, name: str, call_id: int, e: BaseException) -> None:
         """An error of this rank's own after the ranks agreed on the call (`waits.fail_mid_call`): the buffer and
         its group are broken, the peers learn it from the store; re-raises `e` (or `PeerFailed` for an earlier
@@ -685,14 +697,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                             err = e
                     launched = pipeline.dispatch_launch(self, call, call_id, err)
                     finish = pipeline.dispatch_finish
-        except TimeoutError as e:
-            self._mark_broken(name, e)
         except (Exception, KeyboardInterrupt) as e:
-            # Its argument failure (raised once every rank saw it in the header exchange), or an error every rank
-            # raises together (the agreement, a limit all compute alike): nothing is pending.
-            if e is err or agreement.raised_everywhere(e):
-                raise
-            self._fail_mid_call(name, call_id, e)  # this rank's own, after the header exchange
+            self._after_agreement(name, call_id, e, err)
         debug.log_dispatch(self, call, launched)
         inputs = [call.x.data, call.x.sf, call.topk_idx, call.topk_weights]
 
@@ -774,12 +780,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                     launched = syncfree_nvlink.combine_launch(self, call, call_id)
                 else:
                     launched = pipeline.combine_launch(self, call, call_id, defer=defer_epilogue)
-        except TimeoutError as e:
-            self._mark_broken(name, e)
-        except (Exception, KeyboardInterrupt) as e:  # as dispatch
-            if e is err or agreement.raised_everywhere(e):
-                raise
-            self._fail_mid_call(name, call_id, e)
+        except (Exception, KeyboardInterrupt) as e:
+            self._after_agreement(name, call_id, e, err)
         inputs = [call.x, call.topk_weights, call.bias_0, call.bias_1]
 
         def epilogue():

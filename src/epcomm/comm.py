@@ -153,6 +153,16 @@ class CommContext:
         self._call_id += 1
         return self._call_id
 
+    def after_agreement(self, call: str, e: BaseException, *, err: Optional[BaseException] = None,
+                        every_rank: tuple = ()) -> None:
+        """Raise `e`, an error of `call` after the ranks agreed on it (or while waiting in its header), the way it
+        calls for: a timeout (the bounded wait broke the context already), `err` (this rank's own error before the
+        header, which every rank saw there) and errors of the `every_rank` types (what the header exchange raises on
+        every rank together) pass as they are; any other is this rank's own (`fail_mid_call`)."""
+        if isinstance(e, (TimeoutError,) + every_rank) or e is err:
+            raise e
+        self.fail_mid_call(call, e)
+
     def fail_mid_call(self, call: str, e: BaseException) -> None:
         """An error of this rank's own (out of memory, ...) while `call` moves data, after the ranks agreed on it
         (`waits.fail_mid_call`): the context and its process group are broken, and the peers' bounded waits raise

@@ -327,10 +327,8 @@ class EngramBuffer(ContextLifecycle):
         self._agree(call, 2, err, [], ())
         try:
             self._store(call, cfg, storages, sfs)
-        except TimeoutError:  # the context's wait broke it already
-            raise
-        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the ranks agreed on the call
-            self.context.fail_mid_call(call, e)
+        except (Exception, KeyboardInterrupt) as e:
+            self.context.after_agreement(call, e)
 
     def _store(self, call: str, cfg: dict, storages: Sequence[Tensor], sfs: Optional[Sequence[Tensor]]) -> None:
         """`write` once the ranks agreed on it: barrier (nvlink), this rank's rows into its shard, barrier."""
@@ -425,10 +423,8 @@ class EngramBuffer(ContextLifecycle):
         recv_counts = self._agree(call, 3, err, [], (), counts_R)
         try:
             return self._move(call, cfg, order_X, row_X, num_tokens, send_counts, recv_counts)
-        except TimeoutError:  # the context's wait broke it already
-            raise
-        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the ranks agreed on the call
-            self.context.fail_mid_call(call, e)
+        except (Exception, KeyboardInterrupt) as e:
+            self.context.after_agreement(call, e)
 
     def _move(self, call: str, cfg: dict, order_X, row_X, num_tokens: int, send_counts: list,
               recv_counts: list) -> tuple:
@@ -460,10 +456,8 @@ class EngramBuffer(ContextLifecycle):
                                                                              device=self.device)).view(-1, 1)], 1)
         try:
             rows = self.context.exchange(send.contiguous(), call, kind="EngramBuffer header").tolist()
-        except (TypeError, ValueError, TimeoutError):  # every rank raises together, or the bounded wait broke it
-            raise
         except (Exception, KeyboardInterrupt) as e:  # an interrupt while waiting: the peers may be in the exchange
-            self.context.fail_mid_call(call, e)
+            self.context.after_agreement(call, e, every_rank=(TypeError, ValueError))
         failed = [r for r, row in enumerate(rows) if row[0]]
         if failed:  # every rank learns the first failing rank's message (one more exchange, on failure only)
             messages = gather_messages(lambda t: self.context.exchange(t, f"{call} messages", kind="error messages",

@@ -3,7 +3,7 @@
 DeepEP V2.5 behaviour, §13 (API and checks), §6-7 (the LB region), §8.4 (SM hint). `EPBuffer` inherits
 `LoadBalancingMixin`, which uses only the buffer's `group`, `rank`, `num_ranks`, `device`, `transport`,
 `num_lb_bytes` and `num_gpu_timeout_secs` (plus its call counter and comm stream when present) and, when a call
-fails after the ranks agreed on it, the buffer's `_mark_broken` / `_fail_mid_call` (a timeout, or an error of this
+fails after the ranks agreed on it, the buffer's `_after_agreement` (a timeout, or an error of this
 rank's own that the peers learn from the store: `PeerFailed`); `EPBuffer` calls
 `_init_lb_region` before its transport exists and `_lb_attach_transport` (collective) right after.
 
@@ -280,12 +280,8 @@ class LoadBalancingMixin:
                     sub = replace(call, redundant=[call.redundant[k] for k in slow], original=[
                         call.original[k] for k in slow], payload_bytes=[call.payload_bytes[k] for k in slow])
                     (self._lb_prefetch if op == _OP_PREFETCH else self._lb_reduce)(sub, route, call_id)
-        except TimeoutError as e:  # the buffer and its group are broken; the message names the call
-            self._mark_broken(name, e)
         except (Exception, KeyboardInterrupt) as e:
-            if e is err or agreement.raised_everywhere(e):  # raised on every rank together: nothing is pending
-                raise
-            self._fail_mid_call(name, call_id, e)  # this rank's own, after the ranks agreed on the call
+            self._after_agreement(name, call_id, e, err)
         if stream is None:
             return EventOverlap(EventHandle())
         for t in call.redundant + call.original:

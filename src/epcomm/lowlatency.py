@@ -591,12 +591,8 @@ class LowLatencyMixin:
                                            combine_wait_recv_cost_stats)
         try:
             launched = pipeline.combine_launch(self, call, call_id)
-        except TimeoutError as e:
-            self._mark_broken(name, e)
-        except (Exception, KeyboardInterrupt) as e:  # this rank's own, after the header exchange (EPBuffer.combine)
-            if agreement.raised_everywhere(e):  # raised on every rank together
-                raise
-            self._fail_mid_call(name, call_id, e)
+        except (Exception, KeyboardInterrupt) as e:  # after the header exchange, as EPBuffer.combine
+            self._after_agreement(name, call_id, e)
         item_TK = pipeline.returned_item_rows(self, h, per_pair=True)
         y = launched["spec"].view(launched["recv_XB"], "x")
         combined = weighted_reduce_torch(y, item_TK, topk_weights, torch.bfloat16)

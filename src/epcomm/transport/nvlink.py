@@ -88,6 +88,7 @@ class NVLinkTransport(Transport):
         self._signals = None  # the return push's barriers (beside its copies), made at first use
         self._captured = False  # a pull or return push was captured: every later call waits for its peers first
         self._exact_table = None  # the fused CPU-synced dispatch's rows, pinned copy and header view (exact_table)
+        self._publish_args: dict = {}  # cols -> publish_args (made once: a dict per call costs host time)
         self._wait_event = None  # the event of host waits (`_host_wait`), made at first use
         self.region = SymmetricRegion(group, self._rows_off + 3 * num_bytes, device,
                                       timeout_s=gpu_timeout_s)
@@ -157,18 +158,22 @@ class NVLinkTransport(Transport):
     def publish_args(self, cols: int) -> dict:
         """The arguments with which `_exact_triton.send_plan` publishes `exact_table()`'s rows (first `cols`
         columns) in its last program, as `publish_rows` would launch them. The kernel takes the table's row stride
-        for the header rows' too: both are `_HEADER_COLS` int64.
+        for the header rows' too: both are `_HEADER_COLS` int64. Made once per `cols`; shared, not to be changed.
 
         Raises:
             TimeoutError: an earlier device barrier of the region timed out.
         """
-        assert self.exact_table().stride(0) == _HEADER_COLS
         region = self.region
         region.check_status()
-        return dict(done_ptr=region.programs_done("publish"), host_ptr=self._exact_host.data_ptr(),
-                    local_ptr=region.local, delta16_ptr=region.delta16, status_ptr=region.status.data_ptr(), timeout_ns=region.timeout_ns,
-                    flags_off=region.flags_off, hdr_off=self._headers_off, EX_COLS=cols, C_POW2=next_pow2(cols),
-                    STAGES=7, USE_TIMER=True)
+        args = self._publish_args.get(cols)
+        if args is None:
+            assert self.exact_table().stride(0) == _HEADER_COLS
+            args = self._publish_args[cols] = dict(
+                done_ptr=region.programs_done("publish"), host_ptr=self._exact_host.data_ptr(), local_ptr=region.local,
+                delta16_ptr=region.delta16, status_ptr=region.status.data_ptr(), timeout_ns=region.timeout_ns,
+                flags_off=region.flags_off, hdr_off=self._headers_off, EX_COLS=cols, C_POW2=next_pow2(cols), STAGES=7,
+                USE_TIMER=True)
+        return args
 
     def publish_rows(self, cols: int, *, call_id: int, published: bool = False):
         """The count exchange of the fused CPU-synced dispatch, in one kernel (`_exact_triton.publish_rows`, or
