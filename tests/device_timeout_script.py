@@ -4,7 +4,9 @@ tests/test_lowlatency.py). `python device_timeout_script.py PORT CALL`, CALL one
 - `low-latency`: `low_latency_dispatch` (the low-latency kernels' flags);
 - `sync-free`: `dispatch(do_cpu_sync=False)` on the nvlink transport (the device barrier of its region);
 - `sync-free-bad-id`: both ranks make the second call, rank 0's with an expert id equal to num_experts: its fused
-  send kernel must name the token and abort.
+  send kernel must name the token and abort;
+- `low-latency-bad-id`: the same with `low_latency_dispatch`.
+The bad-id cases run on one GPU as well (one rank).
 """
 
 import os
@@ -27,7 +29,7 @@ def body(rank: int, world: int, port: int, call: str) -> None:
     idx = torch.rand(8, 8).topk(2, dim=1).indices.cuda()
 
     def make_call():
-        if call == "low-latency":
+        if call.startswith("low-latency"):
             buf.low_latency_dispatch(x, idx, 8, 8)
         else:
             buf.dispatch(x, topk_idx=idx, num_experts=8, do_cpu_sync=False)
@@ -35,7 +37,7 @@ def body(rank: int, world: int, port: int, call: str) -> None:
     make_call()  # both ranks (the low-latency region is allocated collectively)
     torch.cuda.synchronize()
     dist.barrier()
-    if call == "sync-free-bad-id":
+    if call.endswith("bad-id"):
         if rank == 0:
             idx[3, 1] = 8
         make_call()
@@ -71,4 +73,5 @@ def check_timeout_names_rank_1(call: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(body, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
+    world = min(2, torch.cuda.device_count()) if sys.argv[2].endswith("bad-id") else 2
+    mp.spawn(body, args=(world, int(sys.argv[1]), sys.argv[2]), nprocs=world)

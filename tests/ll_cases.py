@@ -248,7 +248,7 @@ def low_latency_paths_agree(rank: int, world: int, *, rounds: int = 12, back_to_
             num_tokens = 0
         idx, w = random_routing(gen, num_tokens, num_experts, num_topk, masked_ratio=0.1)
         if i % 3 == 2 and num_tokens:  # skewed: most tokens pick the first experts of rank 0
-            hot = torch.stack([torch.randperm(num_local + num_topk, generator=gen)[:num_topk]
+            hot = torch.stack([torch.randperm(min(num_local + num_topk, num_experts), generator=gen)[:num_topk]
                                for _ in range(num_tokens)])
             idx = torch.where(idx >= 0, hot, idx)
         x = (torch.randn(num_tokens, hidden, generator=gen) * (1 + 10 * torch.rand(num_tokens, 1, generator=gen)))

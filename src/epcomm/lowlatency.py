@@ -360,8 +360,10 @@ class LowLatencyMixin:
                 CPU) or ranks where one makes this call and another a `dispatch`. On CPU every rank raises; on GPU
                 the offending rank raises before any data moves (no header is exchanged, docs/decisions.md; nvlink
                 checks the shape and `use_fp8` / `use_ue8m0` at the first call of each such pair only), and
-                `topk_idx` values are not read (that would synchronise): ids outside [-1, num_experts) or repeated
-                in a row give unspecified results there.
+                `topk_idx` values are not read on the host (that would synchronise): on nvlink the send kernel
+                prints the token holding an id outside [-1, num_experts) and traps (the CUDA context is lost);
+                on the collective transport an id >= num_experts fails torch's device-side index check and one
+                below -1 counts as -1 (docs/decisions.md); an expert repeated in a row gives unspecified results.
             TimeoutError: a peer did not arrive within `num_cpu_timeout_secs` (CPU; the buffer is unusable after
                 it), or an earlier low-latency call of this buffer timed out on the GPU (nvlink; the message names
                 the rank that never signalled).

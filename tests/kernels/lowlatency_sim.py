@@ -317,6 +317,8 @@ def run(case: str) -> None:
         num_ranks, n, hidden, num_experts, num_topk, tokens = 2, 2, 128, 4, 2, [2, 2]
     elif case == "mixed":  # fused and split calls of one kind interleaved on one area
         num_ranks, n, hidden, num_experts, num_topk, tokens = 1, 4, 600, 4, 2, [3]
+    elif case == "bad-id":
+        num_ranks, n, hidden, num_experts, num_topk, tokens = 1, 4, 256, 4, 2, [4]
     num_local = num_experts // num_ranks
     layout = Layout(num_ranks, n, hidden, num_topk, num_local)
     eng, areas = engines(num_ranks, layout, timeout_s=0.05 if case == "timeout" else 30.0)
@@ -331,6 +333,12 @@ def run(case: str) -> None:
             assert "waiting for rank 1" in str(e), e
         else:
             raise AssertionError("no TimeoutError after a timed-out wait")
+        return
+    if case == "bad-id":  # the host reads no ids: the send kernel names the token (and traps on GPU)
+        for bad in (num_experts, -2):
+            ids = idx[0].clone()
+            ids[2, 1] = bad
+            eng[0].dispatch(areas[0], xs[0], ids, None, False, False, False, hook=False)
         return
     if case == "mixed":  # split send (e), fused (e + 1), receive (e); then fused, split: every result exact
         order = [(True, False), (False, True), (True, True)]  # (first call split?, second call split?) per round

@@ -11,6 +11,8 @@ The GPU suite runs the same kernels on 2x H200 (tests/ll_cases.py), with many pr
 interpreter runs one.
 """
 
+import re
+
 import pytest
 
 from interpreter import run_sim
@@ -28,3 +30,11 @@ def test_lowlatency_kernels(case):
 def test_lowlatency_receive_names_the_silent_rank():
     out = run_sim("lowlatency_sim.py", "timeout")
     assert "timed out waiting for rank" in out
+
+
+def test_lowlatency_dispatch_names_a_bad_expert_id():
+    """The host reads no expert ids: the send kernel prints the token holding one outside [-1, num_experts), for an
+    id past the experts and one below -1 (on GPU it then traps: tests/test_lowlatency.py)."""
+    out = run_sim("lowlatency_sim.py", "bad-id")
+    message = "epcomm low-latency dispatch: topk_idx has an expert id outside [-1, num_experts) in token"
+    assert re.findall(re.escape(message) + r":?\s+\[?(\d+)", out) == ["2", "2"], out[-2000:]

@@ -26,7 +26,9 @@ call parity. A call does the same number of send items for each peer (dispatch),
 every time (`send_items`, fixed per area by the host), so dispatch call `e` waits for
 `ready >= (e // 2 + 1) * send_items` and a combine receive for `arrivals >= (e // 2 + 1) * KB`; the senders
 first wait for `freed >= e // 2` (the call two before has been read), so no peer overwrites rows still being read,
-and no send item of a later call can count towards call e. Every wait is bounded (`_signal_triton._wait`): on
+and no send item of a later call can count towards call e. The host reads no expert ids (that would synchronise):
+a token's first send item checks them and stops the kernel on one outside [-1, num_experts) (`_stop_on_bad_ids`).
+Every wait is bounded (`_signal_triton._wait`): on
 timeout the kernel prints the missing rank, records it in `status` and (on GPU) traps (docs/decisions.md, "Errors
 and timeouts").
 """
@@ -34,7 +36,7 @@ and timeouts").
 import triton
 import triton.language as tl
 
-from ._signal_triton import _last_to_finish, _region, _wait, _wait_all, _wait_all_timed
+from ._signal_triton import _last_to_finish, _region, _stop_on_bad_ids, _wait, _wait_all, _wait_all_timed
 
 # Integer arguments that change between calls or ranks: one compiled variant for all their values (the fused
 # kernels' grids come from the variant's occupancy, so a variant must not change under a new token count).
@@ -130,6 +132,9 @@ def _dispatch_send_item(
     kk = tl.arange(0, K_POW2)
     live = t < num_tokens
     expert_k = tl.load(topk_ptr + t * stride_topk + kk, mask=kk < tl.where(live, K, 0), other=-1).to(tl.int32)
+    if c == 0:  # the kernels trap on GPU, where USE_TIMER is set
+        _stop_on_bad_ids(expert_k, t, R * L, "epcomm low-latency dispatch: topk_idx has an expert id outside "
+                         "[-1, num_experts) in token", USE_TIMER)
     dest_k = tl.where(expert_k >= 0, expert_k // L, -1)
     # Every rank's region, read once up front (one load per rank inside the loops below cost a round trip each).
     rr = tl.arange(0, R_POW2)

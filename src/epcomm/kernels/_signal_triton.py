@@ -2,7 +2,8 @@
 
 Shared by every kernel that waits for a peer (the low-latency kernels, `transport.symm.SymmetricRegion.barrier`,
 and the kernels that run the region's barrier inside themselves: the fused CPU-synced dispatch's `publish_rows`,
-the pull's one-launch gather).
+the pull's one-launch gather), and the device-side stop on a bad expert id of the calls that check no ids on the
+host (the fused sync-free and the low-latency dispatch).
 Flags are int64 counters that only grow, so a wait is `flag >= target` and nothing is ever cleaned. Every wait
 is bounded: on timeout the kernel prints the missing rank, records it in host memory and (on GPU) traps
 (docs/decisions.md, "Errors and timeouts").
@@ -100,6 +101,19 @@ def _wait_all_timed(flags_ptr, target, timeout_ns, status_ptr, cost_ptr, R: tl.c
         for rank in tl.static_range(R):  # after a timeout: no second wait, the message at once
             _wait(flags_ptr + rank, target, rank, tl.where(late != 0, 0, timeout_ns), status_ptr, USE_TIMER)
     tl.debug_barrier()  # the rows the flags cover are read by every thread of the program
+
+
+@triton.jit
+def _stop_on_bad_ids(ids_k, t, num_experts, WHAT: tl.constexpr, TRAP: tl.constexpr):
+    """For calls that read no expert ids on the host (that would synchronise): an id outside [-1, num_experts) among
+    `ids_k` (token t's picks, -1 where none) prints WHAT and t and, with TRAP (on GPU), traps, so the call stops
+    loudly (the process's CUDA context is lost) instead of dropping the pick (docs/decisions.md, "Errors and
+    timeouts")."""
+    bad = tl.sum(((ids_k < -1) | (ids_k >= num_experts)).to(tl.int32), axis=0)
+    if bad > 0:
+        tl.device_print(WHAT, t)
+        if TRAP:
+            tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

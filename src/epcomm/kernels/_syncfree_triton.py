@@ -29,7 +29,7 @@ whole words.
 import triton
 import triton.language as tl
 
-from ._signal_triton import _last_to_finish, _region
+from ._signal_triton import _last_to_finish, _region, _stop_on_bad_ids
 
 _RUNTIME_INTS = ["num_tokens", "stride_x", "stride_sf_t", "stride_sf_p", "stride_topk", "stride_w", "me",
                  "num_rows", "num_expanded", "alignment", "num_chunks", "chunk_rows"]
@@ -93,13 +93,9 @@ def dispatch_send(
         tl.store(hdr.to(tl.pointer_type(tl.int64)) + me * HDR_COLS, count_r.to(tl.int64), mask=rr < R)
     if t < num_tokens:
         dest_k, ids_k = _dest_ranks(topk_ptr, t, stride_topk, K, L, K_POW2)
-        if c == 0:  # a sync-free call checks no values on the host: an id out of range stops the kernel loudly
-            bad = tl.sum(((ids_k < -1) | (ids_k >= R * L)).to(tl.int32), axis=0)
-            if bad > 0:
-                tl.device_print("epcomm sync-free dispatch: topk_idx has an expert id outside [-1, num_experts) "
-                                "in token", t)
-                if USE_TRAP:
-                    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        if c == 0:
+            _stop_on_bad_ids(ids_k, t, R * L, "epcomm sync-free dispatch: topk_idx has an expert id outside "
+                             "[-1, num_experts) in token", USE_TRAP)
         hit = dest_k[:, None] == rr[None, :]  # [K_POW2, R_POW2]
         sent_r = tl.max(hit.to(tl.int32), axis=0) > 0
         last_r = tl.max(tl.where(hit, kk[:, None], -1), axis=0)
