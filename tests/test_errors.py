@@ -276,12 +276,15 @@ def test_out_of_memory_in_a_low_latency_call():
     assert "unusable after an earlier failure" in after, after
 
 
-@pytest.mark.parametrize("which,op", [("bucket", "BucketBuffer.all_gather"), ("engram", "EngramBuffer.fetch"),
-                                      ("engram-write", "EngramBuffer.write"), ("lb", "EPBuffer.lb_prefetch_weights")])
-def test_out_of_memory_on_one_rank_in_a_collective_buffer(which, op):
+@pytest.mark.parametrize("which,op,unit", [("bucket", "BucketBuffer.all_gather", "collective"),
+                                           ("engram", "EngramBuffer.fetch", "collective"),
+                                           ("engram-write", "EngramBuffer.write", "collective"),
+                                           ("lb", "EPBuffer.lb_prefetch_weights", "call")])
+def test_out_of_memory_on_one_rank_in_a_collective_buffer(which, op, unit):
     """The bucket, Engram and load-balancing calls report an error of one rank's own after the ranks agreed on the
     call as dispatch does: that rank re-raises it and refuses the next call; its peers raise PeerFailed naming it,
-    the call and the error within a few seconds, not at their 20 s timeout, and refuse the next call too."""
+    the call and the error within a few seconds, not at their 20 s timeout, and refuse the next call too. Bucket and
+    Engram numbers count the buffer's collectives (several per call), an EPBuffer's its calls."""
     results = run_in_fresh_world(3, error_cases.collective_failure_mid_call, 20.0, which, timeout=90)
     first, _, after = results[1]
     assert first.startswith("OutOfMemoryError: CPU out of memory (injected)"), first
@@ -289,7 +292,8 @@ def test_out_of_memory_on_one_rank_in_a_collective_buffer(which, op):
     for r in (0, 2):
         msg, elapsed, after = results[r]
         assert msg.startswith("PeerFailed: "), msg
-        assert f"group rank 1 stopped with an error during its {op} (call #" in msg, msg
+        assert re.search(rf"waited for {unit} #\d+ but group rank 1 stopped with an error during its {op} "
+                         rf"\({unit} #\d+\)", msg), msg
         assert "OutOfMemoryError: CPU out of memory (injected)" in msg, msg
         assert elapsed < 10, elapsed
         assert "unusable after an earlier failure" in after, after

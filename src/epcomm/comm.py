@@ -173,7 +173,7 @@ class CommContext:
             break_group(self.group, f"{self.owner}: {reason}")
 
         fail_mid_call(e, uid=self.uid, call_id=self._call_id, rank=self.rank, call=call, owner=self.owner,
-                      group=self.group, mark_broken=mark_broken)
+                      group=self.group, mark_broken=mark_broken, unit="collective")
 
     # -- bounded waits -------------------------------------------------------------------------------
     def wait(self, work: "dist.Work", what: str) -> None:
@@ -185,7 +185,7 @@ class CommContext:
         try:
             bounded_wait(work, what=what, call_id=self.next_call_id(), rank=self.rank, num_ranks=self.num_ranks,
                          uid=self.uid, device=self.device, timeout_s=self.timeout_s, owner=self.owner,
-                         group=self.group)
+                         group=self.group, unit="collective")
         except TransportTimeout as e:
             self.broken = f"{what}: a peer failed during it" if isinstance(e, PeerFailed) else f"{what} timed out"
             break_group(self.group, f"{self.owner}: {self.broken}")

@@ -49,8 +49,8 @@ def announce(uid: int, call_id: int, rank: int) -> None:
         store.set(_key(uid, call_id, rank), "1")
 
 
-def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str, group=None) -> None:
-    """Tell the peers that `rank` stopped with `error` during `call` (call number `call_id`) of buffer `uid` (out of
+def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str, group=None, unit: str = "call") -> None:
+    """Tell the peers that `rank` stopped with `error` during `call` (`unit` number `call_id`) of buffer `uid` (out of
     memory, ...: not a bad argument, which every rank reports together): their bounded waits in this or any later
     call of the buffer (GPU calls without a host wait come before one) raise `PeerFailed` naming it rather than
     wait out the timeout for a rank that will not come. The first failure recorded stays (a later one is likely
@@ -59,7 +59,7 @@ def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str, g
     of the group learns it there."""
     store = default_store()
     if store is not None:
-        record = f"{rank}\n{call_id}\n{call}\n{error[:500]}"
+        record = f"{rank}\n{unit} #{call_id}\n{call}\n{error[:500]}"
         try:
             for key in (_failed_key(uid), _group_failed_key(group)):
                 if key is not None and not store.check([key]):
@@ -69,7 +69,7 @@ def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str, g
 
 
 def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: str, owner: str, group,
-                  mark_broken) -> None:
+                  mark_broken, unit: str = "call") -> None:
     """An error of this rank's own (out of memory, ...) after the ranks agreed on `call`: its peers are in, or will
     enter, collectives this rank does not join, so the buffer and its process group cannot be used again
     (`mark_broken(reason)`, which calls `break_group`). The failure goes into the store for the peers' bounded waits
@@ -78,7 +78,7 @@ def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: 
     earlier = peer_failure(uid, group)
     if earlier is not None and earlier[0] != rank:
         mark_broken(f"{call}: group rank {earlier[0]} failed during the call")
-        raise PeerFailed(peer_failed_message(call, call_id, rank, earlier, owner, group)) from e
+        raise PeerFailed(peer_failed_message(call, call_id, rank, earlier, owner, group, unit)) from e
     if _communication_error(e):  # a peer went away without a record (killed, exited): not this rank's own error
         mark_broken(f"{call}: the process group failed during the call ({type(e).__name__})")
         if hasattr(e, "add_note"):
@@ -87,7 +87,8 @@ def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: 
                        f"{owner} and its process group are unusable now")
         raise e
     mark_broken(f"{call} failed on this rank during the call ({type(e).__name__})")
-    announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, group)
+    announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, group,
+                     unit)
     raise e
 
 
@@ -105,8 +106,8 @@ def _communication_error(e: BaseException) -> bool:
 
 
 def peer_failure(uid: int, group=None) -> Optional[tuple]:
-    """`(rank, call id, call, error)` of the failure recorded for buffer `uid`, or else for any buffer on `group`;
-    or None."""
+    """`(rank, "call #n" or "collective #n", call, error)` of the failure recorded for buffer `uid`, or else for any
+    buffer on `group`; or None."""
     store = default_store()
     try:
         for key in (_failed_key(uid), _group_failed_key(group)):
@@ -118,13 +119,16 @@ def peer_failure(uid: int, group=None) -> Optional[tuple]:
         return None
 
 
-def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: str, group=None) -> str:
-    """The message of `PeerFailed`: who waited for what, which rank failed in which call, with which error."""
-    failed, failed_call_id, failed_call, error = failure
+def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: str, group=None,
+                        unit: str = "call") -> str:
+    """The message of `PeerFailed`: who waited for what, which rank failed in which call, with which error. `unit`:
+    what this rank's numbers count ("call": an EPBuffer's calls; "collective": a `comm.CommContext`'s host waits,
+    several per bucket or Engram call); the failed rank's record carries its own."""
+    failed, failed_number, failed_call, error = failure
     every = _global_ranks(group)
     who, me = f"group {_rank_name(failed, every)}", _rank_name(rank, every)
-    return (f"{what}: {me} waited for call #{call_id} but {who} stopped with an error during its {failed_call} "
-            f"(call #{failed_call_id}): {error.rstrip().rstrip('.')}. The call cannot complete: the {owner} and its process group are "
+    return (f"{what}: {me} waited for {unit} #{call_id} but {who} stopped with an error during its {failed_call} "
+            f"({failed_number}): {error.rstrip().rstrip('.')}. The call cannot complete: the {owner} and its process group are "
             "unusable now (an unmatched collective is pending): end the job; while that rank is alive the process "
             "cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
 
@@ -164,8 +168,9 @@ class PeerFailed(TransportTimeout):
 
 def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_ranks: int, uid: int,
                  device: torch.device, timeout_s: float, owner: str = "buffer",
-                 group: Optional["dist.ProcessGroup"] = None) -> None:
-    """Wait on the host for `work`, at most `timeout_s` seconds.
+                 group: Optional["dist.ProcessGroup"] = None, unit: str = "call") -> None:
+    """Wait on the host for `work`, at most `timeout_s` seconds. `call_id` numbers the wait among the buffer's (the
+    same on every rank), as a `unit` in messages (see `peer_failed_message`).
 
     Raises:
         TransportTimeout: a peer did not arrive; names the missing group ranks (and, on a subgroup `group`, their
@@ -181,9 +186,9 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
             announced = True
         if now > next_look:
             next_look = now + 0.5
-            _raise_if_peer_failed(what, call_id, rank, uid, owner, group)
+            _raise_if_peer_failed(what, call_id, rank, uid, owner, group, unit)
         if now > start + timeout_s:
-            _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group)
+            _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group, unit)
         # NOTE: on GPU spin first: a sleeping poll added ~3 ms to every CPU-synced NCCL dispatch (2x H200,
         # dsv3, 4.3 ms full vs 1.1 ms cached). On CPU the peers' gloo threads need the cores: always sleep.
         if device.type == "cpu" or now - start > 2e-3:
@@ -191,11 +196,11 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
     work.wait()
 
 
-def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: str, group) -> None:
+def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: str, group, unit: str) -> None:
     """Raise `PeerFailed` when a peer recorded that it stopped with an error during a call of this buffer."""
     failure = peer_failure(uid, group)
     if failure is not None and failure[0] != rank:
-        raise PeerFailed(peer_failed_message(what, call_id, rank, failure, owner, group))
+        raise PeerFailed(peer_failed_message(what, call_id, rank, failure, owner, group, unit))
 
 
 def _rank_name(rank: int, every: Optional[list]) -> str:
@@ -213,7 +218,7 @@ def _global_ranks(group) -> Optional[list]:
 
 
 def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int, timeout_s: float,
-                   owner: str, group=None) -> None:
+                   owner: str, group=None, unit: str = "call") -> None:
     store = default_store()
     every = _global_ranks(group)
 
@@ -240,7 +245,7 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
         who = "every group rank arrived and the collective still did not finish (mismatched calls or sizes?)"
     me = _rank_name(rank, every)
     raise TransportTimeout(
-        f"{what}: {me} waited {timeout_s:g} s (num_cpu_timeout_secs) for call #{call_id} but {who}. Every "
+        f"{what}: {me} waited {timeout_s:g} s (num_cpu_timeout_secs) for {unit} #{call_id} but {who}. Every "
         f"rank of the group must make the same {owner} calls in the same order. The {owner} and its process group "
         "are unusable now (an unmatched collective is pending): end the job; while the missing rank is alive the "
         "process cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
