@@ -242,7 +242,8 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
     elif missing is None:
         who = "a peer (could not tell which) did not arrive"
     else:
-        who = "every group rank arrived and the collective still did not finish (mismatched calls or sizes?)"
+        who = ("every group rank arrived and the collective still did not finish (a peer that died after it "
+               "arrived, or calls or sizes that do not match between the ranks)")
     me = _rank_name(rank, every)
     raise TransportTimeout(
         f"{what}: {me} waited {timeout_s:g} s (num_cpu_timeout_secs) for {unit} #{call_id} but {who}. Every "
