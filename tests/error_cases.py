@@ -117,6 +117,7 @@ def scenarios():
         "stats_shape": bad(cumulative_local_expert_recv_stats=lambda a: torch.zeros(E, dtype=torch.int32)),
         "num_experts_not_multiple": bad(num_experts=lambda a: 7),
         "num_experts_missing": bad(num_experts=lambda a: None),
+        "num_experts_huge": bad(num_experts=lambda a: 2 ** 40),
         "alignment_zero": bad(expert_alignment=lambda a: 0),
         "alignment_huge": bad(expert_alignment=lambda a: 2 ** 40),
         "zero_padding_without_expand": bad(do_zero_padding=lambda a: True),

@@ -69,6 +69,13 @@ def test_experts_not_divisible_fails(capsys):
     assert "Walkthrough" not in out
 
 
+def test_experts_past_the_limit_fail(capsys):
+    rc, out = run(capsys, "--ranks", "2", "--experts", str(2 ** 40), "--topk", "8", "--hidden", "7168", "--tokens",
+                  "4096")
+    assert rc == 1
+    assert any("0 < num_experts <= 65536: 1099511627776" in f for f in status_lines(out, "FAIL"))
+
+
 def test_topk_over_32_fails(capsys):
     rc, out = run(capsys, *EXAMPLE[:4], "--topk", "33", *EXAMPLE[6:])
     assert rc == 1

@@ -39,6 +39,8 @@ EXPECTED = {
     "stats_shape": (ValueError, r"cumulative_local_expert_recv_stats must have shape \[4\], got \(8,\)"),
     "num_experts_not_multiple": (ValueError, r"num_experts=7 must be a multiple of the group size 2"),
     "num_experts_missing": (ValueError, r"num_experts is required for a non-cached dispatch"),
+    "num_experts_huge": (ValueError, r"num_experts must be <= 65536 \(epcomm's layouts keep per-expert tables; "
+                                     r"DeepEP allows 2048\), got 1099511627776"),
     "alignment_zero": (ValueError, r"expert_alignment must be >= 1, got 0"),
     "alignment_huge": (ValueError, r"expert_alignment=1099511627776, num_max_tokens_per_rank=16: with 4 local "
                                    r"experts and 2 ranks the aligned rows could reach \d+, past the int32 row"),

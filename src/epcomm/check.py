@@ -155,7 +155,8 @@ def check_constraints(r: Report, a) -> tuple:
     a.chosen = chosen
 
     r.head("dispatch (reference §9.2 as amended by docs/decisions.md)")
-    ok_e = r.check(E > 0, f"num_experts > 0: {E}")
+    ok_e = r.check(0 < E <= sizing.MAX_EXPERTS, f"0 < num_experts <= {sizing.MAX_EXPERTS}: {E}",
+                   "epcomm's layouts keep per-expert tables (DeepEP allows 2048)")
     ok_div = ok_e and r.check(E % R == 0, f"num_experts % ranks == 0: {E} % {R} = {E % R}"
                               + (f" ({E // R} experts per rank)" if E % R == 0 else ""),
                               f"use a multiple of {R}, e.g. {E - E % R or R} or {E - E % R + R}")

@@ -121,10 +121,7 @@ class LowLatencyMixin:
         c = Checker("EPBuffer.get_low_latency_rdma_size_hint", rank, torch.device("cpu"))
         n = c.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         c.positive_int("hidden", hidden)
-        c.positive_int("num_ranks", num_ranks)
-        c.positive_int("num_experts", num_experts)
-        c.require(num_experts % num_ranks == 0,
-                  f"num_experts={num_experts} must be a multiple of num_ranks={num_ranks}")
+        c.num_experts(num_experts, c.positive_int("num_ranks", num_ranks), ranks=f"num_ranks={num_ranks}")
         per_pair = num_ranks * n * min(sizing.MAX_TOPK, max(1, num_experts // num_ranks)) * sizing.align(hidden * 2, 64)
         return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
                             sizing.ALLOCATION_ALIGNMENT)
@@ -247,9 +244,7 @@ class LowLatencyMixin:
         try:
             n = c.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
             h = c.positive_int("hidden", hidden)
-            e = c.positive_int("num_experts", num_experts)
-            c.require(e % self.num_ranks == 0, f"num_experts={e} must be a multiple of the group size "
-                                               f"{self.num_ranks}")
+            e = c.num_experts(num_experts, self.num_ranks)
             shape = dict(num_max_tokens_per_rank=n, hidden=h, num_experts=e)
         except (TypeError, ValueError) as ex:
             err = ex
@@ -378,9 +373,7 @@ class LowLatencyMixin:
         fast = None
         try:
             n = c.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
-            c.positive_int("num_experts", num_experts)
-            c.require(num_experts % self.num_ranks == 0,
-                      f"num_experts={num_experts} must be a multiple of the group size {self.num_ranks}")
+            c.num_experts(num_experts, self.num_ranks)
             _check_flags(c, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
                          return_recv_hook=return_recv_hook)
             _check_wait_cost(c, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.num_ranks,

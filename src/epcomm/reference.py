@@ -8,6 +8,7 @@ Only CPU-synced semantics (exact sizes); callers compare the valid rows of sync-
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import gloo_exit
+from .sizing import MAX_EXPERTS
 
 
 def _align(x: int, a: int) -> int:
@@ -59,6 +61,43 @@ class RefHandle:
     row_ptr: Optional[Tensor]
     num_recv_per_expert: list
 
+    @property
+    def num_recv_tokens_per_expert_list(self) -> list:
+        """Received rows per local expert, each aligned up to `expert_alignment` (as `EPHandle`'s)."""
+        return [_align(n, self.expert_alignment) for n in self.num_recv_per_expert]
+
+
+def _agree(group, rank: int, num_ranks: int, device, num_tokens: int, idx: Tensor, call: dict) -> list:
+    """Every rank's token count, after the ranks checked together that each one's arguments are valid (`call`:
+    num_experts, hidden, num_topk, ...) and the same on every rank: one all-gather, then every rank raises the same
+    ValueError or none does, so a bad oracle call never returns results to compare against."""
+    num_experts = call["num_experts"]
+    problem = ""
+    if not (isinstance(num_experts, numbers.Integral) and not isinstance(num_experts, bool)
+            and 1 <= num_experts <= MAX_EXPERTS and num_experts % num_ranks == 0):
+        problem = f"num_experts={num_experts} must be in [1, {MAX_EXPERTS}] and a multiple of {num_ranks} ranks"
+    elif idx.numel() and not -1 <= int(idx.min()) <= int(idx.max()) < num_experts:
+        problem = f"topk_idx holds ids outside [-1, num_experts={num_experts})"
+    else:
+        same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
+        if bool((same & ~torch.eye(idx.shape[1], dtype=torch.bool, device=idx.device)).any()):
+            problem = "a topk_idx row names an expert twice"
+    fit = lambda v: max(-2 ** 63, min(int(v), 2 ** 63 - 1))  # noqa: E731 (a row every rank can send)
+    mine = torch.tensor([[int(not problem), num_tokens, *map(fit, call.values())]], device=device)
+    every = [torch.zeros_like(mine) for _ in range(num_ranks)]
+    dist.all_gather(every, mine, group=group)
+    rows = torch.cat(every).tolist()
+    if problem:
+        raise ValueError(f"epcomm.reference.dispatch: rank {rank}: {problem}")
+    bad = [r for r, row in enumerate(rows) if not row[0]]
+    if bad:
+        raise ValueError(f"epcomm.reference.dispatch: rank {rank}: group ranks {bad} passed invalid arguments")
+    for i, name in enumerate(call):
+        if len({row[2 + i] for row in rows}) > 1:
+            raise ValueError(f"epcomm.reference.dispatch: rank {rank}: ranks disagree on {name} ("
+                             + ", ".join(f"rank {r}: {row[2 + i]}" for r, row in enumerate(rows)) + ")")
+    return [row[1] for row in rows]
+
 
 def dispatch(
     x: Union[Tensor, tuple],
@@ -85,18 +124,24 @@ def dispatch(
     Returns:
         `(recv_x, recv_topk_idx, recv_topk_weights, handle)` as `EPBuffer.dispatch` with CPU sync (exact
         sizes); handle is a `RefHandle`.
+
+    Raises:
+        ValueError: on every rank, when a rank's `num_experts` or `topk_idx` values are invalid (ids outside
+            [-1, num_experts), an expert twice in a row) or the ranks pass different num_experts, hidden, top-k,
+            layout, alignment, weights or FP8 (one all-gather checks them before anything moves).
     """
     group = group or dist.group.WORLD
     gloo_exit.arm(group)  # a clean exit right after these collectives
     rank, num_ranks = group.rank(), group.size()
-    num_local = num_experts // num_ranks
     data, sf = (x if isinstance(x, tuple) else (x, None))
     num_tokens, num_topk = topk_idx.shape
     idx = topk_idx.long()
+    tokens = _agree(group, rank, num_ranks, data.device, num_tokens, idx, dict(
+        num_experts=num_experts, hidden=data.shape[1], num_topk=num_topk, do_expand=do_expand,
+        expert_alignment=expert_alignment, weights=topk_weights is not None, fp8=sf is not None))
+    num_local = num_experts // num_ranks
     if num_max_tokens_per_rank is None:
-        every = [torch.zeros(1, dtype=torch.int64, device=data.device) for _ in range(num_ranks)]
-        dist.all_gather(every, torch.tensor([num_tokens], device=data.device), group=group)
-        num_max_tokens_per_rank = max(int(e) for e in every)
+        num_max_tokens_per_rank = max(tokens)
 
     # Which tokens go to which rank: every token with at least one expert there, once, ascending.
     tokens_to_rank = []

@@ -66,9 +66,7 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
     else:
         if num_experts is None:
             c.fail(ValueError, "num_experts is required for a non-cached dispatch")
-        num_experts = c.positive_int("num_experts", num_experts)
-        c.require(num_experts % buf.num_ranks == 0, f"num_experts={num_experts} must be a multiple of the group "
-                                                     f"size {buf.num_ranks}")
+        num_experts = c.num_experts(num_experts, buf.num_ranks)
         n = buf.num_max_tokens_per_rank if n is None else c.integer("num_max_tokens_per_rank", n)
         c.require(n > 0, f"num_max_tokens_per_rank must be > 0 (pass it to dispatch or EPBuffer), got {n}")
         expert_alignment = c.positive_int("expert_alignment", 1 if expert_alignment is None else expert_alignment)

@@ -15,6 +15,9 @@ import torch
 
 ALLOCATION_ALIGNMENT = 2 * 1024 * 1024  # every registered region is a multiple of 2 MiB (reference §1)
 MAX_TOPK = 32
+# DeepEP caps experts at 2048 (reference §1); epcomm's kernels have no such limit, but every layout keeps tables
+# per (row, local expert) or per expert, so an absurd count would exhaust memory or stall rather than raise.
+MAX_EXPERTS = 65536
 MAX_CHANNELS = 1280
 
 

@@ -71,6 +71,16 @@ class Checker:
             self.fail(ValueError, f"{name} must be >= {minimum}, got {v}")
         return v
 
+    def num_experts(self, v, num_ranks: int, ranks: Optional[str] = None) -> int:
+        """`num_experts` as an int in [1, sizing.MAX_EXPERTS] and a multiple of `num_ranks`, or a TypeError /
+        ValueError naming it (`ranks`: how the message names `num_ranks`; default "the group size R")."""
+        v = self.positive_int("num_experts", v)
+        self.require(v <= sizing.MAX_EXPERTS, f"num_experts must be <= {sizing.MAX_EXPERTS} (epcomm's layouts keep "
+                                              f"per-expert tables; DeepEP allows 2048), got {v}")
+        self.require(v % num_ranks == 0, f"num_experts={v} must be a multiple of "
+                                         f"{ranks or f'the group size {num_ranks}'}")
+        return v
+
     def seconds(self, name: str, v) -> float:
         """`v` as a float number of seconds, finite and > 0 (a timeout), or a TypeError / ValueError naming `name`."""
         if isinstance(v, bool) or not isinstance(v, numbers.Real):

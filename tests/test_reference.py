@@ -1,0 +1,63 @@
+"""The oracle itself: `epcomm.reference.dispatch` refuses a bad or inconsistent call on every rank (rather than return
+results that tests and users would compare against), and its handle gives the aligned per-expert counts that
+`EPHandle` gives."""
+
+import pytest
+import torch
+
+import epcomm
+import epcomm.reference as ref
+
+
+def _call(rank: int, world: int, case: str):
+    gen = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(6, 16, generator=gen)
+    idx = torch.rand(6, 8, generator=gen).topk(2, dim=1).indices
+    w = torch.rand(6, 2, generator=gen)
+    num_experts = {"huge-experts": 2 ** 40, "experts-not-multiple": 7}.get(case, 8)
+    if rank == 1:
+        if case == "id-out-of-range":
+            idx[0, 0] = 8
+        elif case == "expert-twice":
+            idx[2] = torch.tensor([3, 3])
+        elif case == "ranks-disagree":
+            num_experts = 16
+    try:
+        ref.dispatch(x, idx, w, num_experts)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,own,peer", [
+    ("huge-experts", r"num_experts=1099511627776 must be in \[1, 65536\]", None),
+    ("experts-not-multiple", "num_experts=7 must be in", None),
+    ("id-out-of-range", r"topk_idx holds ids outside \[-1, num_experts=8\)", r"group ranks \[1\] passed invalid"),
+    ("expert-twice", "a topk_idx row names an expert twice", r"group ranks \[1\] passed invalid"),
+    ("ranks-disagree", r"ranks disagree on num_experts \(rank 0: 8, rank 1: 16\)", None),
+])
+def test_reference_refuses_bad_calls_on_every_rank(run_ranks, case, own, peer):
+    import re
+
+    messages = run_ranks(2, _call, case, timeout=60)
+    assert re.search(f"rank 1: {own}", messages[1]), messages
+    assert re.search(f"rank 0: {peer or own}", messages[0]), messages
+
+
+def _aligned_counts(rank: int, world: int):
+    gen = torch.Generator().manual_seed(3 + rank)
+    x = torch.randn(20, 16, generator=gen)
+    idx = torch.rand(20, 8, generator=gen).topk(3, dim=1).indices
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=32, hidden=16, num_topk=3, explicitly_destroy=True)
+    try:
+        *_, handle, _ = buf.dispatch(x, idx, None, num_experts=8, do_expand=True, expert_alignment=4)
+        *_, ref_handle = ref.dispatch(x, idx, None, 8, num_max_tokens_per_rank=32, do_expand=True,
+                                      expert_alignment=4)
+        return handle.num_recv_tokens_per_expert_list, ref_handle.num_recv_tokens_per_expert_list
+    finally:
+        buf.destroy()
+
+
+def test_reference_handle_gives_aligned_counts(run_ranks):
+    for ours, oracle in run_ranks(2, _aligned_counts, timeout=60):
+        assert ours == oracle and all(n % 4 == 0 for n in oracle) and sum(oracle) > 0, (ours, oracle)
