@@ -3,6 +3,7 @@
 docs/decisions.md "Errors and timeouts"; reference §9.2, §11.1, §24 items 9, 10, 16, 17, 20.
 """
 
+import os
 import re
 
 import pytest
@@ -463,13 +464,14 @@ def test_a_lost_connection_is_not_recorded_as_the_rank_s_own_failure(monkeypatch
     monkeypatch.setattr(waits, "announce_failure", lambda *args: announced.append(args))
     monkeypatch.setattr(waits, "peer_failure", lambda uid, group=None: None)
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30616")
-    with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
+    with pytest.raises(waits.PeerFailed, match=r"^BucketBuffer.all_reduce: rank 0: the process group's connection to "
+                       r"a peer failed during collective #3 and no peer recorded an error of its own: a peer process "
+                       r"exited or was killed \(the backend said: \[gloo.*Connection closed by peer") as info:
         waits.fail_mid_call(lost, uid=1, call_id=3, rank=0, call="BucketBuffer.all_reduce", owner="BucketBuffer",
-                            group=None, mark_broken=broken.append)
+                            group=None, mark_broken=broken.append, unit="collective")
+    assert info.value.__cause__ is lost
     assert announced == [] and broken == ["BucketBuffer.all_reduce: the process group failed during the call "
                                           "(RuntimeError)"], (announced, broken)
-    assert any("no peer recorded an error" in note for note in getattr(info.value, "__notes__", [""])) or \
-        not hasattr(info.value, "add_note")
     own = torch.OutOfMemoryError("CPU out of memory")
     with pytest.raises(torch.OutOfMemoryError):
         waits.fail_mid_call(own, uid=1, call_id=4, rank=0, call="BucketBuffer.all_reduce", owner="BucketBuffer",
@@ -505,3 +507,33 @@ def test_an_internal_value_error_mid_call_is_the_rank_s_own(where):
         msg, elapsed, (after, _, _) = results[r]
         assert msg.startswith("PeerFailed: ") and "ValueError: an internal error (injected)" in msg, msg
         assert elapsed < 10, elapsed
+
+
+def test_a_peer_process_that_exits_gives_peer_failed_at_once():
+    """A peer's process exits (killed, crashed) with nothing on record: the survivor's call raises PeerFailed (a
+    TimeoutError) saying so within seconds, rather than the backend's bare RuntimeError, and its next call is
+    refused."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).resolve().parent / "peer_exit_script.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=env) for r in range(2)]
+    try:
+        out = procs[0].communicate(timeout=120)[0].decode()
+        procs[1].wait(timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+    lines = [line for line in out.splitlines() if " after " in line or line == "no error"]
+    assert len(lines) == 2, out[-3000:]
+    first = re.match(r"PeerFailed after ([\d.]+) s: EPBuffer.dispatch: .*rank 0: the process group's connection to a "
+                     r"peer failed during call #\d+ .*a peer process exited or was killed", lines[0])
+    assert first and float(first.group(1)) < 10, out[-3000:]
+    assert lines[1].startswith("ValueError") and "unusable after an earlier failure" in lines[1], out[-3000:]

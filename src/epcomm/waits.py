@@ -81,11 +81,11 @@ def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: 
         raise PeerFailed(peer_failed_message(call, call_id, rank, earlier, owner, group, unit)) from e
     if _communication_error(e):  # a peer went away without a record (killed, exited): not this rank's own error
         mark_broken(f"{call}: the process group failed during the call ({type(e).__name__})")
-        if hasattr(e, "add_note"):
-            e.add_note(f"epcomm: {call} on rank {rank}: the process group's connection to a peer failed during the "
-                       "call and no peer recorded an error of its own (a peer may have been killed or exited); the "
-                       f"{owner} and its process group are unusable now")
-        raise e
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise PeerFailed(f"{call}: rank {rank}: the process group's connection to a peer failed during {unit} "
+                         f"#{call_id} and no peer recorded an error of its own: a peer process exited or was killed "
+                         f"(the backend said: {said}). The {owner} and its process group are unusable now: end the "
+                         "job (exit with os._exit(1) or let the launcher kill it)") from e
     mark_broken(f"{call} failed on this rank during the call ({type(e).__name__})")
     announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, group,
                      unit)
@@ -159,11 +159,13 @@ def require_group_usable(group, where: str) -> None:
 
 
 class PeerFailed(TransportTimeout):
-    """A peer stopped with an error of its own during the call (out of memory, an interrupt, a bug), after the ranks
-    agreed on it; raised by this rank's bounded wait within about a second of the peer's record in the process
-    group's store, naming the peer (group and global rank), its call and its error. The buffer, and every epcomm
-    buffer on its process group in this process, are unusable afterwards (docs/decisions.md "Errors and
-    timeouts"). A `TimeoutError` (and `TransportTimeout`), so code that catches timeouts catches it."""
+    """A peer stopped during the call. With an error of its own (out of memory, an interrupt, a bug) after the ranks
+    agreed on it: raised by this rank's bounded wait within about a second of the peer's record in the process
+    group's store, naming the peer (group and global rank), its call and its error. Without a record (its process
+    exited or was killed, and the process group's connection to it failed): raised at once, with the backend's own
+    error as its cause (the backend does not say which rank). The buffer, and every epcomm buffer on its process
+    group in this process, are unusable afterwards (docs/decisions.md "Errors and timeouts"). A `TimeoutError`
+    (and `TransportTimeout`), so code that catches timeouts catches it."""
 
 
 def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_ranks: int, uid: int,
