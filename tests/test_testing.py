@@ -125,6 +125,25 @@ def test_watchdog_kills_hung_pool_and_cache_restarts(pools):
     assert [r[2] for r in fresh.run(_allreduce_rank)] == [3.0, 3.0]
 
 
+def _raise_or_sleep(rank, world_size, seconds):
+    if rank == 1:
+        raise ValueError("rank 1 gave up")
+    time.sleep(seconds)  # a rank still in a bounded wait of its own
+    return rank
+
+
+def test_peer_grace_after_a_rank_raised_is_named_and_adjustable():
+    """Once a rank raised, its peers get `peer_grace` seconds more: the watchdog then says that, not the task's
+    timeout; a longer grace lets a rank finish a wait of its own."""
+    start = time.monotonic()
+    with pytest.raises(WatchdogTimeout) as info:
+        run_in_fresh_world(2, _raise_or_sleep, 30.0, timeout=90, return_exceptions=True, peer_grace=1.0)
+    assert time.monotonic() - start < 20
+    assert "did not finish within peer_grace=1s after ranks [1] raised" in str(info.value), str(info.value)
+    results = run_in_fresh_world(2, _raise_or_sleep, 2.0, timeout=90, return_exceptions=True, peer_grace=10.0)
+    assert results[0] == 0 and isinstance(results[1], ValueError), results
+
+
 def test_dead_worker_reported_promptly(pools):
     pool = pools.get(2)
     start = time.monotonic()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 __all__ = ["PoolCache", "RankFailure", "WatchdogTimeout", "WorkerDied", "WorkerPool", "run_in_fresh_world"]
 
-_PEER_FAILED_GRACE_S = 20.0  # after one rank raised, how long its peers may still take
+_PEER_FAILED_GRACE_S = 20.0  # after one rank raised, how long its peers may still take (`run(peer_grace=)`)
 _KILL_GRACE_S = 1.0  # SIGTERM -> SIGKILL delay for workers being killed
 _STACK_DUMP_S = 0.5  # time given to hung workers to print their stacks
 
@@ -203,7 +203,7 @@ class WorkerPool:
         return self._dead is None and all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
-            return_exceptions: bool = False, **kwargs: Any) -> list:
+            return_exceptions: bool = False, peer_grace: float = _PEER_FAILED_GRACE_S, **kwargs: Any) -> list:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank.
 
         Args:
@@ -213,6 +213,10 @@ class WorkerPool:
             return_exceptions: Put each failing rank's exception (same class and
                 ``str()``, with ``remote_traceback``) in its result slot instead
                 of raising.
+            peer_grace: Once a rank has raised, the other ranks get at most this many
+                more seconds (a rank blocked in a collective with a failed rank never
+                returns); default 20. Raise it for tasks whose ranks wait out a
+                longer timeout of their own after a peer failed.
             **kwargs: Picklable keyword arguments passed to every rank.
 
         Returns:
@@ -237,7 +241,7 @@ class WorkerPool:
                             "module-level function and its arguments picklable") from exc
         self._seq += 1
         self._broadcast(pickle.dumps((self._seq, blob), protocol=pickle.HIGHEST_PROTOCOL))
-        replies = self._collect(self._seq, timeout, name)
+        replies = self._collect(self._seq, timeout, name, peer_grace)
         results: list = []
         failures: dict[int, BaseException] = {}
         for rank in range(self.world_size):
@@ -291,17 +295,24 @@ class WorkerPool:
             conn.close()
         self._store = None  # stops the rendezvous server
 
-    def _collect(self, seq: int, timeout: float, what: str) -> dict[int, tuple[bool, Any]]:
+    def _collect(self, seq: int, timeout: float, what: str,
+                 peer_grace: float = _PEER_FAILED_GRACE_S) -> dict[int, tuple[bool, Any]]:
         """Wait for every rank's reply to task ``seq``, watching for deaths and the deadline."""
         deadline = time.monotonic() + timeout
         pending, replies, dead = set(range(self.world_size)), {}, {}
+        cut = None  # why the deadline came early, for the message
         while pending:
-            if any(not ok for ok, _ in replies.values()):
+            failed = sorted(r for r, (ok, _) in replies.items() if not ok)
+            if failed and cut is None:
                 # A rank raised: peers blocked in a collective with it never return, so cut the wait short.
-                deadline = min(deadline, time.monotonic() + _PEER_FAILED_GRACE_S)
+                if time.monotonic() + peer_grace < deadline:
+                    deadline = time.monotonic() + peer_grace
+                    cut = f"within peer_grace={peer_grace:g}s after ranks {failed} raised"
+                else:
+                    cut = ""
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._timeout(sorted(pending), replies, timeout, what)
+                self._timeout(sorted(pending), replies, cut or f"within {timeout:g}s", what)
             waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
             multiprocessing.connection.wait(waitables, timeout=remaining)  # wakes on reply or death
             for rank in sorted(pending):
@@ -327,7 +338,7 @@ class WorkerPool:
                                  + "\n".join(lines + [_describe(_failures(replies))]).rstrip(), dead)
         return replies
 
-    def _timeout(self, hung: list[int], replies: dict, timeout: float, what: str) -> None:
+    def _timeout(self, hung: list[int], replies: dict, within: str, what: str) -> None:
         if hasattr(signal, "SIGUSR1"):  # ask hung workers to print their stacks first
             for rank in hung:
                 try:
@@ -337,7 +348,7 @@ class WorkerPool:
             time.sleep(_STACK_DUMP_S)
         self._kill(f"watchdog fired on {what!r}")
         raise WatchdogTimeout(
-            f"watchdog: {what!r} did not finish within {timeout:g}s on {self!r}; ranks {hung} did "
+            f"watchdog: {what!r} did not finish {within} on {self!r}; ranks {hung} did "
             f"not answer; all workers were killed (their stacks went to stderr)\n"
             + _describe(_failures(replies)).rstrip(), hung)
 
@@ -380,7 +391,7 @@ class PoolCache:
 
 def run_in_fresh_world(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
                        timeout: float = 120.0, return_exceptions: bool = False,
-                       **kwargs: Any) -> list:
+                       peer_grace: float = _PEER_FAILED_GRACE_S, **kwargs: Any) -> list:
     """Run ``fn`` once on a new pool that is killed afterwards.
 
     For tests that leave the process group unusable (e.g. a collective that
@@ -389,6 +400,7 @@ def run_in_fresh_world(world_size: int, fn: Callable[..., Any], *args: Any, back
     """
     pool = WorkerPool(world_size, backend, start_timeout=max(timeout, 120.0))
     try:
-        return pool.run(fn, *args, timeout=timeout, return_exceptions=return_exceptions, **kwargs)
+        return pool.run(fn, *args, timeout=timeout, return_exceptions=return_exceptions, peer_grace=peer_grace,
+                        **kwargs)
     finally:
         pool._kill("one-shot pool finished")  # no graceful destroy: the group may be wedged
