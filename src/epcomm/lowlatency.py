@@ -102,11 +102,14 @@ class LowLatencyMixin:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes a buffer needs for low-latency calls of this shape (a positive multiple of 2 MiB); allocates nothing.
+        """Bytes of `num_bytes` that hold low-latency calls of this shape on every transport (a positive multiple of
+        2 MiB; an upper bound, as DeepEP's hint); allocates nothing.
 
         The larger of the expand-layout dispatch of BF16 rows with top-k up to 32 and the combine's return of every
         (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that write
-        into a receive area hold them all at once). The nvlink transport's low-latency kernels use their own
+        into a receive area hold them all at once). A call checks less: the portable path refuses a dispatch whose
+        rows at this call's top-k and format exceed `num_bytes` (the same check as `dispatch`, on every transport,
+        so that code that fits on CPU fits on GPU), so a smaller buffer may serve a given call. The nvlink transport's low-latency kernels use their own
         symmetric region (`lowlatency_nvlink.Layout`, a few tens of MB at decode sizes), allocated collectively by
         the first low-latency call of a shape and row format (`use_fp8`, `use_ue8m0`): a buffer that uses both
         formats holds two.
