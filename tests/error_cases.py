@@ -516,6 +516,7 @@ def construct_one_bad(rank: int, world: int, kind: str):
         kwargs["transport"] = "auto"
     env, value = {"env": ("EPCOMM_FUSED_SYNC_FREE_ROWS", "4k"), "env_return": ("EPCOMM_NVLINK_RETURN", "fetch"),
                   "env_chunks": ("EPCOMM_RETURN_CHUNKS", "0"), "env_differs": ("EPCOMM_PULL_CHUNKS", "2"),
+                  "env_debug": ("EPCOMM_DEBUG", "maybe"),
                   "env_choice_differs": ("EPCOMM_NVLINK_RETURN", "pull")}.get(kind, (None, None))
     if rank == 1 and env is not None:
         os.environ[env] = value

@@ -371,6 +371,8 @@ def test_nvlink_on_cpu_names_the_rank(run_ranks):
     ("env", ValueError, r"EPCOMM_FUSED_SYNC_FREE_ROWS must be an integer >= 0, got '4k'"),
     ("env_return", ValueError, r"EPCOMM_NVLINK_RETURN must be 'push' or 'pull', got 'fetch'"),
     ("env_chunks", ValueError, r"EPCOMM_RETURN_CHUNKS must be an integer in \[1, 64\], got '0'"),
+    ("env_debug", ValueError, r"EPCOMM_DEBUG must be 1 \(or true\) to switch it on, or 0 \(or false, or unset\), "
+                              r"got 'maybe'"),
 ])
 def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind, exc, pattern):
     out = run_ranks(2, error_cases.construct_one_bad, kind)

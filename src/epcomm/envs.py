@@ -20,12 +20,23 @@ from __future__ import annotations
 import os
 
 
+_OFF, _ON = ("", "0", "false", "False"), ("1", "true", "True")
+
+
+def _flag(name: str, strict: bool = True) -> bool:
+    """A diagnostics switch: unset, 0 or false is off, 1 or true on; anything else raises (`strict`) or is off."""
+    value = os.environ.get(name, "")
+    if value not in _OFF + _ON and strict:
+        raise ValueError(f"{name} must be 1 (or true) to switch it on, or 0 (or false, or unset), got {value!r}")
+    return value in _ON
+
+
 def debug_enabled() -> bool:
-    return os.environ.get("EPCOMM_DEBUG", "0") not in ("", "0", "false", "False")
+    return _flag("EPCOMM_DEBUG")
 
 
-def phase_times_enabled() -> bool:
-    return os.environ.get("EPCOMM_PHASE_TIMES", "0") not in ("", "0", "false", "False")
+def phase_times_enabled(strict: bool = True) -> bool:
+    return _flag("EPCOMM_PHASE_TIMES", strict)
 
 
 def nvlink_push() -> str:
@@ -68,6 +79,8 @@ def check_all() -> None:
         ValueError: a variable's value is not one its table row allows.
     """
     agreed_values()
+    debug_enabled()
+    phase_times_enabled()
 
 
 _CHOICES = {"EPCOMM_NVLINK_PUSH": ("copy-engine", "kernel"), "EPCOMM_NVLINK_RETURN": ("push", "pull")}
