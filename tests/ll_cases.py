@@ -367,6 +367,10 @@ def low_latency_more_errors(rank: int, world: int):
     expect(lambda: epcomm.EPBuffer.get_low_latency_rdma_size_hint(0, 128, 2, 4))
     expect(lambda: buf.low_latency_dispatch(x[:3], idx[:3], 3 if one else 4, 4))  # ranks disagree on N
     expect(lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_ue8m0=one))  # same scale columns, other format
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False)
+    moved = idx.clone()
+    moved[2, 1] = -1 if int(idx[2, 1]) >= 0 else int(idx[2, 0] + 1) % 4  # another routing, by value
+    expect(lambda: buf.low_latency_combine(recv_x, moved, w, handle))
     other.destroy()
     buf.destroy()
     expect(lambda: buf.low_latency_combine(recv_x, idx, w, handle))

@@ -182,7 +182,7 @@ def test_low_latency_shape_disagreement_raises_on_every_rank_on_gpu(pools):
 
 def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
     for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_more_errors)):
-        assert len(msgs) == 13 and "no error" not in msgs, msgs
+        assert len(msgs) == 14 and "no error" not in msgs, msgs
         dispatch, combine = "EPBuffer.low_latency_dispatch", "EPBuffer.low_latency_combine"
         if rank == 1:
             assert dispatch in msgs[0] and "x must be 2-D" in msgs[0], msgs[0]
@@ -200,7 +200,9 @@ def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
         assert msgs[10].startswith(f"{dispatch}: rank {rank}: ") and "num_max_dispatch_tokens_per_rank" in msgs[10], \
             msgs[10]
         assert "ranks disagree on use_ue8m0 (rank 0: False, rank 1: True)" in msgs[11], msgs[11]
-        assert "the buffer was destroyed" in msgs[12], msgs[12]
+        assert re.search(r"topk_idx must be the routing of the low_latency_dispatch that made the handle: "
+                         r"topk_idx\[2, 1\] is -?\d+, the dispatch's was -?\d+", msgs[12]), msgs[12]
+        assert "the buffer was destroyed" in msgs[13], msgs[13]
 
 
 def test_low_latency_call_is_not_the_regular_call(run_ranks):

@@ -545,9 +545,12 @@ class LowLatencyMixin:
             c.require(handle.topk_idx_version is None or EPHandle.capture_version(handle.topk_idx) ==
                       handle.topk_idx_version, "topk_idx was modified in place after the low_latency_dispatch "
                       "that made the handle; pass the routing of that dispatch")
-            if topk_idx is not handle.topk_idx and not capturing(self.device):
-                c.require(torch.equal(topk_idx, handle.topk_idx),
-                          "topk_idx must be the routing of the low_latency_dispatch that made the handle")
+            if topk_idx is not handle.topk_idx and not capturing(self.device) and \
+                    not torch.equal(topk_idx, handle.topk_idx):
+                t, k = (topk_idx != handle.topk_idx).nonzero()[0].tolist()
+                c.fail(ValueError, f"topk_idx must be the routing of the low_latency_dispatch that made the handle: "
+                                   f"topk_idx[{t}, {k}] is {int(topk_idx[t, k])}, the dispatch's was "
+                                   f"{int(handle.topk_idx[t, k])}")
             c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), shape=tuple(topk_idx.shape))
             if out is not None:
                 c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
