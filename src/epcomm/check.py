@@ -317,7 +317,9 @@ def walkthrough(a) -> str:
         (f"    use_fp8_dispatch={a.fp8}, allow_multiple_reduction={amr}, transport={a.transport!r},", ""),
         (f"    dtype=torch.{str(DTYPES[d])[6:]})", f"-> transport {a.chosen!r} on {a.device}"), ("", ""),
         ("", f"Router: x [T <= {N}, {H}] {d} -> scores [T, {E}] -> top-{K}"),
-        (f"topk_weights, topk_idx = router(x).float().softmax(-1).topk({K}, dim=-1)",
+        ("with torch.no_grad():", "EPBuffer calls are not recorded by autograd: in training, "
+                                  "epcomm.TokenDispatcher(buffer, num_experts)"),
+        (f"    topk_weights, topk_idx = router(x).float().softmax(-1).topk({K}, dim=-1)",
          f"[T, {K}] fp32, [T, {K}] int64"),
         *([("x_fp8 = per_token_cast_to_fp8(x)", f"(data [T, {H}] e4m3, scales [T, {fp8.num_sf_packs(H)}] fp32)")]
           if a.fp8 else []),
