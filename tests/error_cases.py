@@ -317,6 +317,21 @@ def missing_peer(rank: int, world: int, timeout_s: float):
     return None
 
 
+def late_peer(rank: int, world: int, timeout_s: float):
+    """Rank 1 comes to its dispatch after rank 0 gave up on it: rank 1 raises at its first look in the store (about
+    a second in), naming rank 0, instead of waiting out its own timeout. Returns (message, seconds in the call)."""
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)
+    x, idx, w = _inputs(rank)
+    if rank == 1:
+        time.sleep(timeout_s + 3)
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, idx, w, num_experts=E)
+    except TimeoutError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
 def failure_mid_call(rank: int, world: int, timeout_s: float, where: str, internal: bool = False):
     """Rank 1 runs out of memory during a dispatch (`where`: "resolve", before the header exchange, or "move",
     after it) or a combine ("combine", after its header exchange). Before the exchange the error travels in it as a

@@ -311,6 +311,15 @@ def test_missing_peer_times_out_naming_it():
     assert results[1] == "skipped"
 
 
+def test_late_peer_raises_at_once_naming_the_rank_that_gave_up():
+    (msg0, elapsed0), (msg1, elapsed1) = run_in_fresh_world(2, error_cases.late_peer, 4.0, timeout=60)
+    assert "waited 4 s (num_cpu_timeout_secs)" in msg0 and "group ranks [1] did not arrive" in msg0, msg0
+    assert 3.5 < elapsed0 < 6, elapsed0  # the timeout as set, not a second past it
+    assert re.search(r"rank 1 waited [\d.]+ s for call #1 but group ranks \[0\] gave up waiting for this call", msg1), \
+        msg1
+    assert elapsed1 < 3.5, elapsed1  # before its own 4 s
+
+
 def test_missing_peer_in_a_subgroup_is_named_by_its_global_rank_too():
     results = run_in_fresh_world(3, error_cases.missing_peer_in_subgroup, 3.0, timeout=60)
     assert results[0] is None and results[2] == "skipped", results
@@ -325,8 +334,8 @@ def test_late_rank_with_a_bad_value_times_out_in_the_message_gather():
     assert msg0.startswith("TransportTimeout") and "group ranks [1] did not arrive" in msg0, msg0
     # Bounded (not gloo's 30 min), in the header exchange or the message gather (whether rank 1's exchange pairs
     # with rank 0's abandoned one is up to gloo), naming the rank that is gone.
-    assert re.search(r"^TransportTimeout: EPBuffer.dispatch: (count exchange|error messages): rank 1 waited 2 s .* "
-                     r"group ranks \[0\] (did not arrive|gave up waiting for this call)", msg1), msg1
+    assert re.search(r"^TransportTimeout: EPBuffer.dispatch: (count exchange|error messages): rank 1 waited "
+                     r"[\d.]+ s .* group ranks \[0\] (did not arrive|gave up waiting for this call)", msg1), msg1
     assert elapsed1 < 2.0 + 4.0, elapsed1
 
 

@@ -33,6 +33,10 @@ def _gave_up_key(uid: int, call_id: int, rank: int) -> str:
     return f"epcomm/{uid}/{call_id}/{rank}/gave-up"
 
 
+def _gave_up_count_key(uid: int, call_id: int) -> str:
+    return f"epcomm/{uid}/{call_id}/gave-up"
+
+
 def _failed_key(uid: int) -> str:
     return f"epcomm/{uid}/failed"
 
@@ -179,23 +183,36 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
             global ranks) and says how to end the job.
     """
     start = time.monotonic()
+    settle = min(1.0, timeout_s / 4)  # the last part of the wait, in which peers that wait too announce themselves
     announced = False
-    next_look = start + min(1.0, timeout_s / 4)  # slow waits look in the store for a failed peer, twice a second
+    next_look = start + settle  # slow waits look in the store for a failed or departed peer, twice a second
     while not work.is_completed():
         now = time.monotonic()
-        if not announced and now > start + min(1.0, timeout_s / 4):
+        if not announced and now > start + settle:
             announce(uid, call_id, rank)  # only slow waits pay for a store round trip
             announced = True
         if now > next_look:
             next_look = now + 0.5
             _raise_if_peer_failed(what, call_id, rank, uid, owner, group, unit)
-        if now > start + timeout_s:
-            _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group, unit)
+            if _someone_gave_up(uid, call_id):  # a late rank: its peers left this call already, do not wait
+                _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group, unit, work,
+                               waited=now - start)
+        if now > start + timeout_s - settle:
+            _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group, unit, work)
         # NOTE: on GPU spin first: a sleeping poll added ~3 ms to every CPU-synced NCCL dispatch (2x H200,
         # dsv3, 4.3 ms full vs 1.1 ms cached). On CPU the peers' gloo threads need the cores: always sleep.
         if device.type == "cpu" or now - start > 2e-3:
             time.sleep(1e-4)
     work.wait()
+
+
+def _someone_gave_up(uid: int, call_id: int) -> bool:
+    """Whether a rank's wait in this call already ended in a timeout (one store round trip)."""
+    store = default_store()
+    try:
+        return store is not None and store.add(_gave_up_count_key(uid, call_id), 0) > 0
+    except Exception:  # the store itself failed: wait on
+        return False
 
 
 def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: str, group, unit: str) -> None:
@@ -220,7 +237,10 @@ def _global_ranks(group) -> Optional[list]:
 
 
 def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int, timeout_s: float,
-                   owner: str, group=None, unit: str = "call") -> None:
+                   owner: str, group=None, unit: str = "call", work=None, waited: Optional[float] = None) -> None:
+    """Raise the timeout of a wait for `work`, after a last moment for waiting peers to announce themselves (the
+    wait's final `min(1 s, timeout / 4)`); returns instead if `work` completed meanwhile. `waited`: the wait ended
+    early because a peer had given up on this call (its own timeout)."""
     store = default_store()
     every = _global_ranks(group)
 
@@ -232,10 +252,13 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
     if store is not None:
         announce(uid, call_id, rank)
         time.sleep(min(1.0, timeout_s / 4))  # let peers that are waiting too announce themselves
+        if work is not None and work.is_completed():
+            return
         missing = [r for r in range(num_ranks) if r != rank and not store.check([_key(uid, call_id, r)])]
         gave_up = [r for r in range(num_ranks) if r != rank and store.check([_gave_up_key(uid, call_id, r)])]
         # A peer that comes later finds this rank announced but gone: say so rather than "every rank arrived".
         store.set(_gave_up_key(uid, call_id, rank), "1")
+        store.add(_gave_up_count_key(uid, call_id), 1)
     if missing:
         who = f"{named(missing)} did not arrive"
     elif gave_up:
@@ -247,8 +270,9 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
         who = ("every group rank arrived and the collective still did not finish (a peer that died after it "
                "arrived, or calls or sizes that do not match between the ranks)")
     me = _rank_name(rank, every)
+    how_long = f"{timeout_s:g} s (num_cpu_timeout_secs)" if waited is None else f"{waited:.1f} s"
     raise TransportTimeout(
-        f"{what}: {me} waited {timeout_s:g} s (num_cpu_timeout_secs) for {unit} #{call_id} but {who}. Every "
+        f"{what}: {me} waited {how_long} for {unit} #{call_id} but {who}. Every "
         f"rank of the group must make the same {owner} calls in the same order. The {owner} and its process group "
         "are unusable now (an unmatched collective is pending): end the job; while the missing rank is alive the "
         "process cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
