@@ -38,6 +38,30 @@ def test_session_external_tensors_and_allocate(run_ranks):
         assert "the session is closed" in errors["closed"][1]
 
 
+def _session_reduce_scatter_neighbours(rank, world):
+    """A session reduce-scatter of a src outside the storage into an allocated dst between two other allocations:
+    the result lands in dst and the neighbours keep their values (a staging area derived around dst, R x its size,
+    overwrote them). Returns (result right, neighbours kept)."""
+    buf = BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    try:
+        with buf.session() as s:
+            before, dst, after = s.allocate([(16,), (16,), (16,)])
+            before.fill_(7.0)
+            after.fill_(9.0)
+            src = torch.arange(16.0 * world) + rank
+            got = s.reduce_scatter(src, dsts=dst).wait()
+            want = (torch.arange(16.0 * world) * world + sum(range(world)))[rank * 16:(rank + 1) * 16]
+            return bool(got.data_ptr() == dst.data_ptr() and torch.equal(dst, want)), \
+                bool((before == 7.0).all() and (after == 9.0).all())
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_session_reduce_scatter_writes_only_its_dst(run_ranks, world):
+    assert run_ranks(world, _session_reduce_scatter_neighbours) == [(True, True)] * world
+
+
 def test_out_of_storage_is_value_and_runtime_error():
     assert issubclass(SessionOutOfStorage, ValueError) and issubclass(SessionOutOfStorage, RuntimeError)
 
@@ -94,6 +118,9 @@ EXPECTED = {
                                           r"\[32, 96\)\)"),
     "session_staging_over_bucket": ("ValueError", r"srcs\[0\] is staged in an area the session carved from the "
                                                   r"start of the storage"),
+    # A dst that is not a staging view gets its result at wait(): another bucket's result must not hold its bytes.
+    "session_dst_in_staging": ("ValueError", r"srcs\[0\] and dsts\[1\] overlap in the storage \(bytes \[64, 576\) "
+                                             r"and \[68, 132\)\)"),
     "session_wait_after_next_session": ("ValueError", r"the first wait\(\) of this call came after a later session "
                                                       r"reused the staging area"),
     "session_mixed_groups": ("ValueError", r"all collectives of one session must use the same group"),
@@ -184,6 +211,8 @@ def bucket_error_cases(rank, world):
     dst = torch.zeros(4 * world)
     with buf.session() as s:
         r["session_staging_over_bucket"] = out(s.all_reduce, [torch.ones(16), st[0:64].view(torch.float32)])
+        r["session_dst_in_staging"] = out(s.all_reduce, [torch.ones(128), torch.ones(16)],
+                                          dsts=[None, st[68:132].view(torch.float32)])
         r["allocate_dtype"] = out(s.allocate, (3,), "float")
         pending = s.all_gather(torch.full((4,), 1.0 + rank), dst)
     with buf.session() as s:

@@ -4,7 +4,8 @@ behaviour, §14).
 * `gather_call` / `reduce_call`: check every bucket of a call before any data moves, then decide what each
   collective runs on and what each result is a view of (the placement rules; docs/collectives.md has the table).
   Outside a session (`session=None`) inputs live in the buffer's storage and are used in place; inside one, a
-  source outside the storage is staged into an area derived from its in-storage `dst` or carved by the session.
+  source outside the storage is staged into its in-storage `dst` (all-reduce; an all-gather gathers into it) or
+  into an area the session carves.
 * `_launch`: one `torch.distributed` collective per bucket on the bucket's own bytes, in place, on the buffer's
   communication stream (CUDA) or now (CPU); results equal `all_gather_into_tensor` / `reduce_scatter_tensor` /
   `all_reduce` by construction. The returned `BucketEvent`'s first `wait()` gives the results.
@@ -80,19 +81,25 @@ def _open_call(buf: BucketBuffer, session: Optional[BucketSession], call: str, g
 
 
 def _check_disjoint(c, buf: BucketBuffer, buckets: list, names: list) -> None:
-    """The storage bytes each bucket's collective reads or writes must be its own: the collectives of one call run
-    concurrently (the same bucket twice, or overlapping buckets, would race)."""
-    spans = []
-    for b, name in zip(buckets, names):
-        offsets = [(buf.offset_of(t), t.nbytes) for t in (b.inp, b.out)]
-        ends = [(off, off + n) for off, n in offsets if off is not None]
-        if ends:
-            spans.append((min(a for a, _ in ends), max(e for _, e in ends), name, b.carved))
+    """The storage bytes each bucket's collective reads or writes, and the `dsts` its result is copied into at
+    `wait()`, must be its own: the collectives of one call run concurrently (the same bucket twice, or overlapping
+    buckets, would race), and a copy into bytes of another bucket's result would overwrite it."""
+    spans = []  # (start, end, bucket index, name): every storage range a bucket touches
+    for i, b in enumerate(buckets):
+        for name, t in ((names[i], b.inp), (names[i], b.out), (names[i].replace("srcs", "dsts"), b.copy_to)):
+            off = None if t is None else buf.offset_of(t)
+            if off is not None:
+                spans.append((off, off + t.nbytes, i, name))
     spans.sort()
-    for (a0, e0, n0, s0), (a1, e1, n1, s1) in zip(spans, spans[1:]):
-        if a1 < e0:
-            staged = (f"; {n0 if s0 else n1} is staged in an area the session carved from the start of the storage, "
-                      "which must hold no bucket of the call") if s0 or s1 else ""
+    for k, (a0, e0, i0, n0) in enumerate(spans):
+        for a1, e1, i1, n1 in spans[k + 1:]:
+            if a1 >= e0:
+                break
+            if i1 == i0:
+                continue
+            carved = [names[i] for i in (i0, i1) if buckets[i].carved]
+            staged = (f"; {carved[0]} is staged in an area the session carved from the start of the storage, "
+                      "which must hold no bucket of the call") if carved else ""
             c.fail(ValueError, f"{n0} and {n1} overlap in the storage (bytes [{a0}, {e0}) and [{a1}, {e1})); the "
                                "buckets of one call run at once, so each needs bytes of its own: pass a bucket once, "
                                f"or make the calls one after the other{staged}")
@@ -210,12 +217,11 @@ def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precisi
             if off % 32:
                 c.fail(ValueError, f"{name} starts at storage byte {off}; it must start on a 32-byte boundary")
             flat = src.view(-1)
-        else:  # stage: derived from an in-storage dst (dst is the rank-th shard), else carved
-            flat, dst_off = None, None if dst is None else buf.offset_of(dst)
-            if dst_off is not None:
-                start = dst_off - (r * dst.nbytes if op == "reduce_scatter" else 0)
-                if start >= 0 and start + src.nbytes <= buf.num_bytes and start % 32 == 0:
-                    flat = buf.storage[start:start + src.nbytes].view(torch.float32)
+        else:  # stage: an all-reduce's in-storage dst (as large as src), else carved (a reduce-scatter's dst holds
+            # only its shard: staging around it would write the bytes next to it)
+            flat, dst_off = None, None if dst is None or op != "all_reduce" else buf.offset_of(dst)
+            if dst_off is not None and dst_off % 32 == 0:
+                flat = buf.storage[dst_off:dst_off + src.nbytes].view(torch.float32)
             carved = flat is None
             flat = session._carve(c, src.nbytes).view(torch.float32) if carved else flat
             stage = flat.view(src.shape)
