@@ -252,6 +252,26 @@ def test_session_and_mixed_schedule_on_gpu(pools):
         nccl.run(cc.bucket_mixed, seed, device="cuda")
 
 
+def _scales_differ(rank, world):
+    buf = BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    try:
+        x = buf.storage[:64 * world].view(torch.float32)
+        x.fill_(1.0)
+        outcome = cc.outcome(buf.all_reduce, x, scale=float(rank + 1))
+        buf.all_reduce(x, scale=0.5).wait()  # the buffer stays usable
+        return outcome, x[:2].tolist()
+    finally:
+        buf.destroy()
+
+
+def test_ranks_passing_different_scales_raise_everywhere(run_ranks):
+    """scale multiplies the sum afterwards: ranks that pass different ones would get different results of one
+    all-reduce, silently; every rank raises instead."""
+    for (cls, msg), after in run_ranks(2, _scales_differ):
+        assert cls == "ValueError" and "ranks disagree on scale (rank 0: 1.0, rank 1: 2.0)" in msg, msg
+        assert after == [1.0, 1.0], after
+
+
 def test_ranks_passing_different_sizes_raise_everywhere(run_ranks):
     """CPU: a header before the data (status, operation, bucket sizes): no rank aborts inside gloo."""
     for rank, (sizes_ar, sizes_rs, one_bad) in enumerate(run_ranks(2, cc.bucket_disagreements)):

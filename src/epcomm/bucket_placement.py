@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -181,7 +182,8 @@ def reduce_call(buf: BucketBuffer, op: str, srcs, dsts, comm_precision, scale, g
         buckets, single, sms = _reduce_buckets(buf, c, ctx, op, srcs, dsts, comm_precision, scale, num_sms, session)
     except (Exception, KeyboardInterrupt) as e:  # as all_gather
         err = e
-    _header(ctx, call, op, err, None if err is not None else [b.inp.nbytes for b in buckets])
+    _header(ctx, call, op, err, None if err is not None else [b.inp.nbytes for b in buckets],
+            scale if err is None else 1.0)
     return _launch(buf, ctx, call, op, buckets, float(scale), sms, single)
 
 
@@ -239,20 +241,23 @@ def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precisi
 _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 
 
-def _header(ctx: CommContext, call: str, op: str, err: Optional[BaseException], sizes: Optional[list]) -> None:
+def _header(ctx: CommContext, call: str, op: str, err: Optional[BaseException], sizes: Optional[list],
+            scale: float = 1.0) -> None:
     """`_agree`, then raise `err` (this rank's own error before the header, which every rank saw there) if any. An
     error of this rank's own while it waits in the exchange (an interrupt, ...) breaks the buffer and its group
     and reaches the peers (`CommContext.fail_mid_call`): they may be in the exchange without it."""
     try:
-        _agree(ctx, call, op, err, sizes or [])
+        _agree(ctx, call, op, err, sizes or [], scale)
     except (Exception, KeyboardInterrupt) as e:  # `err` is raised once every rank saw it (on GPU: at once, locally)
         ctx.after_agreement(call, e, err=err, every_rank=(TypeError, ValueError))
 
 
-def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], sizes: list) -> None:
-    """On CPU, a header before any data moves (status, operation, bucket sizes, the buffer's id), so that a rank's
-    failed check or ranks passing different calls, sizes or buffers raise on every rank instead of breaking the
-    collective. On GPU the checks stay local, as for EPBuffer's calls without a count exchange (docs/decisions.md)."""
+def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], sizes: list,
+           scale: float = 1.0) -> None:
+    """On CPU, a header before any data moves (status, operation, bucket sizes, the buffer's id, a reduction's
+    `scale`: applied after the sum, so ranks that differ would get different results of one all-reduce), so that a
+    rank's failed check or ranks passing different calls, sizes, scales or buffers raise on every rank instead of
+    breaking the collective or returning results that differ. On GPU the checks stay local, as for EPBuffer's calls without a count exchange (docs/decisions.md)."""
     if ctx.device.type != "cpu":
         if err is not None:
             raise err
@@ -260,7 +265,8 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
     digest = 0
     for n in sizes:
         digest = (digest * 1000003 + n) & 0x7FFFFFFFFFFF
-    row = [status_of(err), _OPS[op], len(sizes), sum(sizes), digest, ctx.uid]
+    scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+    row = [status_of(err), _OPS[op], len(sizes), sum(sizes), digest, ctx.uid, scale_bits]
     rows = ctx.exchange(torch.tensor([row] * ctx.num_ranks, dtype=torch.int64), f"{call} header",
                         kind="BucketBuffer header", label=call).tolist()
     failed = [r for r, got in enumerate(rows) if got[0] != STATUS_OK]
@@ -284,6 +290,11 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
             desc = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
             raise ValueError(f"{call}: rank {ctx.rank}: ranks disagree on the {what} ({desc}); every rank of the "
                              "group must make the same call with buckets of the same sizes")
+    scales = [struct.unpack("<d", struct.pack("<q", got[6]))[0] for got in rows]
+    if len(set(scales)) > 1:
+        desc = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(scales))
+        raise ValueError(f"{call}: rank {ctx.rank}: ranks disagree on scale ({desc}); the sum is scaled after the "
+                         "reduction, so every rank must pass the same scale")
 
 
 def _reduction_options(buf: BucketBuffer, c, ctx, op: str, comm_precision: str, scale, num_sms) -> int:
