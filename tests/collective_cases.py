@@ -423,6 +423,7 @@ def engram_errors(rank: int, world: int):
     out = {"fetch_before_config": outcome(buf.fetch, torch.zeros(2, 1, 2, dtype=torch.int32))}
     out["capacity"] = outcome(buf.set_config, entries, hidden, 4 * 1024 * 1024, 2)
     out["disagree"] = outcome(buf.set_config, entries, hidden * (1 + rank), 4, 2)
+    out["disagree_layers"] = outcome(buf.set_config, entries[::-1] if rank else entries, hidden, 4, 2)
     buf.set_config(entries, hidden, 4, 2)
     out["fetch_before_write"] = outcome(buf.fetch, torch.zeros(2, 1, 2, dtype=torch.int32))
     out["write_shape"] = outcome(buf.write, [torch.zeros(16, hidden + rank, dtype=torch.bfloat16),
@@ -434,6 +435,11 @@ def engram_errors(rank: int, world: int):
     out["out_of_range"] = outcome(buf.fetch, idx)
     out["float_indices"] = outcome(buf.fetch, torch.zeros(2, 3, 2))
     out["too_many_tokens"] = outcome(buf.fetch, torch.zeros(2, 5, 2, dtype=torch.int32))
+    other = EngramBuffer(None, gpu, storage, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    other.set_config(entries, hidden, 4, 2)
+    other.write([torch.ones(n, hidden, dtype=torch.bfloat16) for n in entries])
+    out["other_buffer"] = outcome((buf if rank == 0 else other).fetch, torch.zeros(2, 3, 2, dtype=torch.int32))
+    other.destroy()
     out["alias_both"] = outcome(EngramBuffer, None, gpu, storage, num_rdma_storage_size=storage)
     out["timeout_zero"] = outcome(EngramBuffer, None, gpu, storage, num_cpu_timeout_secs=0)
     out["timeout_type"] = outcome(EngramBuffer, None, gpu, storage, num_gpu_timeout_secs="5")

@@ -68,6 +68,10 @@ ENGRAM_ERRORS = {
     "capacity": ("ValueError", r"the table needs num_gpu_bytes >= \d+ .* but the buffer has 2097152 and 2097152; "
                                r"size it with EngramBuffer.get_storage_size_hint", None),
     "disagree": ("ValueError", r"ranks disagree on hidden \(rank 0: 64, rank 1: 128\)", None),
+    # the same count and total of entries, in another order per layer
+    "disagree_layers": ("ValueError", r"ranks disagree on num_entries_per_layer \(a digest of the list\)", None),
+    # rank 0 fetches from one buffer, rank 1 from another of the same group: the calls would read each other's tables
+    "other_buffer": ("ValueError", r"ranks are in calls of different EngramBuffers on this group", None),
     "fetch_before_write": ("ValueError", r"the table was never written", None),
     "write_shape": ("ValueError", r"storages\[0\] must have shape \[16, 64\], got \(16, 65\)", 1),
     "out_of_range": ("ValueError", r"indices\[1, 2, 1\] = 16 is outside layer 1's global index space \[0, 16\)", 1),

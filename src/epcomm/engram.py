@@ -240,7 +240,7 @@ class EngramBuffer(ContextLifecycle):
         """
         call = "EngramBuffer.set_config"
         c = self.context.checker(call)
-        err, signature = None, [0] * 7
+        err, signature = None, [0] * 8
         try:
             entries = check_config(f"{call}: rank {self.rank}", num_entries_per_layer, hidden, num_max_tokens,
                                    num_entries_per_token, dtype, num_sf_packs)
@@ -252,12 +252,16 @@ class EngramBuffer(ContextLifecycle):
                                    f"{self.num_gpu_bytes} and {self.num_rdma_storage_bytes}; size it with "
                                    f"EngramBuffer.get_storage_size_hint(group, {entries}, {hidden}, {num_max_tokens}, "
                                    f"{num_entries_per_token}, {dtype}, {num_sf_packs})")
-            signature = [len(entries), sum(entries), hidden, num_max_tokens, num_entries_per_token,
+            digest = 0
+            for n in entries:  # the per-layer sizes, not only their count and sum
+                digest = (digest * 1000003 + n) & 0x7FFFFFFFFFFF
+            signature = [len(entries), sum(entries), digest, hidden, num_max_tokens, num_entries_per_token,
                          _DTYPE_CODES[dtype], num_sf_packs]
         except (Exception, KeyboardInterrupt) as e:  # it travels in the header
             err = e
-        self._agree(call, 1, err, signature, ("layers", "total entries", "hidden", "num_max_tokens",
-                                              "num_entries_per_token", "dtype", "num_sf_packs"))
+        self._agree(call, 1, err, signature, ("layers", "total entries",
+                                              "num_entries_per_layer (a digest of the list)", "hidden",
+                                              "num_max_tokens", "num_entries_per_token", "dtype", "num_sf_packs"))
         offsets = [0]
         for n in entries:
             offsets.append(offsets[-1] + n)
@@ -448,9 +452,11 @@ class EngramBuffer(ContextLifecycle):
     # -- helpers -------------------------------------------------------------------------------------
     def _agree(self, call: str, op: int, err, signature: list, names: tuple,
                counts_R: Optional[Tensor] = None) -> list:
-        """Exchange `[status, op, signature..., count]` with every rank; raise together; return received counts."""
+        """Exchange `[status, op, buffer id, signature..., count]` with every rank; raise together; return received
+        counts. The buffer id tells two EngramBuffers of one group apart (their calls would pair and read each
+        other's tables)."""
         status = 0 if err is None else (1 if isinstance(err, TypeError) else 2)
-        head = torch.tensor([status, op, *signature], dtype=torch.int64, device=self.device)
+        head = torch.tensor([status, op, self.context.uid, *signature], dtype=torch.int64, device=self.device)
         send = torch.cat([head.expand(self.num_ranks, -1),
                           (counts_R if counts_R is not None else torch.zeros(self.num_ranks, dtype=torch.int64,
                                                                              device=self.device)).view(-1, 1)], 1)
@@ -466,12 +472,17 @@ class EngramBuffer(ContextLifecycle):
             if err is not None:
                 raise err
             raise _EXC[rows[failed[0]][0]](rejected(call, self.rank, failed, messages))
+        if len({row[2] for row in rows}) > 1:
+            same = [r for r, row in enumerate(rows) if row[2] == self.context.uid]
+            raise ValueError(f"{call}: rank {self.rank}: ranks are in calls of different EngramBuffers on this group "
+                             f"(group ranks {same} in this one); every rank must call the same buffer in the same "
+                             "order")
         for r, row in enumerate(rows):
             if row[1] != op:
                 raise ValueError(f"{call}: rank {self.rank}: group rank {r} is in EngramBuffer.{_OPS.get(row[1])} "
                                  f"while this rank is in {call}; every rank makes the same calls in the same order")
         for i, name in enumerate(names):
-            values = [row[2 + i] for row in rows]
+            values = [row[3 + i] for row in rows]
             if len(set(values)) > 1:
                 raise ValueError(f"{call}: rank {self.rank}: ranks disagree on {name} ("
                                  + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")")
