@@ -300,3 +300,12 @@ def test_bench_eplb_runs_and_reports(pools, capsys, tmp_path):
     with pytest.raises(SystemExit):
         run_eplb(["--preset", "mixtral-8x7b", "--ranks", "2", "--slots", "9"], pool=pools.get(2))
     assert "--slots must be in [1, 4], got 9" in capsys.readouterr().err
+
+
+def test_hierarchical_placement_of_no_layers_is_empty():
+    """A load table of no layers gives an empty placement of the right shapes, as plan_redundant_experts does (it
+    raised inside torch.stack)."""
+    p = hierarchical_placement(torch.ones(0, 8), 8, num_groups=2, num_nodes=2, num_gpus=2)
+    assert p.physical_to_logical.shape == (0, 8) and p.replica_counts.shape == (0, 8)
+    assert p.logical_to_physical.shape[:2] == (0, 8) and p.node_of_group.shape == (0, 2)
+    assert p.gpu_load.shape == (0, 2)

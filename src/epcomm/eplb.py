@@ -356,7 +356,8 @@ def hierarchical_placement(load: Tensor, num_physical_experts: int, *, num_group
     out = [_place_layer(row, num_physical_experts, num_groups, nodes, num_gpus) for row in rows]
     n, per_gpu = len(out), num_physical_experts // num_gpus
     p2l = torch.tensor([o[0] for o in out], dtype=torch.int64).view(n, num_physical_experts)
-    counts = torch.stack([torch.bincount(p2l[i], minlength=num_experts) for i in range(n)])
+    counts = torch.stack([torch.bincount(p2l[i], minlength=num_experts) for i in range(n)]) if n else \
+        torch.zeros(0, num_experts, dtype=torch.int64)  # a table of no layers: an empty placement
     l2p = torch.full((n, num_experts, int(counts.max()) if n else 1), -1, dtype=torch.int64)
     for i in range(n):
         seen = [0] * num_experts
@@ -368,7 +369,7 @@ def hierarchical_placement(load: Tensor, num_physical_experts: int, *, num_group
         for p, x in enumerate(out[i][0]):
             gpu_load[i, p // per_gpu] += rows[i][x] / int(counts[i, x])
     return HierarchicalPlacement(physical_to_logical=p2l, logical_to_physical=l2p, replica_counts=counts,
-                                 node_of_group=torch.tensor([o[1] for o in out], dtype=torch.int64).view(n, -1),
+                                 node_of_group=torch.tensor([o[1] for o in out], dtype=torch.int64).view(n, num_groups),
                                  gpu_load=gpu_load)
 
 
