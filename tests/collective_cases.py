@@ -590,6 +590,16 @@ def timeouts(rank: int, world: int, timeout_s: float):
     return msg, elapsed, (barrier_msg, after)
 
 
+def pp_send_after_the_neighbour_gave_up(rank: int, world: int, timeout_s: float):
+    """Rank 0's recv times out (rank 1 is late) and closes its side of the channel; rank 1's send then finds it
+    closed: PeerFailed naming the call, not gloo's bare RuntimeError. Returns (class name, message) per rank."""
+    pp = PPBuffer(None, 64, 2, num_cpu_timeout_secs=timeout_s)
+    if rank == 0:
+        return outcome(pp.recv, torch.empty(4), 1)
+    time.sleep(timeout_s + 2)
+    return outcome(pp.send, torch.ones(4), 0)
+
+
 def construct_one_bad(rank: int, world: int, kind: str):
     """Rank 1 alone passes a bad size to a constructor: every rank raises at once (no timeout), rank 0 naming
     rank 1. Returns (exception class name, message, seconds)."""

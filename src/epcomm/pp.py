@@ -56,7 +56,7 @@ from torch import Tensor
 from . import sizing
 from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .compile_guard import eager_under_compile
-from .waits import default_store
+from .waits import PeerFailed, communication_error, default_store
 from .transport.base import TransportTimeout
 from .validate import Checker, construction_timeout, process_group, warn_caller
 
@@ -252,7 +252,8 @@ class PPBuffer(ContextLifecycle):
         Raises:
             TypeError: x not a tensor, dst_rank_idx not an int. ValueError: not a neighbour, empty /
             non-contiguous / too large x, device, destroyed buffer. TimeoutError: (CPU) every slot stayed in
-            flight for `num_cpu_timeout_secs`; names the neighbour.
+            flight for `num_cpu_timeout_secs`; names the neighbour. PeerFailed (a TimeoutError): (CPU) the
+            channel to the neighbour closed (its process ended, or its side timed out or was dropped).
 
         Returns:
             None.
@@ -274,11 +275,16 @@ class PPBuffer(ContextLifecycle):
         payload = fifo.slots[slot, :x.nbytes]
         payload.copy_(x.reshape(-1).view(torch.uint8))
         works = []
-        if self._check_sizes:
-            header = fifo.headers[slot]
-            header.copy_(torch.tensor([_HEADER_MAGIC, k, x.nbytes, 0], dtype=torch.int64))
-            works.append(fifo.channel.send([header], fifo.channel_peer, _TAG_HEADER))
-        works.append(fifo.channel.send([payload], fifo.channel_peer, _TAG_PAYLOAD))
+        try:
+            if self._check_sizes:
+                header = fifo.headers[slot]
+                header.copy_(torch.tensor([_HEADER_MAGIC, k, x.nbytes, 0], dtype=torch.int64))
+                works.append(fifo.channel.send([header], fifo.channel_peer, _TAG_HEADER))
+            works.append(fifo.channel.send([payload], fifo.channel_peer, _TAG_PAYLOAD))
+        except RuntimeError as exc:
+            if communication_error(exc):
+                raise self._channel_closed(call, exc) from exc
+            raise
         fifo.works[slot] = works
         fifo.count += 1
 
@@ -300,7 +306,7 @@ class PPBuffer(ContextLifecycle):
         Raises:
             TypeError: x not a tensor, src_rank_idx not an int. ValueError: not a neighbour, bad x, (CPU) a size
             that differs from the send's (the message is consumed). TimeoutError: (CPU) no data within
-            `num_cpu_timeout_secs`.
+            `num_cpu_timeout_secs`. PeerFailed (a TimeoutError): (CPU) the channel to the neighbour closed.
         """
         call = "PPBuffer.recv"
         c = self.context.checker(call)
@@ -482,7 +488,9 @@ class PPBuffer(ContextLifecycle):
         """CPU: a host wait until `deadline`; CUDA: the current stream waits, or (`host`) a bounded host poll.
 
         Raises:
-            TimeoutError: the deadline passed (`late()` is the message); the buffer is broken afterwards.
+            TimeoutError: the deadline passed (`late()` is the message; it starts with the call's name); or
+                (`PeerFailed`) the channel to the neighbour closed meanwhile (its process ended, or its side timed
+                out or was dropped). The buffer is broken afterwards.
         """
         if self.device.type == "cuda":
             if not host:
@@ -503,7 +511,18 @@ class PPBuffer(ContextLifecycle):
             self.context.broken = "a wait timed out" if time.monotonic() >= deadline - 0.01 else str(exc)
             if time.monotonic() >= deadline - 0.01 or "timeout" in str(exc).lower():
                 raise TransportTimeout(late()) from None
+            if communication_error(exc):
+                raise self._channel_closed(late().split(":", 1)[0], exc) from exc
             raise
+
+    def _channel_closed(self, call: str, exc: BaseException) -> PeerFailed:
+        """The error of a wait or send of `call` whose channel to the neighbour closed (gloo's own RuntimeError,
+        `exc`, names no rank); the buffer is broken afterwards."""
+        self.context.broken = f"{call}: the channel to a neighbour closed"
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        return PeerFailed(f"{call}: rank {self.rank}: the channel to the neighbour closed while this rank waited or "
+                          "sent: its process exited or was killed, or its PPBuffer timed out or was dropped (the "
+                          f"backend said: {said}). The PPBuffer is unusable now: destroy it and restart")
 
 
 def _wait_sends(works: list, deadline: float, cpu: bool) -> None:

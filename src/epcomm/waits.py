@@ -83,7 +83,7 @@ def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: 
     if earlier is not None and earlier[0] != rank:
         mark_broken(f"{call}: group rank {earlier[0]} failed during the call")
         raise PeerFailed(peer_failed_message(call, call_id, rank, earlier, owner, group, unit)) from e
-    if _communication_error(e):  # a peer went away without a record (killed, exited): not this rank's own error
+    if communication_error(e):  # a peer went away without a record (killed, exited): not this rank's own error
         mark_broken(f"{call}: the process group failed during the call ({type(e).__name__})")
         said = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise PeerFailed(f"{call}: rank {rank}: the process group's connection to a peer failed during {unit} "
@@ -100,7 +100,7 @@ _CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Br
                     "NCCL error", "NCCL communicator was aborted")
 
 
-def _communication_error(e: BaseException) -> bool:
+def communication_error(e: BaseException) -> bool:
     """Whether `e` is the process group's own failure (a peer's connection lost, a communicator aborted), which a
     rank meets when a peer died, rather than an error of its own."""
     dist_error = getattr(dist, "DistError", None)
