@@ -296,7 +296,7 @@ def test_out_of_memory_on_one_rank_in_a_collective_buffer(which, op, unit):
         msg, elapsed, after = results[r]
         assert msg.startswith("PeerFailed: "), msg
         assert re.search(rf"waited for {unit} #\d+ but group rank 1 stopped with an error during its {op} "
-                         rf"\({unit} #\d+\)", msg), msg
+                         rf"\({'after ' if unit == 'collective' else ''}{unit} #\d+\)", msg), msg
         assert "OutOfMemoryError: CPU out of memory (injected)" in msg, msg
         assert elapsed < 10, elapsed
         assert "unusable after an earlier failure" in after, after

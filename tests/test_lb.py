@@ -163,7 +163,7 @@ def test_disagreement_lists_each_rank_compactly():
 def test_missing_peer_times_out_naming_it():
     results = run_in_fresh_world(2, lb_cases.lb_missing_peer, 2.0, timeout=60)
     msg, elapsed = results[0]
-    assert re.search(r"^EPBuffer.lb_\w+: count exchange: rank 0 waited 2 s .* group ranks \[1\] did not arrive", msg), msg
+    assert re.search(r"^EPBuffer.lb_\w+: load-balancing header: rank 0 waited 2 s .* group ranks \[1\] did not arrive", msg), msg
     assert elapsed < 2.0 + 5.0, elapsed
     assert results[1] == "skipped"
 

@@ -378,7 +378,7 @@ class LoadBalancingMixin:
         order = getattr(self, "_order", None)
         recv = streams.ordered_exchange(self.transport, order, self.device,
                                         row.expand(self.num_ranks, row.numel()).contiguous(), call_id,
-                                        kind="load-balancing header", label=name).tolist()
+                                        "load-balancing header", kind="load-balancing header", label=name).tolist()
         if hasattr(self, "_call_id"):
             self._call_id = max(self._call_id, max(r[1] for r in recv))
         failed = [s for s, r in enumerate(recv) if r[0] != 0]

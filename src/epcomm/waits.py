@@ -63,7 +63,9 @@ def announce_failure(uid: int, call_id: int, rank: int, call: str, error: str, g
     of the group learns it there."""
     store = default_store()
     if store is not None:
-        record = f"{rank}\n{unit} #{call_id}\n{call}\n{error[:500]}"
+        # "collective #n" numbers the waits, so a failure between two is "after" the last one this rank made
+        number = f"call #{call_id}" if unit == "call" else f"after {unit} #{call_id}"
+        record = f"{rank}\n{number}\n{call}\n{error[:500]}"
         try:
             for key in (_failed_key(uid), _group_failed_key(group)):
                 if key is not None and not store.check([key]):
