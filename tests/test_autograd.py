@@ -312,3 +312,31 @@ def _compiled_moe_layer(rank: int, world: int, backend: str, do_expand: bool):
 def test_dispatcher_inside_torch_compile(run_ranks, backend, do_expand):
     frames = run_ranks(2, _compiled_moe_layer, backend, do_expand)
     assert all(0 < f <= 6 for f in frames), frames
+
+
+def _skipped_backward(rank, world_size):
+    """Rank 1 skips `loss.backward()`: rank 0's timeout names the backward it waits in (the caller made no dispatch
+    there), not a bare EPBuffer.dispatch."""
+    buf = EPBuffer(None, num_max_tokens_per_rank=8, hidden=HIDDEN, num_topk=NUM_TOPK, dtype=torch.float64,
+                   num_cpu_timeout_secs=2)
+    idx, w = _routing(3, rank, 6)
+    x = torch.randn(6, HIDDEN, dtype=torch.float64, requires_grad=True)
+    tokens = TokenDispatcher(buf, num_experts=NUM_EXPERTS)
+    recv_x, recv_w, handle = tokens.dispatch(x, idx, w)
+    y = tokens.combine(recv_x * 2, handle)
+    if rank == 1:
+        time.sleep(5)
+        return None
+    try:
+        y.sum().backward()
+    except TimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_timeout_in_backward_names_the_backward():
+    from epcomm.testing import run_in_fresh_world
+
+    msg = run_in_fresh_world(2, _skipped_backward, timeout=60)[0]
+    assert msg.startswith("the backward of TokenDispatcher.combine (a cached EPBuffer.dispatch): EPBuffer.dispatch"), \
+        msg

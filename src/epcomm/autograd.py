@@ -24,6 +24,7 @@ S expanded rows (expand).
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Optional, Union
 
@@ -73,8 +74,23 @@ class _DispatchFunction(torch.autograd.Function):
         grad_recv_x = _grad_or_zeros(grad_recv_x, ctx.recv_x_meta, device)
         grad_recv_w = None if ctx.recv_w_meta is None else _grad_or_zeros(grad_recv_w, ctx.recv_w_meta, device)
         # Always collective, even when both local gradients are zero: the peers make the same call.
-        grad_x, grad_w, _ = ctx.buffer.combine(grad_recv_x, ctx.handle, topk_weights=grad_recv_w)
+        with _named("the backward of TokenDispatcher.dispatch (an EPBuffer.combine)"):
+            grad_x, grad_w, _ = ctx.buffer.combine(grad_recv_x, ctx.handle, topk_weights=grad_recv_w)
         return grad_x, grad_w, None, None, None, None, None
+
+
+@contextlib.contextmanager
+def _named(what: str):
+    """An error of a backward's collective names the backward: the caller made no dispatch or combine there (a
+    rank that skips `loss.backward()` leaves its peers waiting in it). Same class, `what` first."""
+    try:
+        yield
+    except (TimeoutError, TypeError, ValueError) as e:
+        try:
+            named = type(e)(f"{what}: {e}")
+        except Exception:  # noqa: BLE001 -- a class that takes other arguments: as it is
+            raise e from None
+        raise named from e
 
 
 class _CombineFunction(torch.autograd.Function):
@@ -97,7 +113,9 @@ class _CombineFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         grad_y = _grad_or_zeros(grad_y, ctx.y_meta, ctx.buffer.device)
         # Cached dispatch replays the forward's routing; its padding and tail rows are zero. Always collective.
-        grad_expert_out, _, _, _, _ = ctx.buffer.dispatch(grad_y, handle=ctx.handle, do_expand=ctx.handle.do_expand)
+        with _named("the backward of TokenDispatcher.combine (a cached EPBuffer.dispatch)"):
+            grad_expert_out, _, _, _, _ = ctx.buffer.dispatch(grad_y, handle=ctx.handle,
+                                                              do_expand=ctx.handle.do_expand)
         grad_bias_0 = grad_y if ctx.has_bias[0] else None
         grad_bias_1 = grad_y.clone() if ctx.has_bias[1] else None  # its own tensor: grads may be accumulated in place
         return grad_expert_out, grad_bias_0, grad_bias_1, None, None
