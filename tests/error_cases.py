@@ -821,3 +821,20 @@ def failure_after_last_collective(rank: int, world: int, timeout_s: float):
         except (torch.OutOfMemoryError, TimeoutError, ValueError) as e:
             outcomes.append(f"{type(e).__name__}: {e}")
     return outcomes[0], outcomes[1], time.monotonic() - start
+
+
+def barriers_of_two_buffers(rank: int, world: int):
+    """Two EPBuffers of one group, the first used once more: rank 0 calls the first one's barrier, rank 1 the
+    second's. Their call numbers differ too; the message must say that the buffers differ. Returns the message."""
+    a = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, explicitly_destroy=True)
+    b = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, explicitly_destroy=True)
+    x, idx, w = _inputs(rank)
+    a.dispatch(x, idx, w, num_experts=E)
+    try:
+        (a if rank == 0 else b).barrier()
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        a.destroy()
+        b.destroy()

@@ -548,3 +548,9 @@ def test_a_peer_process_that_exits_gives_peer_failed_at_once():
                      r"peer failed during call #\d+ .*a peer process exited or was killed", lines[0])
     assert first and float(first.group(1)) < 10, out[-3000:]
     assert lines[1].startswith("ValueError") and "unusable after an earlier failure" in lines[1], out[-3000:]
+
+
+def test_calls_on_two_buffers_of_a_group_name_the_buffers(run_ranks):
+    for rank, msg in enumerate(run_ranks(2, error_cases.barriers_of_two_buffers)):
+        assert msg.startswith(f"EPBuffer.barrier: rank {rank}: ranks disagree on buffer (rank 0: "), msg
+        assert "make the call on the same buffer" in msg, msg

@@ -181,44 +181,53 @@ def _check(call: str, rank: int, recv_RC: list, local_error: Optional[BaseExcept
         if local_error is not None:
             raise local_error
         raise _EXC.get(recv_RC[failed[0]][0], ValueError)(rejected(call, rank, failed, messages))
+    low_latency = [row[2] in (OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE, OP_CLEAN_LOW_LATENCY)
+                   for row in recv_RC]
+    # Two buffers of one group count their calls apart: say that the buffers differ, not only the call numbers.
+    _raise_if_disagree(call, rank, recv_RC, "buffer", low_latency)
     calls = [row[1] for row in recv_RC]
     if len(set(calls)) > 1:
         ops = [OPS.get(row[2], "?") for row in recv_RC]
         desc = ", ".join(f"rank {s}: call #{c} ({o})" for s, (c, o) in enumerate(zip(calls, ops)))
         raise ValueError(f"{call}: rank {rank}: ranks are at different calls on this buffer ({desc}); every rank "
                          "must make the same dispatch/combine calls in the same order")
-    low_latency = [row[2] in (OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE, OP_CLEAN_LOW_LATENCY)
-                   for row in recv_RC]
-    for i, field in enumerate(SIGNATURE_FIELDS):
-        values = [row[2 + i] for row in recv_RC]
-        if len(set(values)) > 1:
-            name = _LOW_LATENCY_NAMES.get(field, field) if all(low_latency) else field
-            if name in _ARGUMENT_NAMES:
-                name, show, fix = _ARGUMENT_NAMES[name]
-                desc = ", ".join(f"rank {s}: {show(v)}" for s, v in enumerate(values))
-                raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")
-            if name == "op":
-                shown = [OPS.get(v, "?") for v in values]
-            elif name in ("dtype", "sf_dtype"):
-                shown = [DTYPE_NAMES.get(v, "?") for v in values]
-            elif name in _BOOL_FIELDS or name in ("use_fp8", "use_ue8m0"):
-                shown = [bool(v) for v in values]
-            else:
-                shown = values
-            desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
-            op_fix = ("the low-latency calls are calls of their own, not a dispatch or combine" if any(low_latency)
-                      else "in training: every rank runs the backward of every TokenDispatcher call; a rank whose "
-                           "output needs no gradient skips it")
-            fix = {"op": f"make the same call at the same point ({op_fix})",
-                   "hidden": "pass x with the same hidden size (x.shape[1])",
-                   "num_topk": "pass topk_idx with the same number of columns (topk_idx.shape[1])",
-                   "dtype": "pass x in the same dtype",
-                   "use_fp8": "pass the same use_fp8 (the rows' format on the link)",
-                   "use_ue8m0": "pass the same use_ue8m0 (the received scales' format)",
-                   "fused_exact": "set EPCOMM_FUSED_EXACT the same (the nvlink CPU-synced dispatch's path)",
-                   "buffer": "make the call on the same buffer (one EPBuffer object per group, used in the same "
-                             "order on every rank)"}.get(name, f"pass the same {name}")
-            raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")
+    for field in SIGNATURE_FIELDS:
+        _raise_if_disagree(call, rank, recv_RC, field, low_latency)
+
+
+def _raise_if_disagree(call: str, rank: int, recv_RC: list, field: str, low_latency: list) -> None:
+    """Raise the ValueError naming `field` and every rank's value when the ranks' headers differ there."""
+    i = SIGNATURE_FIELDS.index(field)
+    values = [row[2 + i] for row in recv_RC]
+    if len(set(values)) == 1:
+        return
+    name = _LOW_LATENCY_NAMES.get(field, field) if all(low_latency) else field
+    if name in _ARGUMENT_NAMES:
+        name, show, fix = _ARGUMENT_NAMES[name]
+        desc = ", ".join(f"rank {s}: {show(v)}" for s, v in enumerate(values))
+        raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")
+    if name == "op":
+        shown = [OPS.get(v, "?") for v in values]
+    elif name in ("dtype", "sf_dtype"):
+        shown = [DTYPE_NAMES.get(v, "?") for v in values]
+    elif name in _BOOL_FIELDS or name in ("use_fp8", "use_ue8m0"):
+        shown = [bool(v) for v in values]
+    else:
+        shown = values
+    desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))
+    op_fix = ("the low-latency calls are calls of their own, not a dispatch or combine" if any(low_latency)
+              else "in training: every rank runs the backward of every TokenDispatcher call; a rank whose "
+                   "output needs no gradient skips it")
+    fix = {"op": f"make the same call at the same point ({op_fix})",
+           "hidden": "pass x with the same hidden size (x.shape[1])",
+           "num_topk": "pass topk_idx with the same number of columns (topk_idx.shape[1])",
+           "dtype": "pass x in the same dtype",
+           "use_fp8": "pass the same use_fp8 (the rows' format on the link)",
+           "use_ue8m0": "pass the same use_ue8m0 (the received scales' format)",
+           "fused_exact": "set EPCOMM_FUSED_EXACT the same (the nvlink CPU-synced dispatch's path)",
+           "buffer": "make the call on the same buffer (one EPBuffer object per group, used in the same "
+                     "order on every rank)"}.get(name, f"pass the same {name}")
+    raise ValueError(f"{call}: rank {rank}: ranks disagree on {name} ({desc}); every rank must {fix}")
 
 
 # -- Frames: every header exchange on CPU has one size ---------------------------------------------------------------
