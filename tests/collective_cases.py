@@ -310,6 +310,7 @@ def pp_errors(rank: int, world: int):
         "empty": outcome(pp.recv, torch.ones(0), peer),
         "non_contiguous": outcome(pp.send, torch.ones(4, 2).t(), peer),
         "not_tensor": outcome(pp.send, [1.0], peer),
+        "conjugate_view": outcome(pp.send, torch.ones(4, dtype=torch.complex64).conj(), peer),
         "bad_sizes": outcome(PPBuffer, None, 0, 2),
         "float_peer": outcome(pp.send, torch.ones(4), float(peer)),
         "timeout_zero": outcome(PPBuffer, None, 64, 2, num_cpu_timeout_secs=0),

@@ -107,6 +107,9 @@ EXPECTED = {
     "scale_type": ("TypeError", r"scale must be a float, got str"),
     "scale_nan": ("ValueError", r"scale must be finite, got nan"),
     "allocate_dtype": ("TypeError", r"dtype must be a torch.dtype, got str 'float'"),
+    "allocate_float_size": ("TypeError", r"shapes must be a shape \(an int or a tuple of ints\) or a list of shapes, "
+                                         r"got float 2.0 in \(2.0,\)"),
+    "allocate_negative_size": ("ValueError", r"shapes must hold non-negative sizes, got \(2, -1\)"),
     "ambiguous_group": ("ValueError", r"group=None is ambiguous with 2 groups registered; pass the group"),
     "unknown_group": ("ValueError", r"the group is not registered with this buffer"),
     # Rank 1 alone passes a group the buffer does not hold: rank 0 raises too (the call's header), in step after.
@@ -214,6 +217,8 @@ def bucket_error_cases(rank, world):
         r["session_dst_in_staging"] = out(s.all_reduce, [torch.ones(128), torch.ones(16)],
                                           dsts=[None, st[68:132].view(torch.float32)])
         r["allocate_dtype"] = out(s.allocate, (3,), "float")
+        r["allocate_float_size"] = out(s.allocate, (2.0,))
+        r["allocate_negative_size"] = out(s.allocate, (2, -1))
         pending = s.all_gather(torch.full((4,), 1.0 + rank), dst)
     with buf.session() as s:
         s.all_gather(torch.full((4,), 50.0 + rank)).wait()

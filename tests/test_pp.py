@@ -42,6 +42,7 @@ def test_schedule_generator_respects_limit():
 
 
 PP_ERRORS = {
+    "conjugate_view": ("ValueError", r"x is a lazily conjugated or negated view; call .resolve_conj\(\)"),
     "not_neighbour": ("ValueError", r"dst_rank_idx must be a ring neighbour of rank (\d): \(rank \+ 1\) % 2 or "
                                     r"\(rank - 1\) % 2, i.e. one of \[\d\]; got \1"),
     "too_large": ("ValueError", r"x has 68 bytes but num_max_tensor_bytes is 64"),

@@ -111,9 +111,14 @@ class BucketSession:
             c.fail(TypeError, f"shapes must be a shape or a list of shapes, got {type(shapes).__name__}")
         out = []
         for shape in items:
+            if not isinstance(shape, (int, tuple, list, torch.Size)):
+                c.fail(TypeError, f"shapes must be a shape (an int or a tuple of ints) or a list of shapes, got "
+                                  f"{type(shape).__name__} {shape!r} in {shapes!r}")
             shape = (shape,) if isinstance(shape, int) else tuple(shape)
-            if not all(isinstance(d, int) and d >= 0 for d in shape):
-                c.fail(TypeError, f"shapes must hold non-negative ints, got {shape}")
+            if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+                c.fail(TypeError, f"shapes must hold ints, got {shape}")
+            if any(d < 0 for d in shape):
+                c.fail(ValueError, f"shapes must hold non-negative sizes, got {shape}")
             numel = math.prod(shape)
             out.append(self._carve(c, numel * dtype.itemsize).view(dtype).view(shape))
         return out[0] if one else tuple(out)

@@ -462,6 +462,8 @@ class PPBuffer(ContextLifecycle):
             c.fail(ValueError, f"x must be contiguous (got strides {tuple(x.stride())})")
         if x.numel() == 0:
             c.fail(ValueError, "x is empty; send/recv move at least one element")
+        if x.is_conj() or x.is_neg():  # its bytes are not its values: a byte move would drop the lazy operation
+            c.fail(ValueError, "x is a lazily conjugated or negated view; call .resolve_conj() / .resolve_neg()")
         if x.nbytes > self.num_max_tensor_bytes:
             c.fail(ValueError, f"x has {x.nbytes} bytes but num_max_tensor_bytes is {self.num_max_tensor_bytes}; "
                                "make a PPBuffer with a larger num_max_tensor_bytes")
