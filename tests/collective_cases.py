@@ -644,3 +644,19 @@ def bucket_disagreements(rank: int, world: int):
     assert torch.equal(got, want), "the buffer is usable after the rejected calls"
     bb.destroy()
     return messages
+
+
+def barriers_of_two_buffers(rank: int, world: int):
+    """Two buffers of one class on a group: rank 0 calls the first one's barrier, rank 1 the second's (they paired
+    silently). Returns {class name: outcome}; both buffers stay usable."""
+    from epcomm import BucketBuffer, EngramBuffer
+
+    out = {}
+    for make in (lambda: BucketBuffer(None, 2 * MIB, explicitly_destroy=True, num_cpu_timeout_secs=30),
+                 lambda: EngramBuffer(None, 2 * MIB, 2 * MIB, explicitly_destroy=True, num_cpu_timeout_secs=30)):
+        a, b = make(), make()
+        out[type(a).__name__] = outcome((a if rank == 0 else b).barrier)
+        a.barrier()
+        b.destroy()  # the destroys' order between buffers is free
+        a.destroy()
+    return out

@@ -82,3 +82,11 @@ def test_constructor_error_on_one_rank_raises_everywhere(run_ranks, kind):
     assert cls0 == cls1 and cls1 in ("TypeError", "ValueError"), (cls0, cls1)
     assert "rank 1:" in msg1 and "group rank 1 rejected the construction" in msg0, (msg0, msg1)
     assert max(t0, t1) < 30, (t0, t1)
+
+
+def test_barriers_of_two_buffers_of_a_group_raise(run_ranks):
+    for rank, out in enumerate(run_ranks(2, cc.barriers_of_two_buffers)):
+        for name in ("BucketBuffer", "EngramBuffer"):
+            cls, msg = out[name]
+            assert cls == "ValueError" and re.search(rf"^{name}.barrier: rank {rank}: ranks are in barriers of "
+                                                     rf"different {name}s on this group", msg), (name, msg)

@@ -235,7 +235,7 @@ class BucketBuffer(ContextLifecycle):
             return
         for ctx in self.contexts:
             if ctx.can_meet_peers():
-                ctx.barrier(call="BucketBuffer.destroy")
+                ctx.barrier(call="BucketBuffer.destroy", same_buffer=False)
             ctx.destroyed = True
         self._destroyed = True
         self.contexts, self.storage, self.nccl_comm_handles = [], None, []

@@ -236,7 +236,7 @@ class CommContext:
         return framed_exchange(exchange, send_RC, kind=kind or what, label=label or what, rank=self.rank)
 
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
-                *, call: str = "barrier") -> None:
+                *, call: str = "barrier", same_buffer: bool = True) -> None:
         """Barrier over the group on the current stream (collective; reference §17.1).
 
         On CUDA: `with_cpu_sync` drains the current and communication streams on the host before and after
@@ -251,7 +251,14 @@ class CommContext:
         """
         self.checker(call)
         if self.device.type != "cuda":
-            self.exchange(torch.zeros(self.num_ranks, 1, dtype=torch.int64), call)
+            # The context's id rides along: barriers of two buffers of one class on a group would pair silently.
+            # (`same_buffer=False`: a construction's or destroy's barrier, whose order between buffers is free.)
+            uids = self.exchange(torch.full((self.num_ranks, 1), self.uid, dtype=torch.int64), call)
+            if same_buffer and len(set(uids.view(-1).tolist())) > 1:
+                same = [r for r, u in enumerate(uids.view(-1).tolist()) if u == self.uid]
+                raise ValueError(f"{call}: rank {self.rank}: ranks are in barriers of different {self.owner}s on "
+                                 f"this group (group ranks {same} in this one); every rank must call the same buffer "
+                                 "in the same order")
             return
         if with_cpu_sync:
             self.sync_stream(self.comm_stream, call)

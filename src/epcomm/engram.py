@@ -146,7 +146,7 @@ class EngramBuffer(ContextLifecycle):
         self._nvlink: Optional[NVLinkTable] = None
         self._config: Optional[dict] = None
         self._written = False
-        self.context.barrier(with_cpu_sync=True, call="EngramBuffer")
+        self.context.barrier(with_cpu_sync=True, call="EngramBuffer", same_buffer=False)
         self._destroyed = False
 
     # -- static hints --------------------------------------------------------------------------------
@@ -510,7 +510,8 @@ class EngramBuffer(ContextLifecycle):
         if self._destroyed:
             return
         if self.context.can_meet_peers():
-            self.context.barrier(with_cpu_sync=self._nvlink is not None, call="EngramBuffer.destroy")
+            self.context.barrier(with_cpu_sync=self._nvlink is not None, call="EngramBuffer.destroy",
+                                 same_buffer=False)
         self.context.destroyed = self._destroyed = True
         if self._nvlink is not None:
             self._nvlink.release()

@@ -387,7 +387,8 @@ class PPBuffer(ContextLifecycle):
                             host=True)
             if self._check_sizes:
                 self._close_headers(deadline)
-            self.context.barrier(call="PPBuffer.destroy", with_cpu_sync=self.device.type == "cuda")
+            self.context.barrier(call="PPBuffer.destroy", with_cpu_sync=self.device.type == "cuda",
+                                 same_buffer=False)
         for channel in self._channels:
             channel.shutdown()
         self._channels, self._send, self._recv = [], {}, {}
