@@ -135,6 +135,10 @@ EXPECTED = {
     "group_twice": ("ValueError", r"group_or_groups lists a group twice"),
     "group_count_disagree": ("ValueError", r"group ranks disagree on the number of groups \(rank 0: 1, rank 1: 2\)"),
     "destroyed": ("ValueError", r"the BucketBuffer was destroyed"),
+    # a failure on one group of a buffer leaves it unusable on the others too (a later call would pair with a peer's
+    # stale header and wait out a second timeout)
+    "other_group_broken": ("ValueError", r"the BucketBuffer is unusable after an earlier failure on another of its "
+                                         r"groups \(a wait timed out \(simulated\)\)"),
 }
 
 
@@ -223,6 +227,8 @@ def bucket_error_cases(rank, world):
     with buf.session() as s:
         s.all_gather(torch.full((4,), 50.0 + rank)).wait()
     r["session_wait_after_next_session"] = out(pending.wait)
+    two.contexts[1].broken = "a wait timed out (simulated)"  # as after a timeout on the second group
+    r["other_group_broken"] = out(two.all_gather, st[0:8], group=dist.group.WORLD)
     two.destroy()
     buf.destroy()
     r["destroyed"] = out(buf.all_reduce, f32)

@@ -321,7 +321,14 @@ class BucketBuffer(ContextLifecycle):
         except ValueError as e:
             raise ValueError(str(e).replace("BucketBuffer:", f"{call}:", 1)) from None
         ctx = self.contexts[idx]
-        return ctx, ctx.checker(call)
+        c = ctx.checker(call)
+        # A failure on one of the buffer's groups leaves the ranks' calls out of step on all of them (a later call
+        # on another group would pair with a peer's stale header): the whole buffer is unusable, as documented.
+        other = next((x.broken for x in self.contexts if x.broken is not None), None)
+        if other is not None:
+            c.fail(ValueError, f"the BucketBuffer is unusable after an earlier failure on another of its groups "
+                               f"({other}); destroy it and restart the process group")
+        return ctx, c
 
     def offset_of(self, t: Tensor) -> Optional[int]:
         """Byte offset of `t` in `storage` when all of its bytes lie there, else None (partly inside: None)."""
