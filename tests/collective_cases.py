@@ -660,3 +660,23 @@ def barriers_of_two_buffers(rank: int, world: int):
         b.destroy()  # the destroys' order between buffers is free
         a.destroy()
     return out
+
+
+def engram_scale_dtypes(rank: int, world: int):
+    """FP8 Engram writes: ranks that pass the scales in different dtypes raise on every rank (each rank's fetch
+    returned its own dtype for the same table), as does one rank mixing dtypes across layers; then a good write
+    works. Returns the three outcomes."""
+    entries, hidden, tokens, per_token = [8, 4], 128, 4, 2
+    gpu, storage = EngramBuffer.get_storage_size_hint(None, entries, hidden, tokens, per_token,
+                                                      torch.float8_e4m3fn, 1)
+    buf = EngramBuffer(None, gpu, storage, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    buf.set_config(entries, hidden, tokens, per_token, torch.float8_e4m3fn, 1)
+    tables, sfs = engram_table(7, world, entries, hidden, True)
+    mine = [t[rank * n:(rank + 1) * n] for t, n in zip(tables, entries)]
+    other = [s.view(torch.int32) for s in sfs] if sfs[0].dtype == torch.float32 else [s.view(torch.float32)
+                                                                                        for s in sfs]
+    differ = outcome(buf.write, mine, other if rank == 1 else sfs)
+    mixed = outcome(buf.write, mine, [sfs[0], other[1]] if rank == 0 else sfs)
+    after = outcome(buf.write, mine, sfs)  # None: the buffer stays usable
+    buf.destroy()
+    return differ, mixed, after

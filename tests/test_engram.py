@@ -185,3 +185,11 @@ def test_nvlink_fetch_is_one_sided(pools):
     cls, msg = outs[1]["out_of_range"]
     assert cls == "ValueError" and re.search(r"indices\[1, 2, 1\] = 16 is outside layer 1's global index space "
                                              r"\[0, 16\)", msg), msg
+
+
+def test_write_scale_dtypes_agree(run_ranks):
+    for rank, (differ, mixed, after) in enumerate(run_ranks(2, cc.engram_scale_dtypes)):
+        assert differ[0] == "ValueError" and "ranks disagree on the scales' dtype" in differ[1], differ
+        assert mixed[0] == "ValueError" and (
+            "sfs[1] has dtype" in mixed[1] if rank == 0 else "group rank 0 rejected the call" in mixed[1]), mixed
+        assert after is None, after

@@ -301,7 +301,8 @@ class EngramBuffer(ContextLifecycle):
 
         Args:
             storages: L tensors, `storages[l]`: [N_l, hidden] of the configured dtype -- this rank's rows.
-            sfs: FP8 only: L tensors, `sfs[l]`: [R * N_l, P] fp32 or int32 -- the global replicated scale table;
+            sfs: FP8 only: L tensors, `sfs[l]`: [R * N_l, P] fp32 or int32 (one dtype for every layer and rank) --
+                the global replicated scale table;
                 this rank keeps rows `[rank * N_l, (rank + 1) * N_l)`.
 
         Raises:
@@ -310,7 +311,7 @@ class EngramBuffer(ContextLifecycle):
         """
         call = "EngramBuffer.write"
         c = self.context.checker(call)
-        err = None
+        err, sf_code = None, 0
         try:
             cfg = self._require_config(c)
             if not isinstance(storages, (list, tuple)) or len(storages) != len(cfg["entries"]):
@@ -326,9 +327,14 @@ class EngramBuffer(ContextLifecycle):
                 if fp8:
                     self._check_tensor(c, f"sfs[{layer}]", sfs[layer], (torch.float32, torch.int32),
                                        (self.num_ranks * n, cfg["packs"]))
+                    # one scale format for the table: fetch returns every layer's scales in it
+                    c.require(sfs[layer].dtype == sfs[0].dtype, f"sfs[{layer}] has dtype {sfs[layer].dtype} but "
+                                                                f"sfs[0] {sfs[0].dtype}; pass every layer's scales "
+                                                                "in one dtype")
+            sf_code = 0 if not fp8 else (1 if sfs[0].dtype == torch.float32 else 2)
         except (Exception, KeyboardInterrupt) as e:  # it travels in the header
             err = e
-        self._agree(call, 2, err, [], ())
+        self._agree(call, 2, err, [sf_code], ("the scales' dtype (1: torch.float32, 2: torch.int32)",))
         try:
             self._store(call, cfg, storages, sfs)
         except (Exception, KeyboardInterrupt) as e:
