@@ -302,8 +302,7 @@ class EngramBuffer(ContextLifecycle):
         Args:
             storages: L tensors, `storages[l]`: [N_l, hidden] of the configured dtype -- this rank's rows.
             sfs: FP8 only: L tensors, `sfs[l]`: [R * N_l, P] fp32 or int32 (one dtype for every layer and rank) --
-                the global replicated scale table;
-                this rank keeps rows `[rank * N_l, (rank + 1) * N_l)`.
+                the global replicated scale table; this rank keeps rows `[rank * N_l, (rank + 1) * N_l)`.
 
         Raises:
             TypeError / ValueError: no config, wrong count/shape/dtype/device (every rank raises).
