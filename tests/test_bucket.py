@@ -135,6 +135,8 @@ EXPECTED = {
     "group_twice": ("ValueError", r"group_or_groups lists a group twice"),
     "group_count_disagree": ("ValueError", r"group ranks disagree on the number of groups \(rank 0: 1, rank 1: 2\)"),
     "destroyed": ("ValueError", r"the BucketBuffer was destroyed"),
+    "barrier_destroyed": ("ValueError", r"^BucketBuffer.barrier: rank \d: the BucketBuffer was destroyed"),
+    "barrier_unknown_group": ("ValueError", r"^BucketBuffer.barrier: rank \d: the group is not registered"),
     # a failure on one group of a buffer leaves it unusable on the others too (a later call would pair with a peer's
     # stale header and wait out a second timeout)
     "other_group_broken": ("ValueError", r"the BucketBuffer is unusable after an earlier failure on another of its "
@@ -194,6 +196,7 @@ def bucket_error_cases(rank, world):
         "scale_nan": out(buf.all_reduce, f32, float("nan")),
         "ambiguous_group": out(two.all_reduce, two.storage[:64].view(torch.float32)),
         "unknown_group": out(buf.all_reduce, f32, 1.0, dup),
+        "barrier_unknown_group": out(buf.barrier, group=dup),
         "unknown_group_on_one_rank": out(buf.all_reduce, f32, 1.0, dup if rank == 1 else None),
         "duplicate_bucket": out(buf.all_reduce, [f32, f32]),
         "overlapping_buckets": out(buf.all_reduce, [st[0:64].view(torch.float32), st[32:96].view(torch.float32)]),
@@ -232,6 +235,7 @@ def bucket_error_cases(rank, world):
     two.destroy()
     buf.destroy()
     r["destroyed"] = out(buf.all_reduce, f32)
+    r["barrier_destroyed"] = out(buf.barrier)
     return r
 
 

@@ -219,8 +219,12 @@ class BucketBuffer(ContextLifecycle):
         Raises:
             ValueError: unknown group, destroyed buffer. TimeoutError: a peer did not arrive.
         """
-        self.contexts[self.get_context_idx(group)].barrier(wait_comm_stream, with_cpu_sync, sequential,
-                                                           call="BucketBuffer.barrier")
+        call = "BucketBuffer.barrier"
+        try:
+            idx = self.get_context_idx(group)
+        except ValueError as e:  # name the call, as the data calls do
+            raise ValueError(str(e).replace("BucketBuffer:", f"{call}:", 1)) from None
+        self.contexts[idx].barrier(wait_comm_stream, with_cpu_sync, sequential, call=call)
 
     def session(self) -> "BucketSession":
         """A `BucketSession` to use as `with buffer.session() as s:` (reference §14.3)."""
