@@ -230,7 +230,14 @@ def deep_copied_handle(rank: int, world: int):
     recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
     twin = copy.deepcopy(handle)
     same = (torch.equal(buf.combine(recv_x, twin)[0], buf.combine(recv_x, handle)[0])
-            and torch.equal(buf.dispatch(x, handle=twin)[0], recv_x))
+            and torch.equal(buf.dispatch(x, handle=twin)[0], recv_x)
+            and torch.equal(buf.combine(recv_x, copy.copy(handle))[0], buf.combine(recv_x, handle)[0]))
+    import pickle
+    try:  # refused with its reason (an unpickled copy, detached from the buffer, raised a false "modified" error)
+        pickle.dumps(handle)
+        same = False
+    except TypeError as e:
+        same = same and "an EPHandle cannot be pickled" in str(e)
     idx.add_(0)  # an in-place edit (a new version)
     try:
         buf.combine(recv_x, twin)

@@ -222,7 +222,7 @@ def test_integer_arguments_on_one_rank(run_ranks):
         assert "num_allocated_qps must be an int, got str 'a'" in out[5], out[5]
 
 
-def test_deep_copied_handle_works(run_ranks):
+def test_deep_copied_handle_works_and_pickling_is_refused(run_ranks):
     for same, modified in run_ranks(2, error_cases.deep_copied_handle):
         assert same
         assert modified is not None and "was modified in place after the dispatch" in modified, modified

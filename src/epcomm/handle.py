@@ -98,6 +98,18 @@ class EPHandle:
         working handle)."""
         return copy.copy(self)
 
+    def __copy__(self) -> "EPHandle":
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)  # the same (sealed) fields and tensors
+        return new
+
+    def __reduce_ex__(self, protocol):
+        """Refused: a handle's plan holds views of its buffer's memory and watches the dispatch's own `topk_idx`, so
+        an unpickled copy (fresh tensors) would be detached from both."""
+        raise TypeError("an EPHandle cannot be pickled: its plan holds views of its buffer's memory and it watches "
+                        "the dispatch's own topk_idx; keep it in the process that made it (copy.deepcopy shares "
+                        "its tensors and works)")
+
     def __delattr__(self, name: str) -> None:
         raise FrozenInstanceError(f"cannot delete field {name!r}: an EPHandle is read-only")
 
