@@ -123,8 +123,9 @@ def check_transport_errors(outs: list) -> None:
     for rank, out in enumerate(outs):
         cls, msg = out["unknown"]
         assert cls == "ValueError", (rank, out["unknown"])
-        pattern = r"transport='nvshmem' is unknown; expected one of 'auto', 'collective', 'nvlink'" if rank == 1 \
-            else r"rank 0: group rank 1 rejected the construction \(unknown transport"
+        pattern = (r"transport='nvshmem' is unknown; expected one of 'auto', 'collective', 'nvlink'" if rank == 1
+                   else r"rank 0: group rank 1 rejected the construction: the transport it passed is not one of "
+                        r"'auto', 'collective', 'nvlink'")
         assert re.search(pattern, msg), msg
         cls, msg = out["disagree"]
         assert cls == "ValueError" and re.search(

@@ -60,7 +60,8 @@ def choose_transport(context, asked) -> str:
         raise ValueError(f"{who}: transport={asked!r} is unknown; expected one of {', '.join(map(repr, TRANSPORTS))}")
     bad = [r for r, row in enumerate(rows) if row[0] < 0]
     if bad:
-        raise ValueError(f"{who}: group rank {bad[0]} rejected the construction (unknown transport; see its message)")
+        raise ValueError(f"{who}: group rank {bad[0]} rejected the construction: the transport it passed is not one "
+                         f"of {', '.join(map(repr, TRANSPORTS))}")
     if len({row[0] for row in rows}) > 1:
         desc = ", ".join(f"rank {r}: {TRANSPORTS[row[0]]!r}" for r, row in enumerate(rows))
         raise ValueError(f"{who}: ranks disagree on transport ({desc}); every rank must pass the same transport")
