@@ -95,7 +95,7 @@ EXPECTED = {
     "mapping_shape": (ValueError, P, r"redundancy_mapping must have shape \[2, C\] \(one row per group rank\), got "
                                      r"\(3, 2\)"),
     "mapping_range": (ValueError, P, r"redundancy_mapping\[0, 1\] = 4; expected an expert id in \[0, 4\)"),
-    "self_host": (ValueError, P, r"redundancy_mapping\[1, 1\] = 3 is an expert of group rank 1 itself"),
+    "self_host": (ValueError, P, r"redundancy_mapping\[1, 1\] = 3 is an expert of group rank 1 itself .* every rank must pass the same\)"),
     "num_sms_type": (TypeError, P, r"num_sms must be an int, got float"),
     "event_type": (TypeError, P, r"previous_event must be an EventHandle or None, got str"),
     "grad_dtype": (TypeError, R, r"redundant_expert_grads must have dtype in \(torch\.float32, .*got torch\.int32"),

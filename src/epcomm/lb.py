@@ -358,7 +358,8 @@ class LoadBalancingMixin:
                                                  f"[0, {num_experts}) (R={self.num_ranks} x L={num_local}) or -1")
                 c.require(e < 0 or e // num_local != r,
                           f"redundancy_mapping[{r}, {s}] = {e} is an expert of group rank {r} itself (owner "
-                          f"{e} // L={num_local} = {r}); a rank never hosts a replica of its own experts")
+                          f"{e} // L={num_local} = {r}); a rank never hosts a replica of its own experts (L is this "
+                          "rank's number of local experts: every rank must pass the same)")
         return _LBCall(redundant=reds, original=origs, mapping=rows, num_local_experts=num_local,
                        num_slots=num_slots, payload_bytes=[b for b, _ in payload_sizes], payload_sizes=payload_sizes,
                        payload_digest=zlib.crc32(repr(payload_sizes).encode()),
