@@ -1,6 +1,7 @@
 """Two GPU ranks; rank 1 never makes the second call, so rank 0's device-side wait must end after
 `num_gpu_timeout_secs`, print the missing rank and abort the kernel (run by tests/test_gpu.py and
-tests/test_lowlatency.py); or a send kernel must stop on a bad expert id (tests/test_device_id_checks.py). `python device_timeout_script.py PORT CALL`, CALL one of:
+tests/test_lowlatency.py); or a send kernel must stop on a bad expert id (tests/test_device_id_checks.py).
+`python device_timeout_script.py PORT CALL`, CALL one of:
 - `low-latency`: `low_latency_dispatch` (the low-latency kernels' flags);
 - `sync-free`: `dispatch(do_cpu_sync=False)` on the nvlink transport (the device barrier of its region);
 - `sync-free-bad-id`: both ranks make the second call, rank 0's with an expert id equal to num_experts: its fused

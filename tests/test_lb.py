@@ -95,7 +95,8 @@ EXPECTED = {
     "mapping_shape": (ValueError, P, r"redundancy_mapping must have shape \[2, C\] \(one row per group rank\), got "
                                      r"\(3, 2\)"),
     "mapping_range": (ValueError, P, r"redundancy_mapping\[0, 1\] = 4; expected an expert id in \[0, 4\)"),
-    "self_host": (ValueError, P, r"redundancy_mapping\[1, 1\] = 3 is an expert of group rank 1 itself .* every rank must pass the same\)"),
+    "self_host": (ValueError, P, r"redundancy_mapping\[1, 1\] = 3 is an expert of group rank 1 itself .* every rank "
+                                 r"must pass the same\)"),
     "num_sms_type": (TypeError, P, r"num_sms must be an int, got float"),
     "event_type": (TypeError, P, r"previous_event must be an EventHandle or None, got str"),
     "grad_dtype": (TypeError, R, r"redundant_expert_grads must have dtype in \(torch\.float32, .*got torch\.int32"),
@@ -163,7 +164,8 @@ def test_disagreement_lists_each_rank_compactly():
 def test_missing_peer_times_out_naming_it():
     results = run_in_fresh_world(2, lb_cases.lb_missing_peer, 2.0, timeout=60)
     msg, elapsed = results[0]
-    assert re.search(r"^EPBuffer.lb_\w+: load-balancing header: rank 0 waited 2 s .* group ranks \[1\] did not arrive", msg), msg
+    assert re.search(r"^EPBuffer.lb_\w+: load-balancing header: rank 0 waited 2 s .* group ranks \[1\] did not "
+                     r"arrive", msg), msg
     assert elapsed < 2.0 + 5.0, elapsed
     assert results[1] == "skipped"
 

@@ -257,7 +257,8 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
     """On CPU, a header before any data moves (status, operation, bucket sizes, the buffer's id, a reduction's
     `scale`: applied after the sum, so ranks that differ would get different results of one all-reduce), so that a
     rank's failed check or ranks passing different calls, sizes, scales or buffers raise on every rank instead of
-    breaking the collective or returning results that differ. On GPU the checks stay local, as for EPBuffer's calls without a count exchange (docs/decisions.md)."""
+    breaking the collective or returning results that differ. On GPU the checks stay local, as for EPBuffer's calls
+    without a count exchange (docs/decisions.md)."""
     if ctx.device.type != "cpu":
         if err is not None:
             raise err

@@ -109,10 +109,10 @@ class LowLatencyMixin:
         (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that write
         into a receive area hold them all at once). A call checks less: the portable path refuses a dispatch whose
         rows at this call's top-k and format exceed `num_bytes` (the same check as `dispatch`, on every transport,
-        so that code that fits on CPU fits on GPU), so a smaller buffer may serve a given call. The nvlink transport's low-latency kernels use their own
-        symmetric region (`lowlatency_nvlink.Layout`, a few tens of MB at decode sizes), allocated collectively by
-        the first low-latency call of a shape and row format (`use_fp8`, `use_ue8m0`): a buffer that uses both
-        formats holds two.
+        so that code that fits on CPU fits on GPU), so a smaller buffer may serve a given call. The nvlink
+        transport's low-latency kernels use their own symmetric region (`lowlatency_nvlink.Layout`, a few tens of
+        MB at decode sizes), allocated collectively by the first low-latency call of a shape and row format
+        (`use_fp8`, `use_ue8m0`): a buffer that uses both formats holds two.
 
         Raises:
             TypeError / ValueError: an argument that is not a positive int, or num_experts not a multiple of

@@ -134,9 +134,9 @@ def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: st
     every = _global_ranks(group)
     who, me = f"group {_rank_name(failed, every)}", _rank_name(rank, every)
     return (f"{what}: {me} waited for {unit} #{call_id} but {who} stopped with an error during its {failed_call} "
-            f"({failed_number}): {error.rstrip().rstrip('.')}. The call cannot complete: the {owner} and its process group are "
-            "unusable now (an unmatched collective is pending): end the job; while that rank is alive the process "
-            "cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
+            f"({failed_number}): {error.rstrip().rstrip('.')}. The call cannot complete: the {owner} and its process "
+            "group are unusable now (an unmatched collective is pending): end the job; while that rank is alive the "
+            "process cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
 
 
 _BROKEN_GROUPS: dict = {}  # id(process group) -> (the group, why): groups holding a collective that cannot complete
