@@ -34,7 +34,8 @@ EXPECTED = {
     "topk_id_too_large": (ValueError, r"topk_idx holds 8 \(token 0\); ids must be in \[-1, num_experts=8\)"),
     "topk_id_below_minus_one": (ValueError, r"topk_idx holds -2"),
     "topk_repeated_expert": (ValueError, r"topk_idx row 0 names expert 3 more than once"),
-    "weights_dtype": (TypeError, r"topk_weights must have dtype torch\.float32, got torch\.float64"),
+    "weights_dtype": (TypeError, r"topk_weights must have dtype torch\.float32, got torch\.float64 \(weights are "
+                                  r"fp32, fp64 when x is fp64; x is torch\.bfloat16\)"),
     "weights_shape": (ValueError, r"topk_weights must have shape \[6, 2\], got \(6, 1\)"),
     "stats_dtype": (TypeError, r"cumulative_local_expert_recv_stats must have dtype torch\.int32"),
     "stats_shape": (ValueError, r"cumulative_local_expert_recv_stats must have shape \[4\], got \(8,\)"),

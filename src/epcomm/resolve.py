@@ -13,7 +13,8 @@ from torch import Tensor
 
 from . import layout, pipeline, sizing
 from .handle import EPHandle
-from .validate import Checker, check_capacity, check_topk_idx, check_topk_values, check_x, weights_dtype
+from .validate import (Checker, check_capacity, check_topk_idx, check_topk_values, check_weights_dtype, check_x,
+                       weights_dtype)
 
 
 def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_experts, n, expert_alignment, num_sms,
@@ -85,6 +86,7 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
                                    f"reach {worst}, past the int32 row indices of the layout (2^31 - 1); use a "
                                    "smaller alignment or token count")
     if topk_weights is not None:
+        check_weights_dtype(c, "topk_weights", topk_weights, xs.data.dtype)
         c.tensor("topk_weights", topk_weights, ndim=2, dtypes=(weights_dtype(xs.data.dtype),),
                  shape=(xs.num_tokens, num_topk))
     if stats is not None:
@@ -139,6 +141,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         c.require(not per_pair, "topk_weights must be None for an expand-layout combine when the buffer has "
                                 "allow_multiple_reduction=False (reference §11.1)")
         shape = (rows,) if handle.do_expand else (rows, handle.num_topk)
+        check_weights_dtype(c, "topk_weights", topk_weights, x.dtype)
         c.tensor("topk_weights", topk_weights, ndim=len(shape), dtypes=(weights_dtype(x.dtype),), shape=shape)
     if bias is None:
         biases = ()

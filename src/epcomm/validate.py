@@ -199,6 +199,14 @@ def weights_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if x_dtype == torch.float64 else torch.float32
 
 
+def check_weights_dtype(c: Checker, name: str, w, x_dtype: torch.dtype) -> None:
+    """A weights tensor of the wrong float dtype: a TypeError that says why this dtype (it follows x's)."""
+    want = weights_dtype(x_dtype)
+    if isinstance(w, Tensor) and w.dtype != want:
+        c.fail(TypeError, f"{name} must have dtype {want}, got {w.dtype} (weights are fp32, fp64 when x is fp64; "
+                          f"x is {x_dtype})")
+
+
 def check_topk_idx(c: Checker, topk_idx, num_tokens: int) -> Tensor:
     t = c.tensor("topk_idx", topk_idx, ndim=2, dtypes=TOPK_IDX_DTYPES)
     c.require(t.shape[0] == num_tokens, f"topk_idx must have shape [{num_tokens}, *] (a row per token of x), got "
