@@ -57,6 +57,36 @@ def _session_reduce_scatter_neighbours(rank, world):
         buf.destroy()
 
 
+def _session_all_gather_allocated_src(rank, world):
+    """A session all-gather of an allocated src (in the storage) into a dst outside it: the gather must not run in
+    place around src (it overwrote the allocations next to it, and failed for a first allocation at rank >= 1).
+    Returns (result right, neighbours kept, first allocation gathers)."""
+    buf = BucketBuffer(None, 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    want = torch.arange(1.0, world + 1).repeat_interleave(16)
+    try:
+        with buf.session() as s:
+            before, src, after = s.allocate([(16,), (16,), (16,)])
+            before.fill_(7.0)
+            after.fill_(9.0)
+            src.fill_(rank + 1.0)
+            dst = torch.zeros(16 * world)
+            s.all_gather(src, dsts=dst).wait()
+            right, kept = torch.equal(dst, want), bool((before == 7.0).all() and (after == 9.0).all())
+        with buf.session() as s:
+            first = s.allocate((16,))
+            first.fill_(rank + 1.0)
+            dst = torch.zeros(16 * world)
+            s.all_gather(first, dsts=dst).wait()
+            return right, kept, torch.equal(dst, want)
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_session_all_gather_of_an_allocated_src_into_an_outside_dst(run_ranks, world):
+    assert run_ranks(world, _session_all_gather_allocated_src) == [(True, True, True)] * world
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_session_reduce_scatter_writes_only_its_dst(run_ranks, world):
     assert run_ranks(world, _session_reduce_scatter_neighbours) == [(True, True)] * world

@@ -108,8 +108,8 @@ DISAGREE = {  # each rank's value (docs/decisions.md "Errors and timeouts"), the
     "disagree_mapping": r"ranks disagree on the redundancy_mapping \(rank 0: \[\[2, 3\], \[0, 1\]\], rank 1: "
                         r"\[\[2, -1\], \[0, 1\]\]\); first difference: redundancy_mapping\[0, 1\] is 3 on rank 0 but "
                         r"-1 on rank 1; every rank must pass the same redundancy_mapping$",
-    "disagree_long_mapping": r"ranks disagree on the redundancy_mapping \(rank 0: crc32 0x[0-9a-f]{8}, rank 1: crc32 "
-                             r"0x[0-9a-f]{8}\); first difference: redundancy_mapping\[1, 37\] is 1 on rank 0 but -1 "
+    "disagree_long_mapping": r"ranks disagree on the redundancy_mapping \(rank 0: digest 0x[0-9a-f]+, rank 1: digest "
+                             r"0x[0-9a-f]+\); first difference: redundancy_mapping\[1, 37\] is 1 on rank 0 but -1 "
                              r"on rank 1;",
     "disagree_op": r"ranks disagree on the operation \(rank 0: EPBuffer\.lb_prefetch_weights, rank 1: "
                    r"EPBuffer\.lb_reduce_grads\); every rank must make the same call",

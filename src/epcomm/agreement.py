@@ -9,6 +9,7 @@ naming the offending group rank (docs/decisions.md "Errors and timeouts", "What 
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from typing import Callable, Optional
 
@@ -57,6 +58,13 @@ _ARGUMENT_NAMES = {
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
     return _DTYPE_CODES.get(dtype, 0)
+
+
+def digest(values) -> int:
+    """A 62-bit digest of a list of ints, for header fields that compare a whole list (bucket sizes, an Engram
+    table's per-layer sizes, LB payloads and mappings): equal lists give equal digests on every rank and process,
+    different ones collide with probability ~2^-62 (a keyed hash, not a polynomial that crafted sizes can match)."""
+    return int.from_bytes(hashlib.blake2b(repr(list(values)).encode(), digest_size=8).digest(), "little") >> 2
 
 
 def status_of(err: Optional[BaseException]) -> int:

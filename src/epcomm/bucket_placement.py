@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agreement import STATUS_OK, STATUS_TYPE, gather_messages, rejected, status_of
+from .agreement import STATUS_OK, STATUS_TYPE, digest, gather_messages, rejected, status_of
 from .comm import CommContext
 from .events import EventHandle, EventOverlap
 from .validate import warn_caller
@@ -154,7 +154,8 @@ def _gather_bucket(buf: BucketBuffer, c, ctx, name: str, src, dst, session) -> _
                        stage_to=shard.view(src.dtype).view(src.shape))
     if dst is not None and session is None:
         _in_storage(buf, c, dname, dst)  # raises: dsts live in the storage outside a session
-    if src_off is not None:  # in place: src is the rank-th shard of the gathered region
+    if src_off is not None and dst is None:  # in place: src is the rank-th shard of the gathered region (with a
+        # dst outside the storage, a session carves instead: gathering around src would write the bytes next to it)
         _check_contiguous(c, name, src)
         start, end = src_off - r * src.nbytes, src_off + (R - r) * src.nbytes
         if start < 0 or end > buf.num_bytes:
@@ -263,11 +264,8 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
         if err is not None:
             raise err
         return
-    digest = 0
-    for n in sizes:
-        digest = (digest * 1000003 + n) & 0x7FFFFFFFFFFF
     scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-    row = [status_of(err), _OPS[op], len(sizes), sum(sizes), digest, ctx.uid, scale_bits]
+    row = [status_of(err), _OPS[op], len(sizes), sum(sizes), digest(sizes), ctx.uid, scale_bits]
     rows = ctx.exchange(torch.tensor([row] * ctx.num_ranks, dtype=torch.int64), f"{call} header",
                         kind="BucketBuffer header", label=call).tolist()
     failed = [r for r, got in enumerate(rows) if got[0] != STATUS_OK]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import sizing
-from .agreement import gather_messages, rejected
+from .agreement import digest, gather_messages, rejected
 from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .compile_guard import eager_under_compile
 from .engram_layout import DTYPES, check_config, make_hooks, needs, place, plan
@@ -252,10 +252,7 @@ class EngramBuffer(ContextLifecycle):
                                    f"{self.num_gpu_bytes} and {self.num_rdma_storage_bytes}; size it with "
                                    f"EngramBuffer.get_storage_size_hint(group, {entries}, {hidden}, {num_max_tokens}, "
                                    f"{num_entries_per_token}, {dtype}, {num_sf_packs})")
-            digest = 0
-            for n in entries:  # the per-layer sizes, not only their count and sum
-                digest = (digest * 1000003 + n) & 0x7FFFFFFFFFFF
-            signature = [len(entries), sum(entries), digest, hidden, num_max_tokens, num_entries_per_token,
+            signature = [len(entries), sum(entries), digest(entries), hidden, num_max_tokens, num_entries_per_token,
                          _DTYPE_CODES[dtype], num_sf_packs]
         except (Exception, KeyboardInterrupt) as e:  # it travels in the header
             err = e

@@ -35,7 +35,6 @@ receives, B bytes of one row (all payloads of one expert side by side).
 from __future__ import annotations
 
 import math
-import zlib
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -362,8 +361,7 @@ class LoadBalancingMixin:
                           "rank's number of local experts: every rank must pass the same)")
         return _LBCall(redundant=reds, original=origs, mapping=rows, num_local_experts=num_local,
                        num_slots=num_slots, payload_bytes=[b for b, _ in payload_sizes], payload_sizes=payload_sizes,
-                       payload_digest=zlib.crc32(repr(payload_sizes).encode()),
-                       mapping_digest=zlib.crc32(repr(rows).encode()))
+                       payload_digest=agreement.digest(payload_sizes), mapping_digest=agreement.digest(rows))
 
     def _lb_agree(self, name: str, call_id: int, op: int, call: Optional["_LBCall"],
                   err: Optional[BaseException]) -> list:
@@ -409,7 +407,7 @@ class LoadBalancingMixin:
             mappings = self._lb_gather_ints(name, call_id, flat)
             num_slots, short = call.num_slots, len(flat) <= _SHOWN_MAPPING_VALUES
             shown = [repr([m[r * num_slots:(r + 1) * num_slots] for r in range(self.num_ranks)]) if short
-                     else f"crc32 {v:#010x}" for m, v in zip(mappings, values)]
+                     else f"digest {v:#x}" for m, v in zip(mappings, values)]
             ref = _reference_rank(values)
             firsts = []
             for s in [s for s, v in enumerate(values) if v != values[ref]]:
