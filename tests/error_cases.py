@@ -845,3 +845,22 @@ def barriers_of_two_buffers(rank: int, world: int):
     finally:
         a.destroy()
         b.destroy()
+
+
+def late_bucket_peer(rank: int, world: int, timeout_s: float):
+    """As `late_peer`, on a BucketBuffer: rank 1's first exchange may pair with the one rank 0 abandoned and go on
+    to its next collective, so the record of who gave up is per buffer, not per collective. Returns (message,
+    seconds in the call)."""
+    from epcomm import BucketBuffer
+
+    buf = BucketBuffer(None, 2 << 20, num_cpu_timeout_secs=timeout_s)
+    x = buf.storage[:256].view(torch.float32)
+    x.fill_(1.0)
+    if rank == 1:
+        time.sleep(timeout_s + 3)
+    start = time.monotonic()
+    try:
+        buf.all_reduce(x).wait()
+    except TimeoutError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start

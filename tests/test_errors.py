@@ -316,8 +316,8 @@ def test_late_peer_raises_at_once_naming_the_rank_that_gave_up():
     (msg0, elapsed0), (msg1, elapsed1) = run_in_fresh_world(2, error_cases.late_peer, 4.0, timeout=60)
     assert "waited 4 s (num_cpu_timeout_secs)" in msg0 and "group ranks [1] did not arrive" in msg0, msg0
     assert 3.5 < elapsed0 < 6, elapsed0  # the timeout as set, not a second past it
-    assert re.search(r"rank 1 waited [\d.]+ s for call #1 but group ranks \[0\] gave up waiting for this call", msg1), \
-        msg1
+    assert re.search(r"rank 1 waited [\d.]+ s for call #1 but group rank 0 gave up waiting in call #1 of this "
+                     r"EPBuffer \(its own timeout\)", msg1), msg1
     assert elapsed1 < 3.5, elapsed1  # before its own 4 s
 
 
@@ -336,7 +336,7 @@ def test_late_rank_with_a_bad_value_times_out_in_the_message_gather():
     # Bounded (not gloo's 30 min), in the header exchange or the message gather (whether rank 1's exchange pairs
     # with rank 0's abandoned one is up to gloo), naming the rank that is gone.
     assert re.search(r"^TransportTimeout: EPBuffer.dispatch: (count exchange|error messages): rank 1 waited "
-                     r"[\d.]+ s .* group ranks \[0\] (did not arrive|gave up waiting for this call)", msg1), msg1
+                     r"[\d.]+ s .* group ranks? \[?0\]? (did not arrive|gave up waiting)", msg1), msg1
     assert elapsed1 < 2.0 + 4.0, elapsed1
 
 
@@ -521,10 +521,8 @@ def test_an_internal_value_error_mid_call_is_the_rank_s_own(where):
         assert elapsed < 10, elapsed
 
 
-def test_a_peer_process_that_exits_gives_peer_failed_at_once():
-    """A peer's process exits (killed, crashed) with nothing on record: the survivor's call raises PeerFailed (a
-    TimeoutError) saying so within seconds, rather than the backend's bare RuntimeError, and its next call is
-    refused."""
+def _run_peer_exit(what: str) -> list:
+    """tests/peer_exit_script.py on two processes; rank 0's outcome lines."""
     import socket
     import subprocess
     import sys
@@ -535,7 +533,7 @@ def test_a_peer_process_that_exits_gives_peer_failed_at_once():
         port = s.getsockname()[1]
     script = Path(__file__).resolve().parent / "peer_exit_script.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r), what], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, env=env) for r in range(2)]
     try:
         out = procs[0].communicate(timeout=120)[0].decode()
@@ -543,7 +541,25 @@ def test_a_peer_process_that_exits_gives_peer_failed_at_once():
     finally:
         for p in procs:
             p.kill()
-    lines = [line for line in out.splitlines() if " after " in line or line == "no error"]
+    return [line for line in out.splitlines() if " after " in line or line == "no error"], out
+
+
+def test_a_peer_process_that_exits_gives_peer_failed_in_a_barrier_too():
+    """The same in a BucketBuffer's barrier (it raised gloo's bare error and left the buffer usable, so every later
+    destroy raised it again): PeerFailed, then refused, then a local destroy."""
+    lines, out = _run_peer_exit("barrier")
+    assert len(lines) == 3, out[-3000:]
+    assert re.match(r"PeerFailed after [\d.]+ s: BucketBuffer.barrier: rank 0: the process group's connection to a "
+                    r"peer failed", lines[0]), out[-3000:]
+    assert lines[1].startswith("ValueError") and "unusable after an earlier failure" in lines[1], out[-3000:]
+    assert lines[2] == "no error", out[-3000:]
+
+
+def test_a_peer_process_that_exits_gives_peer_failed_at_once():
+    """A peer's process exits (killed, crashed) with nothing on record: the survivor's call raises PeerFailed (a
+    TimeoutError) saying so within seconds, rather than the backend's bare RuntimeError, and its next call is
+    refused."""
+    lines, out = _run_peer_exit("dispatch")
     assert len(lines) == 2, out[-3000:]
     first = re.match(r"PeerFailed after ([\d.]+) s: EPBuffer.dispatch: .*rank 0: the process group's connection to a "
                      r"peer failed during call #\d+ .*a peer process exited or was killed", lines[0])
@@ -555,3 +571,11 @@ def test_calls_on_two_buffers_of_a_group_name_the_buffers(run_ranks):
     for rank, msg in enumerate(run_ranks(2, error_cases.barriers_of_two_buffers)):
         assert msg.startswith(f"EPBuffer.barrier: rank {rank}: ranks disagree on buffer (rank 0: "), msg
         assert "make the call on the same buffer" in msg, msg
+
+
+def test_late_bucket_peer_raises_at_once_naming_the_rank_that_gave_up():
+    (msg0, _), (msg1, elapsed1) = run_in_fresh_world(2, error_cases.late_bucket_peer, 4.0, timeout=60)
+    assert "group ranks [1] did not arrive" in msg0, msg0
+    assert re.search(r"BucketBuffer.all_reduce.*rank 1 waited [\d.]+ s for collective #\d+ but group rank 0 gave up "
+                     r"waiting in collective #\d+ of this BucketBuffer", msg1), msg1
+    assert elapsed1 < 3.5, elapsed1

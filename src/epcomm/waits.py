@@ -33,8 +33,8 @@ def _gave_up_key(uid: int, call_id: int, rank: int) -> str:
     return f"epcomm/{uid}/{call_id}/{rank}/gave-up"
 
 
-def _gave_up_count_key(uid: int, call_id: int) -> str:
-    return f"epcomm/{uid}/{call_id}/gave-up"
+def _gave_up_by_key(uid: int) -> str:
+    return f"epcomm/{uid}/gave-up"  # "rank\ncall id" of the first rank whose wait in this buffer timed out
 
 
 def _failed_key(uid: int) -> str:
@@ -87,11 +87,7 @@ def fail_mid_call(e: BaseException, *, uid: int, call_id: int, rank: int, call: 
         raise PeerFailed(peer_failed_message(call, call_id, rank, earlier, owner, group, unit)) from e
     if communication_error(e):  # a peer went away without a record (killed, exited): not this rank's own error
         mark_broken(f"{call}: the process group failed during the call ({type(e).__name__})")
-        said = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise PeerFailed(f"{call}: rank {rank}: the process group's connection to a peer failed during {unit} "
-                         f"#{call_id} and no peer recorded an error of its own: a peer process exited or was killed "
-                         f"(the backend said: {said}). The {owner} and its process group are unusable now: end the "
-                         "job (exit with os._exit(1) or let the launcher kill it)") from e
+        raise PeerFailed(lost_peer_message(call, rank, unit, call_id, e, owner)) from e
     mark_broken(f"{call} failed on this rank during the call ({type(e).__name__})")
     announce_failure(uid, call_id, rank, call, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, group,
                      unit)
@@ -174,6 +170,15 @@ class PeerFailed(TransportTimeout):
     (and `TransportTimeout`), so code that catches timeouts catches it."""
 
 
+def lost_peer_message(what: str, rank: int, unit: str, call_id: int, e: BaseException, owner: str) -> str:
+    """The message of `PeerFailed` for a communication error of the group itself (`communication_error`)."""
+    said = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return (f"{what}: rank {rank}: the process group's connection to a peer failed during {unit} #{call_id} and no "
+            f"peer recorded an error of its own: a peer process exited or was killed (the backend said: {said}). The "
+            f"{owner} and its process group are unusable now: end the job (exit with os._exit(1) or let the launcher "
+            "kill it)")
+
+
 def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_ranks: int, uid: int,
                  device: torch.device, timeout_s: float, owner: str = "buffer",
                  group: Optional["dist.ProcessGroup"] = None, unit: str = "call") -> None:
@@ -182,8 +187,18 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
 
     Raises:
         TransportTimeout: a peer did not arrive; names the missing group ranks (and, on a subgroup `group`, their
-            global ranks) and says how to end the job.
+            global ranks) and says how to end the job. `PeerFailed`: a peer recorded an error of its own, or the
+            group's connection to a peer failed (its process is gone).
     """
+    try:
+        _bounded_wait(work, what, call_id, rank, num_ranks, uid, device, timeout_s, owner, group, unit)
+    except RuntimeError as e:  # the backend's own error: a peer's process is gone (gloo: its connection closed)
+        if not communication_error(e):
+            raise
+        raise PeerFailed(lost_peer_message(what, rank, unit, call_id, e, owner)) from e
+
+
+def _bounded_wait(work, what, call_id, rank, num_ranks, uid, device, timeout_s, owner, group, unit) -> None:
     start = time.monotonic()
     settle = min(1.0, timeout_s / 4)  # the last part of the wait, in which peers that wait too announce themselves
     announced = False
@@ -196,9 +211,7 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
         if now > next_look:
             next_look = now + 0.5
             _raise_if_peer_failed(what, call_id, rank, uid, owner, group, unit)
-            if _someone_gave_up(uid, call_id):  # a late rank: its peers left this call already, do not wait
-                _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group, unit, work,
-                               waited=now - start)
+            _raise_if_peer_gave_up(what, call_id, rank, uid, owner, group, unit, now - start)
         if now > start + timeout_s - settle:
             _raise_timeout(what, call_id, rank, num_ranks, uid, timeout_s, owner, group, unit, work)
         # NOTE: on GPU spin first: a sleeping poll added ~3 ms to every CPU-synced NCCL dispatch (2x H200,
@@ -208,13 +221,28 @@ def bounded_wait(work: "dist.Work", *, what: str, call_id: int, rank: int, num_r
     work.wait()
 
 
-def _someone_gave_up(uid: int, call_id: int) -> bool:
-    """Whether a rank's wait in this call already ended in a timeout (one store round trip)."""
+def _raise_if_peer_gave_up(what: str, call_id: int, rank: int, uid: int, owner: str, group, unit: str,
+                           waited: float) -> None:
+    """A late rank: a peer's wait in this buffer already timed out, so the buffer's collectives cannot complete
+    (the late rank's own exchange may even have paired with the one its peer abandoned and gone on to the next):
+    raise now, naming it, rather than wait out this rank's timeout. Not for uid 0 (constructions, whose buffer has
+    no id yet: their keys are shared by every construction in the job)."""
     store = default_store()
     try:
-        return store is not None and store.add(_gave_up_count_key(uid, call_id), 0) > 0
-    except Exception:  # the store itself failed: wait on
-        return False
+        if store is None or not uid or not store.check([_gave_up_by_key(uid)]):
+            return
+        gone, gone_call = store.get(_gave_up_by_key(uid)).decode().split("\n")
+    except Exception:  # the store itself failed, or an odd record: wait on
+        return
+    if int(gone) == rank:
+        return
+    every = _global_ranks(group)
+    raise TransportTimeout(
+        f"{what}: {_rank_name(rank, every)} waited {waited:.1f} s for {unit} #{call_id} but group "
+        f"{_rank_name(int(gone), every)} gave up waiting in {unit} #{gone_call} of this {owner} (its own timeout) "
+        f"before this rank came. Every rank of the group must make the same {owner} calls in the same order. The "
+        f"{owner} and its process group are unusable now (an unmatched collective is pending): end the job; exit "
+        "with os._exit(1) or let the launcher kill it")
 
 
 def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: str, group, unit: str) -> None:
@@ -239,10 +267,9 @@ def _global_ranks(group) -> Optional[list]:
 
 
 def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int, timeout_s: float,
-                   owner: str, group=None, unit: str = "call", work=None, waited: Optional[float] = None) -> None:
+                   owner: str, group=None, unit: str = "call", work=None) -> None:
     """Raise the timeout of a wait for `work`, after a last moment for waiting peers to announce themselves (the
-    wait's final `min(1 s, timeout / 4)`); returns instead if `work` completed meanwhile. `waited`: the wait ended
-    early because a peer had given up on this call (its own timeout)."""
+    wait's final `min(1 s, timeout / 4)`); returns instead if `work` completed meanwhile."""
     store = default_store()
     every = _global_ranks(group)
 
@@ -260,7 +287,8 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
         gave_up = [r for r in range(num_ranks) if r != rank and store.check([_gave_up_key(uid, call_id, r)])]
         # A peer that comes later finds this rank announced but gone: say so rather than "every rank arrived".
         store.set(_gave_up_key(uid, call_id, rank), "1")
-        store.add(_gave_up_count_key(uid, call_id), 1)
+        if uid:
+            store.compare_set(_gave_up_by_key(uid), "", f"{rank}\n{call_id}")  # the first rank to give up
     if missing:
         who = f"{named(missing)} did not arrive"
     elif gave_up:
@@ -272,9 +300,8 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
         who = ("every group rank arrived and the collective still did not finish (a peer that died after it "
                "arrived, or calls or sizes that do not match between the ranks)")
     me = _rank_name(rank, every)
-    how_long = f"{timeout_s:g} s (num_cpu_timeout_secs)" if waited is None else f"{waited:.1f} s"
     raise TransportTimeout(
-        f"{what}: {me} waited {how_long} for {unit} #{call_id} but {who}. Every "
+        f"{what}: {me} waited {timeout_s:g} s (num_cpu_timeout_secs) for {unit} #{call_id} but {who}. Every "
         f"rank of the group must make the same {owner} calls in the same order. The {owner} and its process group "
         "are unusable now (an unmatched collective is pending): end the job; while the missing rank is alive the "
         "process cannot exit cleanly, so exit with os._exit(1) or let the launcher kill it")
