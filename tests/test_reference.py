@@ -22,6 +22,12 @@ def _call(rank: int, world: int, case: str):
             idx[2] = torch.tensor([3, 3])
         elif case == "ranks-disagree":
             num_experts = 16
+        elif case == "num-experts-none":  # raised before the all-gather, leaving the peer in it
+            num_experts = None
+        elif case == "topk-idx-1d":
+            idx = idx[:, 0]
+        elif case == "x-dtype-differs":  # a gloo abort in the moves after the check
+            x = x.double()
     try:
         ref.dispatch(x, idx, w, num_experts)
     except ValueError as e:
@@ -35,6 +41,9 @@ def _call(rank: int, world: int, case: str):
     ("id-out-of-range", r"topk_idx holds ids outside \[-1, num_experts=8\)", r"group ranks \[1\] passed invalid"),
     ("expert-twice", "a topk_idx row names an expert twice", r"group ranks \[1\] passed invalid"),
     ("ranks-disagree", r"ranks disagree on num_experts \(rank 0: 8, rank 1: 16\)", None),
+    ("num-experts-none", r"num_experts must be an int, got None", r"group ranks \[1\] passed invalid"),
+    ("topk-idx-1d", r"topk_idx must be a \[T, K\] int64/int32 tensor", r"group ranks \[1\] passed invalid"),
+    ("x-dtype-differs", r"ranks disagree on dtype \(rank 0: torch.float32, rank 1: torch.float64\)", None),
 ])
 def test_reference_refuses_bad_calls_on_every_rank(run_ranks, case, own, peer):
     import re

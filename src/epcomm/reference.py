@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import gloo_exit
+from . import comm, gloo_exit
 from .sizing import MAX_EXPERTS
 
 
@@ -67,23 +67,63 @@ class RefHandle:
         return [_align(n, self.expert_alignment) for n in self.num_recv_per_expert]
 
 
-def _agree(group, rank: int, num_ranks: int, device, num_tokens: int, idx: Tensor, call: dict) -> list:
-    """Every rank's token count, after the ranks checked together that each one's arguments are valid (`call`:
-    num_experts, hidden, num_topk, ...) and the same on every rank: one all-gather, then every rank raises the same
-    ValueError or none does, so a bad oracle call never returns results to compare against."""
-    num_experts = call["num_experts"]
-    problem = ""
-    if not (isinstance(num_experts, numbers.Integral) and not isinstance(num_experts, bool)
-            and 1 <= num_experts <= MAX_EXPERTS and num_experts % num_ranks == 0):
-        problem = f"num_experts={num_experts} must be in [1, {MAX_EXPERTS}] and a multiple of {num_ranks} ranks"
-    elif idx.numel() and not -1 <= int(idx.min()) <= int(idx.max()) < num_experts:
-        problem = f"topk_idx holds ids outside [-1, num_experts={num_experts})"
-    else:
-        same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
-        if bool((same & ~torch.eye(idx.shape[1], dtype=torch.bool, device=idx.device)).any()):
-            problem = "a topk_idx row names an expert twice"
-    fit = lambda v: max(-2 ** 63, min(int(v), 2 ** 63 - 1))  # noqa: E731 (a row every rank can send)
-    mine = torch.tensor([[int(not problem), num_tokens, *map(fit, call.values())]], device=device)
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _check_call(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment, do_expand,
+                num_ranks: int) -> tuple:
+    """`(problem, call)`: this rank's first invalid argument ("" if none) and what every rank must pass alike."""
+    data, sf = (x if isinstance(x, tuple) and len(x) == 2 else (x, None))
+    if not isinstance(data, Tensor) or data.dim() != 2 or data.dtype not in _DTYPES:
+        return "x must be a 2-D float tensor or an FP8 (data, scales) pair", {}
+    if not isinstance(topk_idx, Tensor) or topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int64, torch.int32) \
+            or topk_idx.shape[0] != data.shape[0]:
+        return "topk_idx must be a [T, K] int64/int32 tensor with a row per token of x", {}
+    ints = dict(num_experts=num_experts, expert_alignment=expert_alignment,
+                num_max_tokens_per_rank=-1 if num_max_tokens_per_rank is None else num_max_tokens_per_rank)
+    for name, v in ints.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not -2 ** 62 < v < 2 ** 62:
+            return f"{name} must be an int, got {v!r}", {}
+    call = dict(num_experts=int(num_experts), hidden=data.shape[1], num_topk=topk_idx.shape[1],
+                dtype=_DTYPES.index(data.dtype), do_expand=bool(do_expand), expert_alignment=int(expert_alignment),
+                weights=-1 if topk_weights is None else _DTYPES.index(topk_weights.dtype)
+                if isinstance(topk_weights, Tensor) and topk_weights.dtype in _DTYPES else -2,
+                scale_packs=-1 if sf is None else (sf.shape[1] if isinstance(sf, Tensor) and sf.dim() == 2 else -2),
+                num_max_tokens_per_rank=ints["num_max_tokens_per_rank"])
+    idx, num_experts = topk_idx.long(), call["num_experts"]
+    if not (1 <= num_experts <= MAX_EXPERTS and num_experts % num_ranks == 0):
+        return f"num_experts={num_experts} must be in [1, {MAX_EXPERTS}] and a multiple of {num_ranks} ranks", call
+    if call["expert_alignment"] < 1:
+        return f"expert_alignment={expert_alignment} must be >= 1", call
+    if num_max_tokens_per_rank is not None and not data.shape[0] <= num_max_tokens_per_rank:
+        return f"num_max_tokens_per_rank={num_max_tokens_per_rank} is below this rank's {data.shape[0]} tokens", call
+    if call["weights"] == -2 or (topk_weights is not None and tuple(topk_weights.shape) != tuple(idx.shape)):
+        return "topk_weights must be a float tensor shaped like topk_idx", call
+    if call["scale_packs"] == -2 or (sf is not None and sf.shape[0] != data.shape[0]):
+        return "an FP8 x's scales must be a [T, P] tensor", call
+    if idx.numel() and not -1 <= int(idx.min()) <= int(idx.max()) < num_experts:
+        return f"topk_idx holds ids outside [-1, num_experts={num_experts})", call
+    same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
+    if bool((same & ~torch.eye(idx.shape[1], dtype=torch.bool, device=idx.device)).any()):
+        return "a topk_idx row names an expert twice", call
+    return "", call
+
+
+def _agree(group, rank: int, num_ranks: int, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+           expert_alignment, do_expand) -> list:
+    """Every rank's token count, after the ranks checked together that each one's arguments are valid and the same
+    on every rank: one all-gather, then every rank raises the same ValueError or none does, so a bad oracle call
+    never returns results to compare against (nor leaves a peer in a collective it never meets)."""
+    try:
+        problem, call = _check_call(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                                    expert_alignment, do_expand, num_ranks)
+    except Exception as e:  # noqa: BLE001 -- anything odd in the arguments: refused, on every rank
+        problem, call = f"invalid arguments ({type(e).__name__}: {e})", {}
+    names = ("num_experts", "hidden", "num_topk", "dtype", "do_expand", "expert_alignment", "weights", "scale_packs",
+             "num_max_tokens_per_rank")
+    num_tokens = 0 if problem else (x[0] if isinstance(x, tuple) else x).shape[0]
+    mine = torch.tensor([[int(not problem), num_tokens, *[int(call.get(n, 0)) for n in names]]],
+                        device=comm.group_device(group))
     every = [torch.zeros_like(mine) for _ in range(num_ranks)]
     dist.all_gather(every, mine, group=group)
     rows = torch.cat(every).tolist()
@@ -92,10 +132,12 @@ def _agree(group, rank: int, num_ranks: int, device, num_tokens: int, idx: Tenso
     bad = [r for r, row in enumerate(rows) if not row[0]]
     if bad:
         raise ValueError(f"epcomm.reference.dispatch: rank {rank}: group ranks {bad} passed invalid arguments")
-    for i, name in enumerate(call):
+    for i, name in enumerate(names):
         if len({row[2 + i] for row in rows}) > 1:
+            shown = [(_DTYPES[v] if v >= 0 else None) if name in ("dtype", "weights") else v
+                     for v in (row[2 + i] for row in rows)]
             raise ValueError(f"epcomm.reference.dispatch: rank {rank}: ranks disagree on {name} ("
-                             + ", ".join(f"rank {r}: {row[2 + i]}" for r, row in enumerate(rows)) + ")")
+                             + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)) + ")")
     return [row[1] for row in rows]
 
 
@@ -133,12 +175,11 @@ def dispatch(
     group = group or dist.group.WORLD
     gloo_exit.arm(group)  # a clean exit right after these collectives
     rank, num_ranks = group.rank(), group.size()
+    tokens = _agree(group, rank, num_ranks, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                    expert_alignment, do_expand)
     data, sf = (x if isinstance(x, tuple) else (x, None))
     num_tokens, num_topk = topk_idx.shape
     idx = topk_idx.long()
-    tokens = _agree(group, rank, num_ranks, data.device, num_tokens, idx, dict(
-        num_experts=num_experts, hidden=data.shape[1], num_topk=num_topk, do_expand=do_expand,
-        expert_alignment=expert_alignment, weights=topk_weights is not None, fp8=sf is not None))
     num_local = num_experts // num_ranks
     if num_max_tokens_per_rank is None:
         num_max_tokens_per_rank = max(tokens)

@@ -229,6 +229,8 @@ class WorkerPool:
             WorkerDied: A worker process exited; the pool is now dead.
             WatchdogTimeout: Some rank did not answer in time; the pool is now dead.
         """
+        if isinstance(peer_grace, bool) or not isinstance(peer_grace, (int, float)) or not peer_grace > 0:
+            raise ValueError(f"peer_grace must be a number of seconds > 0, got {peer_grace!r}")
         if not self.alive:
             self._kill(self._dead or "a worker process exited while idle")
             raise RuntimeError(f"{self!r} is not usable ({self._dead}); start a new pool "

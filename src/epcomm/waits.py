@@ -280,9 +280,11 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
     gave_up: list = []
     if store is not None:
         announce(uid, call_id, rank)
-        time.sleep(min(1.0, timeout_s / 4))  # let peers that are waiting too announce themselves
-        if work is not None and work.is_completed():
-            return
+        settle_end = time.monotonic() + min(1.0, timeout_s / 4)  # peers that wait too announce themselves
+        while time.monotonic() < settle_end:
+            if work is not None and work.is_completed():  # a peer came in the last moment: no timeout
+                return
+            time.sleep(1e-3)
         missing = [r for r in range(num_ranks) if r != rank and not store.check([_key(uid, call_id, r)])]
         gave_up = [r for r in range(num_ranks) if r != rank and store.check([_gave_up_key(uid, call_id, r)])]
         # A peer that comes later finds this rank announced but gone: say so rather than "every rank arrived".
