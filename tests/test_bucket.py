@@ -136,6 +136,7 @@ EXPECTED = {
     "ar_list_index": ("TypeError", r"srcs\[1\] must be torch.float32"),
     "scale_type": ("TypeError", r"scale must be a float, got str"),
     "scale_nan": ("ValueError", r"scale must be finite, got nan"),
+    "scale_huge_int": ("ValueError", r"scale must be finite, got 1000000000000"),
     "allocate_dtype": ("TypeError", r"dtype must be a torch.dtype, got str 'float'"),
     "allocate_float_size": ("TypeError", r"shapes must be a shape \(an int or a tuple of ints\) or a list of shapes, "
                                          r"got float 2.0 in \(2.0,\)"),
@@ -224,6 +225,7 @@ def bucket_error_cases(rank, world):
         "ar_list_index": out(buf.all_reduce, [f32, st[0:64].view(torch.int32)]),
         "scale_type": out(buf.all_reduce, f32, "2"),
         "scale_nan": out(buf.all_reduce, f32, float("nan")),
+        "scale_huge_int": out(buf.all_reduce, f32, 10 ** 400),
         "ambiguous_group": out(two.all_reduce, two.storage[:64].view(torch.float32)),
         "unknown_group": out(buf.all_reduce, f32, 1.0, dup),
         "barrier_unknown_group": out(buf.barrier, group=dup),
@@ -303,8 +305,9 @@ def _scales_differ(rank, world):
         x = buf.storage[:64 * world].view(torch.float32)
         x.fill_(1.0)
         outcome = cc.outcome(buf.all_reduce, x, scale=float(rank + 1))
+        zero = cc.outcome(buf.all_reduce, x, scale=-0.0 if rank else 0.0)  # results would differ in zero's sign
         buf.all_reduce(x, scale=0.5).wait()  # the buffer stays usable
-        return outcome, x[:2].tolist()
+        return outcome, zero, x[:2].tolist()
     finally:
         buf.destroy()
 
@@ -312,8 +315,9 @@ def _scales_differ(rank, world):
 def test_ranks_passing_different_scales_raise_everywhere(run_ranks):
     """scale multiplies the sum afterwards: ranks that pass different ones would get different results of one
     all-reduce, silently; every rank raises instead."""
-    for (cls, msg), after in run_ranks(2, _scales_differ):
+    for (cls, msg), (zcls, zmsg), after in run_ranks(2, _scales_differ):
         assert cls == "ValueError" and "ranks disagree on scale (rank 0: 1.0, rank 1: 2.0)" in msg, msg
+        assert zcls == "ValueError" and "ranks disagree on scale (rank 0: 0.0, rank 1: -0.0)" in zmsg, zmsg
         assert after == [1.0, 1.0], after
 
 

@@ -290,7 +290,7 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
             raise ValueError(f"{call}: rank {ctx.rank}: ranks disagree on the {what} ({desc}); every rank of the "
                              "group must make the same call with buckets of the same sizes")
     scales = [struct.unpack("<d", struct.pack("<q", got[6]))[0] for got in rows]
-    if len(set(scales)) > 1:
+    if len({got[6] for got in rows}) > 1:  # by bits: -0.0 and 0.0 give results that differ in the sign of zero
         desc = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(scales))
         raise ValueError(f"{call}: rank {ctx.rank}: ranks disagree on scale ({desc}); the sum is scaled after the "
                          "reduction, so every rank must pass the same scale")
@@ -305,7 +305,11 @@ def _reduction_options(buf: BucketBuffer, c, ctx, op: str, comm_precision: str, 
                            "a pure-RDMA group; epcomm's collective path reduces in fp32)")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         c.fail(TypeError, f"scale must be a float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    try:
+        finite = math.isfinite(scale)
+    except OverflowError:  # an int past the float range
+        finite = False
+    if not finite:
         c.fail(ValueError, f"scale must be finite, got {scale}")
     if num_sms is None:
         return buf.get_theoretical_num_sms(op, ctx.group)
