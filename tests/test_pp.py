@@ -195,7 +195,8 @@ def test_waits_are_bounded_and_name_the_peer():
 def test_a_closed_channel_gives_peer_failed():
     (cls0, msg0), (cls1, msg1) = run_in_fresh_world(2, cc.pp_send_after_the_neighbour_gave_up, 2.0, timeout=60)
     assert cls0 == "TransportTimeout" and "PPBuffer.recv: rank 0: waited 2 s" in msg0, msg0
-    assert cls1 == "PeerFailed" and msg1.startswith("PPBuffer.send: rank 1: the channel to the neighbour closed"), msg1
+    assert cls1 == "PeerFailed" and msg1.startswith("PPBuffer.send: rank 1: the channel to the neighbour (group rank "
+                                                    "0) closed"), msg1
 
 
 # One rank of a fresh 2-rank world (`python -c _EXIT_SCRIPT RANK INIT_METHOD CASE TIMEOUT`): a PPBuffer whose send

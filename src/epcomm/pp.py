@@ -271,7 +271,8 @@ class PPBuffer(ContextLifecycle):
                 f"{call}: rank {self.rank}: send #{k} to group rank {fifo.peer} waited {self.context.timeout_s:g} s "
                 f"(num_cpu_timeout_secs) for a free slot: group rank {fifo.peer} has not received send #{k - n} "
                 f"(num_max_inflight_tensors={n} sends may be in flight per neighbour); every send needs a matching "
-                f"recv(x, src_rank_idx={self.rank}) there. The PPBuffer is unusable now: destroy it and restart"))
+                f"recv(x, src_rank_idx={self.rank}) there. The PPBuffer is unusable now: destroy it and restart"),
+                peer=fifo.peer)
         payload = fifo.slots[slot, :x.nbytes]
         payload.copy_(x.reshape(-1).view(torch.uint8))
         works = []
@@ -283,7 +284,7 @@ class PPBuffer(ContextLifecycle):
             works.append(fifo.channel.send([payload], fifo.channel_peer, _TAG_PAYLOAD))
         except RuntimeError as exc:
             if communication_error(exc):
-                raise self._channel_closed(call, exc) from exc
+                raise self._channel_closed(call, exc, fifo.peer) from exc
             raise
         fifo.works[slot] = works
         fifo.count += 1
@@ -323,14 +324,14 @@ class PPBuffer(ContextLifecycle):
         target = x.reshape(-1).view(torch.uint8)
         mismatch = None
         if self._check_sizes:
-            self._wait(fifo.pending, deadline, late)
+            self._wait(fifo.pending, deadline, late, peer=fifo.peer)
             magic, seq, nbytes, _ = fifo.headers[0].tolist()
             assert magic == _HEADER_MAGIC and seq == k, f"PPBuffer FIFO out of step: header {magic, seq}, k={k}"
             self._post_header(fifo)
             if nbytes != x.nbytes:
                 mismatch, target = nbytes, torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         work = fifo.channel.recv([target], fifo.channel_peer, _TAG_PAYLOAD)
-        self._wait(work, deadline, late)
+        self._wait(work, deadline, late, peer=fifo.peer)
         fifo.count += 1
         if mismatch is not None:
             c.fail(ValueError, f"x has {x.nbytes} bytes but send #{k} from group rank {fifo.peer} carried {mismatch}; "
@@ -487,7 +488,8 @@ class PPBuffer(ContextLifecycle):
             self._warned.add("num_sms")
             warn_caller("epcomm: PPBuffer num_sms has no effect (the collective path uses no SM budget)")
 
-    def _wait(self, work: "dist.Work", deadline: float, late, *, host: bool = False) -> None:
+    def _wait(self, work: "dist.Work", deadline: float, late, *, host: bool = False,
+              peer: Optional[int] = None) -> None:
         """CPU: a host wait until `deadline`; CUDA: the current stream waits, or (`host`) a bounded host poll.
 
         Raises:
@@ -515,15 +517,16 @@ class PPBuffer(ContextLifecycle):
             if time.monotonic() >= deadline - 0.01 or "timeout" in str(exc).lower():
                 raise TransportTimeout(late()) from None
             if communication_error(exc):
-                raise self._channel_closed(late().split(":", 1)[0], exc) from exc
+                raise self._channel_closed(late().split(":", 1)[0], exc, peer) from exc
             raise
 
-    def _channel_closed(self, call: str, exc: BaseException) -> PeerFailed:
-        """The error of a wait or send of `call` whose channel to the neighbour closed (gloo's own RuntimeError,
-        `exc`, names no rank); the buffer is broken afterwards."""
+    def _channel_closed(self, call: str, exc: BaseException, peer: Optional[int] = None) -> PeerFailed:
+        """The error of a wait or send of `call` whose channel to the neighbour (group rank `peer`, where known)
+        closed (gloo's own RuntimeError, `exc`, names no rank); the buffer is broken afterwards."""
         self.context.broken = f"{call}: the channel to a neighbour closed"
         said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        return PeerFailed(f"{call}: rank {self.rank}: the channel to the neighbour closed while this rank waited or "
+        who = "the neighbour" if peer is None else f"the neighbour (group rank {peer})"
+        return PeerFailed(f"{call}: rank {self.rank}: the channel to {who} closed while this rank waited or "
                           "sent: its process exited or was killed, or its PPBuffer timed out or was dropped (the "
                           f"backend said: {said}). The PPBuffer is unusable now: destroy it and restart")
 
