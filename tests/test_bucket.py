@@ -155,6 +155,8 @@ EXPECTED = {
     # A dst that is not a staging view gets its result at wait(): another bucket's result must not hold its bytes.
     "session_dst_in_staging": ("ValueError", r"srcs\[0\] and dsts\[1\] overlap in the storage \(bytes \[64, 576\) "
                                              r"and \[68, 132\)\)"),
+    "session_dst_overlaps_src": ("ValueError", r"dsts overlaps srcs but is not its in-place result \(the all_reduce "
+                                               r"result of srcs is srcs itself\)"),
     "session_wait_after_next_session": ("ValueError", r"the first wait\(\) of this call came after a later session "
                                                       r"reused the staging area"),
     "session_mixed_groups": ("ValueError", r"all collectives of one session must use the same group"),
@@ -255,6 +257,8 @@ def bucket_error_cases(rank, world):
         r["session_staging_over_bucket"] = out(s.all_reduce, [torch.ones(16), st[0:64].view(torch.float32)])
         r["session_dst_in_staging"] = out(s.all_reduce, [torch.ones(128), torch.ones(16)],
                                           dsts=[None, st[68:132].view(torch.float32)])
+        shifted = s.allocate((16 * world + 8,))
+        r["session_dst_overlaps_src"] = out(s.all_reduce, shifted[:16 * world], dsts=shifted[8:])
         r["allocate_dtype"] = out(s.allocate, (3,), "float")
         r["allocate_float_size"] = out(s.allocate, (2.0,))
         r["allocate_negative_size"] = out(s.allocate, (2, -1))

@@ -231,6 +231,11 @@ def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precisi
         out = flat[r * n:(r + 1) * n] if op == "reduce_scatter" else flat
         result = out if op == "reduce_scatter" else src if stage is None else stage
         same = dst is not None and dst.data_ptr() == out.data_ptr()
+        if dst is not None and not same and dst.data_ptr() < src.data_ptr() + src.nbytes and \
+                src.data_ptr() < dst.data_ptr() + dst.nbytes:  # wait() would copy a tensor onto itself, shifted
+            c.fail(ValueError, f"{dname} overlaps {name} but is not its in-place result (the {op} result of "
+                               f"{name} is {'its rank-th shard' if op == 'reduce_scatter' else name + ' itself'}); "
+                               "pass that view or a tensor of its own")
         buckets.append(_Bucket(inp=flat, out=out, result=dst if same else result, stage_to=stage,
                                stage_from=None if stage is None else src,
                                copy_to=dst if dst is not None and not same else None,
