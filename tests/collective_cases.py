@@ -656,6 +656,8 @@ def barriers_of_two_buffers(rank: int, world: int):
                  lambda: EngramBuffer(None, 2 * MIB, 2 * MIB, explicitly_destroy=True, num_cpu_timeout_secs=30)):
         a, b = make(), make()
         out[type(a).__name__] = outcome((a if rank == 0 else b).barrier)
+        out[type(a).__name__ + " waits"] = [x.contexts[0]._call_id if hasattr(x, "contexts") else x.context._call_id
+                                            for x in (a, b)]  # in step on every rank after the mismatch
         a.barrier()
         b.destroy()  # the destroys' order between buffers is free
         a.destroy()

@@ -283,6 +283,7 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
         exc = TypeError if rows[failed[0]][0] == STATUS_TYPE else ValueError
         raise exc(rejected(call, ctx.rank, failed, messages))
     if len({got[5] for got in rows}) > 1:  # two BucketBuffers (or contexts) on one group: the calls paired
+        ctx.take_back_call_id()
         same = [r for r, got in enumerate(rows) if got[5] == ctx.uid]
         raise ValueError(f"{call}: rank {ctx.rank}: ranks are in calls of different BucketBuffers on this group "
                          f"(group ranks {same} in this one); every rank must call the same buffer in the same order")

@@ -153,6 +153,12 @@ class CommContext:
         self._call_id += 1
         return self._call_id
 
+    def take_back_call_id(self) -> None:
+        """The exchange just made met another buffer's (its ids differ): that wait was not this buffer's, so its
+        number goes back, and the buffers' later waits keep the same numbers on every rank (the store keys that
+        name missing ranks)."""
+        self._call_id -= 1
+
     def after_agreement(self, call: str, e: BaseException, *, err: Optional[BaseException] = None,
                         every_rank: tuple = ()) -> None:
         """Raise `e`, an error of `call` after the ranks agreed on it (or while waiting in its header), the way it
@@ -255,6 +261,7 @@ class CommContext:
             # (`same_buffer=False`: a construction's or destroy's barrier, whose order between buffers is free.)
             uids = self.exchange(torch.full((self.num_ranks, 1), self.uid, dtype=torch.int64), call)
             if same_buffer and len(set(uids.view(-1).tolist())) > 1:
+                self.take_back_call_id()
                 same = [r for r, u in enumerate(uids.view(-1).tolist()) if u == self.uid]
                 raise ValueError(f"{call}: rank {self.rank}: ranks are in barriers of different {self.owner}s on "
                                  f"this group (group ranks {same} in this one); every rank must call the same buffer "

@@ -475,6 +475,7 @@ class EngramBuffer(ContextLifecycle):
                 raise err
             raise _EXC[rows[failed[0]][0]](rejected(call, self.rank, failed, messages))
         if len({row[2] for row in rows}) > 1:
+            self.context.take_back_call_id()
             same = [r for r, row in enumerate(rows) if row[2] == self.context.uid]
             raise ValueError(f"{call}: rank {self.rank}: ranks are in calls of different EngramBuffers on this group "
                              f"(group ranks {same} in this one); every rank must call the same buffer in the same "
