@@ -295,8 +295,8 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
             desc = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
             raise ValueError(f"{call}: rank {ctx.rank}: ranks disagree on the {what} ({desc}); every rank of the "
                              "group must make the same call with buckets of the same sizes")
-    scales = [struct.unpack("<d", struct.pack("<q", got[6]))[0] for got in rows]
     if len({got[6] for got in rows}) > 1:  # by bits: -0.0 and 0.0 give results that differ in the sign of zero
+        scales = [struct.unpack("<d", struct.pack("<q", got[6]))[0] for got in rows]
         desc = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(scales))
         raise ValueError(f"{call}: rank {ctx.rank}: ranks disagree on scale ({desc}); the sum is scaled after the "
                          "reduction, so every rank must pass the same scale")

@@ -56,7 +56,7 @@ from torch import Tensor
 from . import sizing
 from .comm import ContextLifecycle, CommContext, new_comm_stream
 from .compile_guard import eager_under_compile
-from .waits import PeerFailed, communication_error, default_store
+from .waits import PeerFailed, backend_said, communication_error, default_store
 from .transport.base import TransportTimeout
 from .validate import Checker, construction_timeout, process_group, warn_caller
 
@@ -524,7 +524,7 @@ class PPBuffer(ContextLifecycle):
         """The error of a wait or send of `call` whose channel to the neighbour (group rank `peer`, where known)
         closed (gloo's own RuntimeError, `exc`, names no rank); the buffer is broken afterwards."""
         self.context.broken = f"{call}: the channel to a neighbour closed"
-        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        said = backend_said(exc)
         who = "the neighbour" if peer is None else f"the neighbour (group rank {peer})"
         return PeerFailed(f"{call}: rank {self.rank}: the channel to {who} closed while this rank waited or "
                           "sent: its process exited or was killed, or its PPBuffer timed out or was dropped (the "

@@ -170,9 +170,14 @@ class PeerFailed(TransportTimeout):
     (and `TransportTimeout`), so code that catches timeouts catches it."""
 
 
+def backend_said(e: BaseException) -> str:
+    """The first line of a backend error's message (gloo's run over several lines), for epcomm's own messages."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
 def lost_peer_message(what: str, rank: int, unit: str, call_id: int, e: BaseException, owner: str) -> str:
     """The message of `PeerFailed` for a communication error of the group itself (`communication_error`)."""
-    said = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    said = backend_said(e)
     return (f"{what}: rank {rank}: the process group's connection to a peer failed during {unit} #{call_id} and no "
             f"peer recorded an error of its own: a peer process exited or was killed (the backend said: {said}). The "
             f"{owner} and its process group are unusable now: end the job (exit with os._exit(1) or let the launcher "
