@@ -168,9 +168,11 @@ def dispatch(
         sizes); handle is a `RefHandle`.
 
     Raises:
-        ValueError: on every rank, when a rank's `num_experts` or `topk_idx` values are invalid (ids outside
-            [-1, num_experts), an expert twice in a row) or the ranks pass different num_experts, hidden, top-k,
-            layout, alignment, weights or FP8 (one all-gather checks them before anything moves).
+        ValueError: on every rank, when a rank's arguments are malformed (types, shapes, dtypes) or invalid
+            (`num_experts` outside [1, 65536] or not a multiple of the group size, ids outside [-1, num_experts),
+            an expert twice in a row, fewer `num_max_tokens_per_rank` than tokens), or the ranks pass different
+            num_experts, hidden, top-k, x or weights dtypes, layout, alignment, FP8 scale packs or
+            num_max_tokens_per_rank (one all-gather checks them before anything moves).
     """
     group = group or dist.group.WORLD
     gloo_exit.arm(group)  # a clean exit right after these collectives
