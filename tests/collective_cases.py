@@ -319,7 +319,13 @@ def pp_errors(rank: int, world: int):
     pp.send(torch.arange(8, dtype=torch.int32), peer)
     out["size_mismatch"] = outcome(pp.recv, torch.empty(4, dtype=torch.int32), (rank - 1) % world)
     pp.send(torch.full((3,), 7.0), peer)
+    out["requires_grad"] = outcome(pp.recv, torch.zeros(3, requires_grad=True), (rank - 1) % world)  # consumes none
     out["after_mismatch"] = pp.recv(torch.empty(3), (rank - 1) % world).tolist()
+    pp.send(torch.full((2,), 5.0), peer)
+    leaf = torch.zeros(2, requires_grad=True)
+    with torch.no_grad():  # as an optimizer's in-place update
+        pp.recv(leaf, (rank - 1) % world)
+    out["no_grad_leaf"] = leaf.tolist()
     pp.destroy()
     out["destroyed"] = outcome(pp.send, torch.ones(4), peer)
     return out

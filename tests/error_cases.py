@@ -703,6 +703,26 @@ def missing_peer_in_subgroup(rank: int, world: int, timeout_s: float):
     return "no error"
 
 
+def rejected_in_subgroup(rank: int, world: int, timeout_s: float):
+    """On the subgroup of global ranks [1, 2], global rank 2 passes an expert id out of range: global rank 1's
+    "rejected" message names it by its group rank and its global rank. Returns each rank's message."""
+    sub = torch.distributed.new_group([1, 2])
+    if rank == 0:
+        return None
+    buf = epcomm.EPBuffer(sub, num_max_tokens_per_rank=N, hidden=H, num_cpu_timeout_secs=timeout_s)
+    x, idx, w = _inputs(rank)
+    if rank == 2:
+        idx = idx.clone()
+        idx[0, 0] = E  # out of range
+    try:
+        buf.dispatch(x, idx, w, num_experts=E)
+    except ValueError as e:
+        return str(e)
+    finally:
+        buf.destroy()
+    return "no error"
+
+
 def collective_error_before_header(rank: int, world: int, which: str):
     """Rank 1's error before the ranks agree on a call travels in the call's header as a bad argument does: a
     conjugate view that torch refuses to reinterpret as bytes (a RuntimeError) in a bucket all-gather ("conj"), out

@@ -328,6 +328,14 @@ def test_missing_peer_in_a_subgroup_is_named_by_its_global_rank_too():
                      r"\(global ranks \[2\]\) did not arrive", results[1]), results[1]
 
 
+def test_rejected_call_in_a_subgroup_names_the_global_ranks_too():
+    results = run_in_fresh_world(3, error_cases.rejected_in_subgroup, 10.0, timeout=60)
+    assert results[0] is None, results
+    assert "topk_idx" in results[2] and "rejected" not in results[2], results[2]  # its own error
+    assert re.search(r"^EPBuffer.dispatch: rank 0 \(global rank 1\): group rank 1 \(global rank 2\) rejected the "
+                     r"call: .*topk_idx", results[1]), results[1]
+
+
 def test_late_rank_with_a_bad_value_times_out_in_the_message_gather():
     """The message gather of a failed call is bounded like every host wait (agreement.gather_messages)."""
     results = run_in_fresh_world(2, error_cases.late_rank_with_bad_value, 2.0, timeout=60)

@@ -53,6 +53,9 @@ PP_ERRORS = {
     "size_mismatch": ("ValueError", r"x has 16 bytes but send #0 from group rank \d carried 32; recv into a tensor "
                                     r"of the sent size"),
     "destroyed": ("ValueError", r"the PPBuffer was destroyed"),
+    # recv's write is not recorded by autograd (was: a leaf requiring grad was overwritten silently)
+    "requires_grad": ("ValueError", r"PPBuffer.recv: rank \d: x requires grad, and recv writes it in place where "
+                                    r"autograd does not see it"),
     # a wrong type is a TypeError naming the argument (was: ValueError "must be a ring neighbour")
     "float_peer": ("TypeError", r"PPBuffer.send: rank \d: dst_rank_idx must be an int, got float [01]\.0$"),
     # timeouts are checked as EngramBuffer's and EPBuffer's (0 was accepted, then every wait timed out at once)
@@ -64,6 +67,7 @@ PP_ERRORS = {
 def test_pp_errors(run_ranks):
     for rank, out in enumerate(run_ranks(2, cc.pp_errors)):
         assert out["after_mismatch"] == [7.0, 7.0, 7.0], "the FIFO stays in step after a size mismatch"
+        assert out["no_grad_leaf"] == [5.0, 5.0], out["no_grad_leaf"]
         for name, (cls, pattern) in PP_ERRORS.items():
             assert out[name] is not None and out[name][0] == cls, (name, out[name])
             with pytest.raises({"ValueError": ValueError, "TypeError": TypeError}[cls], match=pattern):

@@ -139,14 +139,25 @@ def gather_messages(exchange: Callable[[Tensor], Tensor], msg: str, num_ranks: i
             for s in range(num_ranks)]
 
 
-def rejected(call: str, rank: int, failed: list, messages: list, what: str = "the call") -> str:
+def rejected(call: str, rank: int, failed: list, messages: list, what: str = "the call", group=None) -> str:
     """The message of a rank without a fault of its own: every group rank in `failed` rejected `what`, with the
-    messages of the first four (the rest by rank; each raised its own)."""
+    messages of the first four (the rest by rank; each raised its own). On a subgroup (`group`) each failed rank
+    is also named by its global rank, the process a user looks for."""
+    from .waits import global_ranks  # (waits is not imported at module level: it needs no agreement)
+
+    every = global_ranks(group)
+
+    def named(s: int) -> str:
+        return f"group rank {s}" + (f" (global rank {every[s]})" if every else "")
+
     first = failed[0]
-    also = "".join(f"; group rank {s} rejected it too: {messages[s]}" for s in failed[1:1 + _MORE_MESSAGES])
+    also = "".join(f"; {named(s)} rejected it too: {messages[s]}" for s in failed[1:1 + _MORE_MESSAGES])
     if len(failed) > 1 + _MORE_MESSAGES:
-        also += f"; and group ranks {failed[1 + _MORE_MESSAGES:]} (their messages are in their own errors)"
-    return f"{call}: rank {rank}: group rank {first} rejected {what}: {messages[first]}{also}"
+        rest = failed[1 + _MORE_MESSAGES:]
+        also += (f"; and group ranks {rest}" + (f" (global ranks {[every[s] for s in rest]})" if every else "")
+                 + " (their messages are in their own errors)")
+    me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
+    return f"{call}: {me}: {named(first)} rejected {what}: {messages[first]}{also}"
 
 
 def every_rank(exc: BaseException) -> BaseException:
@@ -163,7 +174,8 @@ def raised_everywhere(exc: BaseException) -> bool:
 
 
 def check(
-    call: str, rank: int, recv_RC: list, local_error: Optional[BaseException], gather_messages: Callable[[str], list]
+    call: str, rank: int, recv_RC: list, local_error: Optional[BaseException], gather_messages: Callable[[str], list],
+    group=None,
 ) -> None:
     """Raise on every rank if any rank failed its checks or the ranks disagree about the call. A rank whose own
     checks failed raises its own error; the others raise naming every rank that failed, with the messages of the
@@ -174,21 +186,22 @@ def check(
         local_error: this rank's own check failure, or None.
         gather_messages: gathers one string per rank, bounded (`gather_messages` above; only called when some
             rank failed).
+        group: the process group, to name failed ranks by their global ranks too on a subgroup.
     """
     try:
-        _check(call, rank, recv_RC, local_error, gather_messages)
+        _check(call, rank, recv_RC, local_error, gather_messages, group)
     except (TypeError, ValueError) as e:
         raise every_rank(e)
 
 
 def _check(call: str, rank: int, recv_RC: list, local_error: Optional[BaseException],
-           gather_messages: Callable[[str], list]) -> None:
+           gather_messages: Callable[[str], list], group=None) -> None:
     failed = [s for s, row in enumerate(recv_RC) if row[0] != STATUS_OK]
     if failed:
         messages = gather_messages(str(local_error) if local_error is not None else "")
         if local_error is not None:
             raise local_error
-        raise _EXC.get(recv_RC[failed[0]][0], ValueError)(rejected(call, rank, failed, messages))
+        raise _EXC.get(recv_RC[failed[0]][0], ValueError)(rejected(call, rank, failed, messages, group=group))
     low_latency = [row[2] in (OP_LOW_LATENCY_DISPATCH, OP_LOW_LATENCY_COMBINE, OP_CLEAN_LOW_LATENCY)
                    for row in recv_RC]
     # Two buffers of one group count their calls apart: say that the buffers differ, not only the call numbers.

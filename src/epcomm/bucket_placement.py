@@ -281,7 +281,7 @@ def _agree(ctx: CommContext, call: str, op: str, err: Optional[BaseException], s
         if err is not None:
             raise err
         exc = TypeError if rows[failed[0]][0] == STATUS_TYPE else ValueError
-        raise exc(rejected(call, ctx.rank, failed, messages))
+        raise exc(rejected(call, ctx.rank, failed, messages, group=ctx.group))
     if len({got[5] for got in rows}) > 1:  # two BucketBuffers (or contexts) on one group: the calls paired
         ctx.take_back_call_id()
         same = [r for r, got in enumerate(rows) if got[5] == ctx.uid]

@@ -244,7 +244,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             if err is not None:
                 raise err
             exc = TypeError if rows[failed[0]][4] == agreement.STATUS_TYPE else ValueError
-            raise exc(agreement.rejected("EPBuffer", self.rank, failed, messages, "the construction"))
+            raise exc(agreement.rejected("EPBuffer", self.rank, failed, messages, "the construction",
+                                                 group=self.group))
         for col, name in enumerate(_AGREED_OPTIONS, start=6):  # the arguments first, the size they imply last
             values = [row[col] for row in rows]
             sized = [v or sizing.MAX_TOPK for v in values] if name == "num_topk" else values  # 0 sizes for 32
@@ -539,7 +540,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 lambda t: self.transport.exchange_counts(t, wait=True, call_id=call_id, what="error messages",
                                                          label=call), msg,
                 self.num_ranks, self.device)
-        agreement.check(call, self.rank, recv_rows, local_error, gather)
+        agreement.check(call, self.rank, recv_rows, local_error, gather, self.group)
 
     def _reject_call(self, call: str, err: BaseException) -> None:
         """Raise `err`, found by a wrapper (`TokenDispatcher`) before it reached `call`: on CPU through that call's

@@ -110,7 +110,7 @@ class CommContext:
             exc = error
             if exc is None:
                 exc = (TypeError if rows[failed[0]][2] == STATUS_TYPE else ValueError)(
-                    rejected(owner, self.rank, failed, messages, "the construction"))
+                    rejected(owner, self.rank, failed, messages, "the construction", self.group))
             exc.disagreed = disagreed
             raise exc
         if disagreed:

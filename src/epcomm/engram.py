@@ -473,7 +473,7 @@ class EngramBuffer(ContextLifecycle):
                                        str(err) if err is not None else "", self.num_ranks, self.device)
             if err is not None:
                 raise err
-            raise _EXC[rows[failed[0]][0]](rejected(call, self.rank, failed, messages))
+            raise _EXC[rows[failed[0]][0]](rejected(call, self.rank, failed, messages, group=self.context.group))
         if len({row[2] for row in rows}) > 1:
             self.context.take_back_call_id()
             same = [r for r, row in enumerate(rows) if row[2] == self.context.uid]

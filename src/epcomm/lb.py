@@ -390,7 +390,7 @@ class LoadBalancingMixin:
             if err is not None:
                 raise agreement.every_rank(err)
             raise agreement.every_rank(_EXC.get(recv[failed[0]][0], ValueError)(
-                agreement.rejected(name, self.rank, failed, messages)))
+                agreement.rejected(name, self.rank, failed, messages, group=self.group)))
         for i, field in enumerate(_HEADER[1:], start=1):
             values = [r[i] for r in recv]
             if len(set(values)) > 1:

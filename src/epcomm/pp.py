@@ -297,7 +297,8 @@ class PPBuffer(ContextLifecycle):
         (bounded host wait). CUDA: the current stream waits for the data (bounded by the NCCL timeout).
 
         Args:
-            x: [...] any dtype -- contiguous, non-empty, `x.nbytes` equal to the matching send's, on the device.
+            x: [...] any dtype -- contiguous, non-empty, `x.nbytes` equal to the matching send's, on the device;
+                not requiring grad unless under `torch.no_grad()` (the write is not recorded by autograd).
             src_rank_idx: int -- `(rank + 1) % R` or `(rank - 1) % R` (group ranks).
             num_sms: None (all SMs) or > 0; no effect on CPU (warns once) or with NCCL.
 
@@ -305,13 +306,18 @@ class PPBuffer(ContextLifecycle):
             `x`, filled.
 
         Raises:
-            TypeError: x not a tensor, src_rank_idx not an int. ValueError: not a neighbour, bad x, (CPU) a size
+            TypeError: x not a tensor, src_rank_idx not an int. ValueError: not a neighbour, bad x (also: x
+            requires grad with grad mode on), (CPU) a size
             that differs from the send's (the message is consumed). TimeoutError: (CPU) no data within
             `num_cpu_timeout_secs`. PeerFailed (a TimeoutError): (CPU) the channel to the neighbour closed.
         """
         call = "PPBuffer.recv"
         c = self.context.checker(call)
         self._check_x(c, x)
+        if x.requires_grad and torch.is_grad_enabled():  # as torch's in-place rule, since autograd never sees it
+            c.fail(ValueError, "x requires grad, and recv writes it in place where autograd does not see it; receive "
+                               "into a tensor that does not require grad (then call .requires_grad_()), or call "
+                               "recv under torch.no_grad()")
         fifo = self._recv[self._check_peer(c, "src_rank_idx", src_rank_idx)]
         self._check_sms(c, num_sms)
         k = fifo.count

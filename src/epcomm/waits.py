@@ -127,7 +127,7 @@ def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: st
     what this rank's numbers count ("call": an EPBuffer's calls; "collective": a `comm.CommContext`'s host waits,
     several per bucket or Engram call); the failed rank's record carries its own."""
     failed, failed_number, failed_call, error = failure
-    every = _global_ranks(group)
+    every = global_ranks(group)
     who, me = f"group {_rank_name(failed, every)}", _rank_name(rank, every)
     return (f"{what}: {me} waited for {unit} #{call_id} but {who} stopped with an error during its {failed_call} "
             f"({failed_number}): {error.rstrip().rstrip('.')}. The call cannot complete: the {owner} and its process "
@@ -241,7 +241,7 @@ def _raise_if_peer_gave_up(what: str, call_id: int, rank: int, uid: int, owner: 
         return
     if int(gone) == rank:
         return
-    every = _global_ranks(group)
+    every = global_ranks(group)
     raise TransportTimeout(
         f"{what}: {_rank_name(rank, every)} waited {waited:.1f} s for {unit} #{call_id} but group "
         f"{_rank_name(int(gone), every)} gave up waiting in {unit} #{gone_call} of this {owner} (its own timeout) "
@@ -258,11 +258,11 @@ def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: s
 
 
 def _rank_name(rank: int, every: Optional[list]) -> str:
-    """"rank r", with its global rank on a subgroup (`every`: `_global_ranks`)."""
+    """"rank r", with its global rank on a subgroup (`every`: `global_ranks`)."""
     return f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
 
 
-def _global_ranks(group) -> Optional[list]:
+def global_ranks(group) -> Optional[list]:
     """The global rank of every group rank when `group` is a subgroup (the processes a user looks for), else None."""
     try:
         every = dist.get_process_group_ranks(group) if group is not None else None
@@ -276,7 +276,7 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
     """Raise the timeout of a wait for `work`, after a last moment for waiting peers to announce themselves (the
     wait's final `min(1 s, timeout / 4)`); returns instead if `work` completed meanwhile."""
     store = default_store()
-    every = _global_ranks(group)
+    every = global_ranks(group)
 
     def named(ranks: list) -> str:
         return f"group ranks {ranks}" + (f" (global ranks {[every[r] for r in ranks]})" if every else "")
