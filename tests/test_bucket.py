@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import collective_cases as cc
+from epcomm import BufferAllocator
 from epcomm.bucket import BucketBuffer, SessionOutOfStorage, _theoretical_num_sms
 
 
@@ -163,7 +164,14 @@ EXPECTED = {
     "bad_op": ("ValueError", r"op must be 'all_gather', 'reduce_scatter' or 'all_reduce', got 'broadcast'"),
     "num_bytes": ("ValueError", r"allocation_plan_or_num_bytes must be a positive multiple of 2 MiB"),
     "timeout_zero": ("ValueError", r"num_cpu_timeout_secs must be > 0 seconds, got 0"),
-    "plan": ("TypeError", r"allocation plans are not supported yet"),
+    "plan": ("TypeError", r"allocation_plan_or_num_bytes must be an int byte count or an epcomm.BufferAllocator, got "
+                          r"list"),
+    "plan_materialized": ("ValueError", r"the BufferAllocator is already materialized \(a plan serves one buffer\)"),
+    "plan_empty": ("ValueError", r"the BufferAllocator plans no tensor"),
+    "plan_with_view": ("ValueError", r"allocation_plan_or_num_bytes \(2097152 bytes\): BufferAllocator.materialize: "
+                                     r"planned tensor #0 .* cannot be swapped in place"),
+    "plans_differ": ("ValueError", r"group ranks disagree on the allocation plan \(its layout's digest; 0: a byte "
+                                   r"count\) \(rank 0: \d+, rank 1: \d+\)"),
     "too_many_groups": ("ValueError", r"group_or_groups must hold 1 to 8 groups, got 9"),
     "group_twice": ("ValueError", r"group_or_groups lists a group twice"),
     "group_count_disagree": ("ValueError", r"group ranks disagree on the number of groups \(rank 0: 1, rank 1: 2\)"),
@@ -206,6 +214,15 @@ def bucket_error_cases(rank, world):
     f32 = st[64:64 + 256].view(torch.float32)
     dup = dist.new_group([0, 1])
     two = BucketBuffer([dist.group.WORLD, dup], 2 << 20, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    used_plan, viewed_plan = BufferAllocator(), BufferAllocator()
+    used_plan.allocate(4, torch.float32)
+    used_plan.materialize(torch.zeros(used_plan.num_bytes, dtype=torch.uint8))
+    held = viewed_plan.allocate(4, torch.float32)[:2]  # noqa: F841 (a view that blocks the in-place swap)
+
+    def plan_of(r):  # a layout that differs by rank: a bf16 tensor on rank 1 where rank 0 has fp32
+        p = BufferAllocator()
+        p.allocate(8, torch.bfloat16 if r else torch.float32)
+        return p
     r = {
         "not_in_storage": out(buf.all_gather, torch.ones(4)),
         "gather_out_of_bounds": out(buf.all_gather, st[:16].view(torch.float32) if rank else
@@ -238,6 +255,10 @@ def bucket_error_cases(rank, world):
         "num_bytes": out(BucketBuffer, None, 3 << 20),
         "timeout_zero": out(BucketBuffer, None, 2 << 20, num_cpu_timeout_secs=0),
         "plan": out(BucketBuffer, None, [1, 2]),
+        "plan_materialized": out(BucketBuffer, None, used_plan),
+        "plan_empty": out(BucketBuffer, None, BufferAllocator()),
+        "plan_with_view": out(BucketBuffer, None, viewed_plan),
+        "plans_differ": out(BucketBuffer, None, plan_of(rank)),
         "too_many_groups": out(BucketBuffer, [dist.group.WORLD] * 9, 2 << 20),
         "group_twice": out(BucketBuffer, [dist.group.WORLD, dist.group.WORLD], 2 << 20),
         "group_count_disagree": out(BucketBuffer, [dist.group.WORLD] + [dup] * rank, 2 << 20),
@@ -301,6 +322,40 @@ def test_session_and_mixed_schedule_on_gpu(pools):
     nccl.run(cc.bucket_session, 6, device="cuda")
     for seed in (1, 2):
         nccl.run(cc.bucket_mixed, seed, device="cuda")
+
+
+def bucket_with_a_plan(rank, world):
+    """Reference §6 test: a plan on a buffer of two groups; the placeholders become views of the storage (first at
+    its start), fills round-trip, and an in-place all-gather of a planned tensor equals torch's."""
+    import torch.distributed as dist
+    plan = BufferAllocator()
+    gathered = plan.allocate((world, 1000), torch.float32)
+    scales = plan.allocate((3, 5), torch.bfloat16)
+    assert gathered.device.type == "meta"
+    pair = dist.new_group(list(range(world)))
+    buf = BucketBuffer([dist.group.WORLD, pair], plan, explicitly_destroy=True, num_cpu_timeout_secs=30)
+    out = dict(contexts=len(buf.contexts), num_bytes=buf.storage.numel() == plan.num_bytes == buf.num_bytes,
+               first=gathered.data_ptr() == buf.storage.data_ptr(), devices={gathered.device.type, scales.device.type},
+               plan=buf.allocation_plan is plan and plan.materialized,
+               second=scales.data_ptr() - buf.storage.data_ptr())
+    gen = torch.Generator().manual_seed(11 + rank)
+    mine = torch.randn(1000, generator=gen)
+    gathered[rank].copy_(mine)
+    scales.copy_(torch.randn(3, 5, generator=gen))
+    out["fill"] = torch.equal(buf.storage[out["second"]:out["second"] + 30].view(torch.bfloat16).view(3, 5), scales)
+    got = buf.all_gather(gathered[rank], group=pair).wait()
+    want = torch.empty(world * 1000)
+    dist.all_gather_into_tensor(want, mine)
+    out["gather"] = got.data_ptr() == gathered.data_ptr() and torch.equal(got, want) and torch.equal(gathered.view(-1),
+                                                                                                      want)
+    buf.destroy()
+    return out
+
+
+def test_bucket_buffer_takes_an_allocation_plan(run_ranks):
+    for out in run_ranks(2, bucket_with_a_plan):
+        assert out == dict(contexts=2, num_bytes=True, first=True, devices={"cpu"}, plan=True, second=2 << 20,
+                           fill=True, gather=True), out
 
 
 def _scales_differ(rank, world):

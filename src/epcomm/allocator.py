@@ -4,7 +4,8 @@ A plan hands out *meta* placeholders, each at a 2 MiB-aligned offset of a region
 `materialize(storage)` later turns every placeholder, in place, into a real view of `storage`, so every
 reference the caller kept becomes usable without re-binding names. `EPBuffer(lb_allocation_plan_or_num_bytes=
 plan)` allocates the load-balancing region (`buffer.lb_storage`) of `plan.num_bytes` bytes on the buffer's
-device and materializes the plan on it (reference §7).
+device and materializes the plan on it (reference §7); `BucketBuffer(groups, plan)` does the same with its storage
+(reference §14.1).
 
     plan = epcomm.BufferAllocator()
     w = plan.allocate((num_redundant_slots, 4096, 7168), torch.float8_e4m3fn)   # meta, for now

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import sizing
+from . import agreement, sizing
+from .allocator import BufferAllocator
 from .bucket_placement import BucketEvent, gather_call, reduce_call
 from .bucket_session import BucketSession, SessionOutOfStorage
-from .comm import ContextLifecycle, CommContext, new_comm_stream
+from .comm import ContextLifecycle, CommContext, group_device, new_comm_stream
 from .compile_guard import eager_under_compile
 from .validate import Checker, construction_timeout
 
@@ -60,6 +61,13 @@ def _theoretical_num_sms(op: str, nvl: int, rdma: int, nvl_gbs: float, rdma_gbs:
     g = min(nvl_gbs / nvl, rdma_gbs * rdma / (2 * (rdma - 1)))
     return al(max(6, max(3 * g / 180, 3 * g / 45)))
 
+def _plan_digest(plan: Optional[BufferAllocator]) -> int:
+    """A plan's layout (each tensor's offset, shape and dtype, in order) as a 62-bit digest; 0 for no plan."""
+    if plan is None:
+        return 0
+    return agreement.digest([[p.offset, str(p.tensor.dtype), *p.tensor.shape] for p in plan.allocations]) or 1
+
+
 class BucketBuffer(ContextLifecycle):
     """A storage region registered with up to 8 groups, for batched collectives (collective construction).
 
@@ -68,8 +76,10 @@ class BucketBuffer(ContextLifecycle):
             (checked per group): every member of a group holds as many groups, with that group at one index. So
             overlapping subgroups with different members (ranks 0-1 and 1-2 of 3) need one BucketBuffer each.
             None = the default group.
-        allocation_plan_or_num_bytes: int -- storage bytes, a positive multiple of 2 MiB (allocation plans are
-            not supported yet).
+        allocation_plan_or_num_bytes: int -- storage bytes, a positive multiple of 2 MiB; or an
+            `epcomm.BufferAllocator` plan, not yet materialized and not empty: the storage has `plan.num_bytes`
+            bytes and the plan's tensors become views of it (reference §6, §14.1). Every rank of every group
+            passes a plan of the same layout (shapes, dtypes, order), or every rank a byte count.
         sl_idx: RDMA service level; accepted, no effect (no RDMA layer).
         num_gpu_timeout_secs: accepted; device waits are bounded by the groups' NCCL timeout. Default 100.
         explicitly_destroy: warn at garbage collection when `destroy()` was not called.
@@ -77,19 +87,21 @@ class BucketBuffer(ContextLifecycle):
 
     Fields:
         num_bytes: int; groups: list of groups; contexts: one `CommContext` per group; storage: [num_bytes]
-        uint8 on the buffer's device (zeroed at construction); nccl_comm_handles: None per group (epcomm uses
-        each group's own communicator).
+        uint8 on the buffer's device (zeroed at construction); allocation_plan: the `BufferAllocator` passed, its
+        tensors views of `storage` (a construction that fails after this rank's checks leaves it materialized:
+        make a new plan), or None; nccl_comm_handles: None per group (epcomm uses each group's own communicator).
 
     Raises:
-        TypeError: a group that is not a `ProcessGroup` of this rank; an allocation plan.
-        ValueError: bad sizes, more than 8 groups, a group listed twice, ranks listing groups in other orders or
+        TypeError: a group that is not a `ProcessGroup` of this rank; `allocation_plan_or_num_bytes` neither an
+            int nor a `BufferAllocator`.
+        ValueError: bad sizes, an empty or already materialized plan, ranks whose plans differ, more than 8 groups, a group listed twice, ranks listing groups in other orders or
             other numbers of groups (on the ranks of the group where it shows, and on the ranks they share a later
             group with, in the order of the groups' ranks; where overlapping groups also disagree on the number of
             groups, a rank may raise it only after `num_cpu_timeout_secs`).
         TimeoutError: a peer did not construct within `num_cpu_timeout_secs`.
     """
 
-    def __init__(self, group_or_groups, allocation_plan_or_num_bytes: int, sl_idx: Optional[int] = None,
+    def __init__(self, group_or_groups, allocation_plan_or_num_bytes: Union[int, BufferAllocator], sl_idx: Optional[int] = None,
                  num_gpu_timeout_secs: float = 100, explicitly_destroy: bool = False, *,
                  num_cpu_timeout_secs: float = 300):
         self.explicitly_destroy = explicitly_destroy
@@ -107,11 +119,19 @@ class BucketBuffer(ContextLifecycle):
                                 f"{type(g).__name__}")
         if len({id(g) for g in groups}) != len(groups):
             raise ValueError(f"{name}: rank {rank}: group_or_groups lists a group twice; list each group once")
-        num_bytes = allocation_plan_or_num_bytes
+        num_bytes, plan = allocation_plan_or_num_bytes, None
         err = None  # a bad size still joins the construction exchange, so that every rank raises
-        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
-            err = TypeError(f"{name}: rank {rank}: allocation_plan_or_num_bytes: allocation plans are not supported "
-                            f"yet; pass a byte count (got {type(num_bytes).__name__})")
+        if isinstance(num_bytes, BufferAllocator):
+            plan, num_bytes = num_bytes, num_bytes.num_bytes
+            if plan.materialized:
+                err = ValueError(f"{name}: rank {rank}: allocation_plan_or_num_bytes: the BufferAllocator is already "
+                                 "materialized (a plan serves one buffer); make a new plan")
+            elif not plan.allocations:
+                err = ValueError(f"{name}: rank {rank}: allocation_plan_or_num_bytes: the BufferAllocator plans no "
+                                 "tensor (num_bytes 0); allocate tensors in it or pass a byte count")
+        elif isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
+            err = TypeError(f"{name}: rank {rank}: allocation_plan_or_num_bytes must be an int byte count or an "
+                            f"epcomm.BufferAllocator, got {type(num_bytes).__name__}")
         elif num_bytes <= 0 or num_bytes % sizing.ALLOCATION_ALIGNMENT:
             err = ValueError(f"{name}: rank {rank}: allocation_plan_or_num_bytes must be a positive multiple of 2 MiB "
                              f"({sizing.ALLOCATION_ALIGNMENT}), got {num_bytes}")
@@ -119,6 +139,14 @@ class BucketBuffer(ContextLifecycle):
             Checker(name, rank, torch.device("cpu")).timeouts(num_cpu_timeout_secs, num_gpu_timeout_secs)
         except (TypeError, ValueError) as e:
             err = err or e
+        storage = None
+        if err is None:  # before the exchange, so that a failure here makes every rank raise
+            try:
+                storage = torch.zeros(num_bytes, dtype=torch.uint8, device=group_device(groups[0]))
+                if plan is not None:
+                    plan.materialize(storage)  # the plan's tensors become views of the storage (same objects)
+            except (RuntimeError, ValueError) as e:  # out of memory; a placeholder that cannot be swapped
+                err = type(e)(f"{name}: rank {rank}: allocation_plan_or_num_bytes ({num_bytes} bytes): {e}")
         num_cpu_timeout_secs = construction_timeout(num_cpu_timeout_secs, err)
         self.num_bytes = num_bytes
         self.groups = groups
@@ -136,7 +164,9 @@ class BucketBuffer(ContextLifecycle):
                                                            getattr(groups[i], "group_name", ""))):
             try:
                 ctx = CommContext(groups[i], owner=name, num_cpu_timeout_secs=num_cpu_timeout_secs,
-                                  agree={"the group's index in group_or_groups": i, "the number of groups": len(groups)},
+                                  agree={"the group's index in group_or_groups": i, "the number of groups": len(groups),
+                                         "the allocation plan (its layout's digest; 0: a byte count)":
+                                             _plan_digest(plan)},
                                   error=err)
             except (TypeError, ValueError) as e:
                 if "the number of groups" in getattr(e, "disagreed", ()):
@@ -156,7 +186,7 @@ class BucketBuffer(ContextLifecycle):
             self._destroyed = True
             raise err
         self.device = self.contexts[0].device
-        self.storage = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
+        self.storage, self.allocation_plan = storage, plan
         self.nccl_comm_handles = [None] * len(groups)
         self._session: Optional[BucketSession] = None
         self._sessions_opened = 0  # sessions entered so far (a call's carved staging is valid until the next one)
