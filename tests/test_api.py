@@ -71,3 +71,37 @@ def test_import_does_not_load_dynamo():
     out = subprocess.run([sys.executable, "-c", "import sys, epcomm; print('torch._dynamo' in sys.modules)"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr[-2000:])
+
+
+def _combine_sms(rank, world):
+    """The SM count each combine resolves to (a spy on `resolve.resolve_combine`)."""
+    import warnings
+
+    from epcomm import resolve
+    seen, real = [], resolve.resolve_combine
+
+    def spy(*args, **kwargs):
+        call = real(*args, **kwargs)
+        seen.append(call.num_sms)
+        return call
+    resolve.resolve_combine = spy
+    try:
+        buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2)
+        gen = torch.Generator().manual_seed(rank)
+        x, idx = torch.randn(8, 16, generator=gen), torch.rand(8, 4, generator=gen).topk(2, dim=1).indices
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "num_sms has no effect on CPU"
+            recv_x, _, _, handle, _ = buf.dispatch(x, idx, num_experts=4, num_sms=24)
+            buf.combine(recv_x, handle)
+            buf.combine(recv_x, handle, num_sms=10)
+        theoretical = buf.get_theoretical_num_sms(4, 2)
+        buf.destroy()
+    finally:
+        resolve.resolve_combine = real
+    return handle.num_sms, seen, theoretical
+
+
+def test_combine_takes_the_handles_sm_count_by_default(run_ranks):
+    """Reference §11.1: combine's num_sms=0 is the dispatch's (the handle's), not the model's value."""
+    for handle_sms, seen, theoretical in run_ranks(2, _combine_sms):
+        assert theoretical != 24 and handle_sms == 24 and seen == [24, 10], (handle_sms, seen, theoretical)

@@ -7,6 +7,7 @@ path (`pipeline.py`) consumes.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -102,7 +103,10 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         do_zero_padding=do_zero_padding, emit_expert_ids=emit_expert_ids, col_major_sf=col_major_sf,
         num_sms=num_sms, handle=handle)
 
-def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, num_topk: int) -> int:
+def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, num_topk: int,
+                default: Optional[int] = None) -> int:
+    """`num_sms` checked; 0 resolves to `default` (combine: the handle's, reference §11.1) or, without one,
+    `get_theoretical_num_sms`."""
     num_qps = c.integer("num_qps", num_qps)
     c.require(0 <= num_qps <= buf.num_allocated_qps,
               f"num_qps={num_qps} must be in [0, num_allocated_qps={buf.num_allocated_qps}]")
@@ -111,9 +115,9 @@ def resolve_sms(buf, c: Checker, num_sms: int, num_qps: int, num_experts: int, n
     if buf.device.type == "cpu":
         if num_sms:
             buf._warn_once("num_sms", "epcomm: num_sms has no effect on CPU; it is ignored")
-        return num_sms or buf.get_theoretical_num_sms(num_experts, num_topk)
+        return num_sms or default or buf.get_theoretical_num_sms(num_experts, num_topk)
     if num_sms == 0:
-        return buf.get_theoretical_num_sms(num_experts, num_topk)
+        return default or buf.get_theoretical_num_sms(num_experts, num_topk)
     device_sms = sizing.device_sms(buf.device)
     c.require(0 < num_sms <= device_sms, f"num_sms={num_sms} must be in [1, {device_sms}] on {buf.device}")
     return num_sms + num_sms % 2
@@ -159,7 +163,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
     check_capacity(c, buf, num_tokens=topk_idx.shape[0], hidden=x.shape[1], num_topk=handle.num_topk,
                    is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank,
                    which="combine")
-    num_sms = resolve_sms(buf, c, num_sms, num_qps, handle.num_experts, handle.num_topk)
+    num_sms = resolve_sms(buf, c, num_sms, num_qps, handle.num_experts, handle.num_topk, default=handle.num_sms)
     biases = biases + (None,) * (2 - len(biases))
     return pipeline.CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias_0=biases[0],
                                 bias_1=biases[1], per_pair=per_pair, num_sms=num_sms)
