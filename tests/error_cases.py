@@ -884,3 +884,41 @@ def late_bucket_peer(rank: int, world: int, timeout_s: float):
     except TimeoutError as e:
         return str(e), time.monotonic() - start
     return "no error", time.monotonic() - start
+
+
+def routing_edited_before_deferred_wait(rank: int, world: int):
+    """Rank 1 edits `topk_idx` in place between a deferred call and its first wait(): the wait raises there (the
+    epilogue reads the routing then; it used to return wrong combined weights, or a wrong per-pair combine, or a
+    gloo abort); rank 0 waits normally, and the next calls are right on both. Returns per case: (rank 1's error or
+    None, whether the following dispatch + combine equals the reference)."""
+    import epcomm.reference as ref
+    out = {}
+    for which in ("dispatch", "combine"):
+        for expand, amr in ((False, True), (True, True), (True, False)):
+            buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H, num_topk=K, num_cpu_timeout_secs=20,
+                                  allow_multiple_reduction=amr)
+            x, idx, w = _inputs(rank)
+            kw = dict(async_with_compute_stream=True, defer_epilogue=True)
+            err = None
+            try:
+                if which == "dispatch":
+                    event = buf.dispatch(x, idx, w, num_experts=E, do_expand=expand, **kw)
+                else:
+                    recv_x, _, recv_w, h, _ = buf.dispatch(x, idx, w, num_experts=E, do_expand=expand)
+                    event = buf.combine(recv_x, h, None if expand and not amr else recv_w, **kw)
+                if rank == 1:
+                    idx[0] = idx[0].flip(0)  # in place, before the wait
+                event.wait()
+            except ValueError as e:
+                err = str(e)
+            x, idx, w = _inputs(rank)
+            recv_x, _, recv_w, h, _ = buf.dispatch(x, idx, w, num_experts=E, do_expand=expand)
+            cw = None if expand and not amr else recv_w
+            y, yw, _ = buf.combine(recv_x, h, cw)
+            r = ref.dispatch(x, idx, w, E, num_max_tokens_per_rank=N, do_expand=expand)
+            want = ref.combine(r[0], r[3], None if cw is None else r[2], allow_multiple_reduction=amr)
+            same = torch.equal(y, want[0]) and (yw is None) == (want[1] is None) and (yw is None or
+                                                                                    torch.equal(yw, want[1]))
+            out[(which, expand, amr)] = (err, same)
+            buf.destroy()
+    return out

@@ -587,3 +587,15 @@ def test_late_bucket_peer_raises_at_once_naming_the_rank_that_gave_up():
     assert re.search(r"BucketBuffer.all_reduce.*rank 1 waited [\d.]+ s for collective #\d+ but group rank 0 gave up "
                      r"waiting in collective #\d+ of this BucketBuffer", msg1), msg1
     assert elapsed1 < 3.5, elapsed1
+
+
+def test_routing_edited_before_a_deferred_wait_raises_there(run_ranks):
+    """Docs/decisions.md: in-place edits of topk_idx through torch are detected, deferred calls too."""
+    out0, out1 = run_ranks(2, error_cases.routing_edited_before_deferred_wait, timeout=120)
+    assert len(out1) == 6, out1
+    for case, (err, same) in out1.items():
+        assert err and re.search(r"^EPBuffer\.(dispatch|combine): rank 1: topk_idx was modified in place between the "
+                                 r"call and the first wait\(\) of its deferred epilogue \(version \d+ -> \d+\)", err), \
+            (case, err)
+        assert err.startswith(f"EPBuffer.{case[0]}"), (case, err)
+        assert same and out0[case] == (None, True), (case, same, out0[case])

@@ -707,7 +707,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             with debug.phase("dispatch_epilogue"):
                 outputs = finish(self, call, launched)
                 return resolve.narrowed_outputs(call.handle, outputs) if cached else outputs
-        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct, call.handle)
+        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct, call.handle,
+                              (name, call.topk_idx))
         if defer_epilogue:
             return result
         (recv_x, recv_topk_idx, recv_w, out_handle), event = result
@@ -788,23 +789,33 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         def epilogue():
             with debug.phase("combine_reduce"):
                 return pipeline.combine_finish(self, call, launched)
-        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct, call.handle)
+        result = self._finish(epilogue, inputs, async_with_compute_stream, defer_epilogue, direct, call.handle,
+                              (name, call.handle._topk_idx))
         if defer_epilogue:
             return result
         (combined_x, combined_w), event = result
         return combined_x, combined_w, event
 
     # -- streams (reference §3.4-3.5; streams.py) --------------------------------------------------------
-    def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool, direct: bool, handle=None):
+    def _finish(self, epilogue, inputs: list, async_op: bool, defer: bool, direct: bool, handle=None,
+                routing: Optional[tuple] = None):
         """Run or defer the epilogue (`direct`: on the current stream, `streams.CallOrder`; an asynchronous call
         keeps the `handle` it reads alive until its event completes); a deferred one marks the buffer busy until its
-        first wait."""
+        first wait, and raises there if `routing` (`(call name, topk_idx)`), which it reads then, was modified in
+        place since the call (the handle's guard would otherwise record the edited routing as the dispatch's)."""
         if defer:
             self._pending_deferred = True
             inner = epilogue
+            name, topk_idx = routing if routing is not None else (None, None)
+            version = None if topk_idx is None else EPHandle.capture_version(topk_idx)
 
             def epilogue():
                 self._pending_deferred = False
+                if version is not None and EPHandle.capture_version(topk_idx) != version:
+                    raise ValueError(
+                        f"{name}: rank {self.rank}: topk_idx was modified in place between the call and the first "
+                        f"wait() of its deferred epilogue (version {version} -> {EPHandle.capture_version(topk_idx)}), "
+                        "which reads it; the call's results are lost. Clone topk_idx before editing it, or wait first")
                 return inner()
         return self._order.finish(epilogue, inputs, async_op, defer, direct, handle)
 
