@@ -115,6 +115,8 @@ def scenarios():
         "weights_shape": bad(topk_weights=lambda a: a["topk_weights"][:, :1]),
         "stats_dtype": bad(cumulative_local_expert_recv_stats=lambda a: torch.zeros(E // 2, dtype=torch.int64)),
         "stats_shape": bad(cumulative_local_expert_recv_stats=lambda a: torch.zeros(E, dtype=torch.int32)),
+        "stats_stride_zero": bad(cumulative_local_expert_recv_stats=lambda a: torch.zeros(1, dtype=torch.int32)
+                                 .expand(E // 2)),
         "num_experts_not_multiple": bad(num_experts=lambda a: 7),
         "num_experts_missing": bad(num_experts=lambda a: None),
         "num_experts_huge": bad(num_experts=lambda a: 2 ** 40),

@@ -39,6 +39,8 @@ EXPECTED = {
     "weights_shape": (ValueError, r"topk_weights must have shape \[6, 2\], got \(6, 1\)"),
     "stats_dtype": (TypeError, r"cumulative_local_expert_recv_stats must have dtype torch\.int32"),
     "stats_shape": (ValueError, r"cumulative_local_expert_recv_stats must have shape \[4\], got \(8,\)"),
+    # (was: torch's own error on rank 1 after the data moved, and rank 0 returned)
+    "stats_stride_zero": (ValueError, r"cumulative_local_expert_recv_stats has stride 0 \(an expanded view"),
     "num_experts_not_multiple": (ValueError, r"num_experts=7 must be a multiple of the group size 2"),
     "num_experts_missing": (ValueError, r"num_experts is required for a non-cached dispatch"),
     "num_experts_huge": (ValueError, r"num_experts must be <= 65536 \(epcomm's layouts keep per-expert tables; "

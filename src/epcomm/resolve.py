@@ -93,6 +93,10 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
     if stats is not None:
         c.tensor("cumulative_local_expert_recv_stats", stats, ndim=1, dtypes=(torch.int32,),
                  shape=(num_experts // buf.num_ranks,))
+        c.require(stats.numel() <= 1 or stats.stride(0) != 0,  # added to in place: one element per local expert
+                  "cumulative_local_expert_recv_stats has stride 0 (an expanded view: its elements share one "
+                  "memory location), but each local expert's count is added to its own element; pass a tensor "
+                  "with distinct elements (e.g. .clone())")
     elem = 2 if xs.is_fp8 else xs.data.dtype.itemsize
     check_capacity(c, buf, num_tokens=xs.num_tokens, hidden=xs.hidden, num_topk=num_topk, is_fp8=xs.is_fp8,
                    elem_size=elem, n=n, which="dispatch")
