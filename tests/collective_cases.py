@@ -150,6 +150,8 @@ def bucket_session(rank: int, world: int, seed: int, device: str = "cpu"):
         assert torch.equal(shard, summed[rank] * 0.5)
         out = s.all_reduce(y.t(), scale=2.0).wait()  # a non-contiguous external source is staged too
         assert torch.equal(out, (summed * 2.0).t())
+        back = y.clone()  # collectives.md: `dsts=src` writes the result back into an outside src
+        assert s.all_reduce(back, dsts=back, scale=0.5).wait() is back and torch.equal(back, summed * 0.5)
         a, b = s.allocate([(world, 8), (world * 16,)])
         a.copy_(y[:, :8])
         b.copy_(y.reshape(-1)[:world * 16])

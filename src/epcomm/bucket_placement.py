@@ -231,8 +231,10 @@ def _reduce_buckets(buf: BucketBuffer, c, ctx, op: str, srcs, dsts, comm_precisi
         out = flat[r * n:(r + 1) * n] if op == "reduce_scatter" else flat
         result = out if op == "reduce_scatter" else src if stage is None else stage
         same = dst is not None and dst.data_ptr() == out.data_ptr()
-        if dst is not None and not same and dst.data_ptr() < src.data_ptr() + src.nbytes and \
-                src.data_ptr() < dst.data_ptr() + dst.nbytes:  # wait() would copy a tensor onto itself, shifted
+        # wait() copies `result` into dst: onto itself, shifted, if they overlap. A staged src (outside the
+        # storage) may be its own dst (`dsts=src`): its bytes were copied into the staging at the call.
+        if dst is not None and not same and dst.data_ptr() < result.data_ptr() + result.nbytes and \
+                result.data_ptr() < dst.data_ptr() + dst.nbytes:
             c.fail(ValueError, f"{dname} overlaps {name} but is not its in-place result (the {op} result of "
                                f"{name} is {'its rank-th shard' if op == 'reduce_scatter' else name + ' itself'}); "
                                "pass that view or a tensor of its own")
