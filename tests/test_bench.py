@@ -154,16 +154,43 @@ def test_bench_check_missing_module(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "nope"], "unknown preset 'nope'"),
-    (["--tokens", "0"], "--tokens must be >= 1"),
+    (["--tokens", "0"], "--tokens must be distinct counts >= 1"),
     (["--ranks", "3"], "not a multiple of 3 ranks"),
     (["--transport", "carrier-pigeon"], "is not available here"),
     (["--num-sms", "many"], "--num-sms takes integers"),
+    # empty or repeated list items measured nothing, or compared a block against a copy of itself
+    (["--preset", ""], "--preset needs at least one value, got ''"),
+    (["--transport", ","], "--transport needs at least one value"),
+    (["--num-sms", "1,,2"], "--num-sms has an empty item in '1,,2'"),
+    (["--tokens", "8,8"], "--tokens lists 8 more than once"),
+    (["--tokens", "8,08"], "--tokens must be distinct counts >= 1, got '8,08'"),
+    (["--transport", "collective,collective"], "--transport lists collective more than once"),
+    (["--ranks", "100"], "at most 64 CPU ranks"),
+    # output files are checked before the run (their errors came after it, as tracebacks, and the figures were lost)
+    (["--json", "{tmp}"], "is a folder; name a file in it"),
+    (["--json", "{tmp}/missing/x.json"], "the folder"),
+    (["--plot", "{tmp}/p.txt"], "matplotlib writes"),
 ])
-def test_bench_rejects_bad_options(capsys, argv, message):
+def test_bench_rejects_bad_options(capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
+        cli.main([a.format(tmp=tmp_path) for a in argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # the checks leave nothing behind
+
+
+def test_bench_suites_check_their_options_before_running(capsys, tmp_path):
+    from epcomm.bench.collectives import run_suite
+    from epcomm.bench.eplb import run_eplb
+    assert run_suite(["--suite", "collectives", "--size-mib", "inf"]) == 2
+    assert "--size-mib must be > 0" in capsys.readouterr().err
+    assert run_suite(["--suite", "collectives", "--ops", "barrier,barrier"]) == 2
+    assert "--ops lists barrier more than once" in capsys.readouterr().err
+    assert run_suite(["--suite", "collectives", "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        run_eplb(["--json", str(tmp_path / "missing" / "x.json")])
+    assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
 def test_bench_defaults_on_cpu():

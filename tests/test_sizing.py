@@ -1,5 +1,6 @@
 """Buffer size hint (reference §4.3, §24 item 1) on hand-worked numbers, and the SM model (§8.2)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,3 +72,21 @@ def test_next_pow2_and_ceil_div_match_triton():
     assert [sizing.next_pow2(n) for n in values] == [triton.next_power_of_2(n) for n in values]
     assert [sizing.ceil_div(a, b) for a in values[:300] for b in (1, 3, 16, 128)] == \
         [triton.cdiv(a, b) for a in values[:300] for b in (1, 3, 16, 128)]
+
+
+@pytest.mark.parametrize("args, exc, message", [
+    ((0, 4096, 7168), ValueError, r"the number of ranks \(0\), num_max_tokens_per_rank \(4096\) and hidden \(7168\) "
+                                  r"must be > 0"),
+    ((2, 0, 7168), ValueError, r"the number of ranks \(2\), num_max_tokens_per_rank \(0\)"),
+    ((2.0, 4096, 7168), TypeError, r"group must be a ProcessGroup, None \(the default group\) or an int number of "
+                                   r"ranks, got float"),
+    ((2, 4096.0, 7168), TypeError, r"num_max_tokens_per_rank must be an int, got float"),
+    ((2, 4096, True), TypeError, r"hidden must be an int, got bool"),
+    ((2, 4096, 7168, 33), ValueError, r"num_topk must be in \[0, 32\]"),
+    ((None, 4096, 7168), ValueError, r"group=None needs an initialized default process group"),
+])
+def test_size_hint_checks_its_arguments(args, exc, message):
+    """The docstring's errors (0 ranks returned 0; a float group raised AttributeError; top-33 was sized)."""
+    with pytest.raises(exc, match=r"^EPBuffer.get_buffer_size_hint: " + message):
+        epcomm.EPBuffer.get_buffer_size_hint(*args)
+    assert epcomm.EPBuffer.get_buffer_size_hint(2, np.int64(4096), 7168, 8) == 57 * MIB2

@@ -308,12 +308,34 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             int -- bytes, a multiple of 2 MiB.
 
         Raises:
-            ValueError: non-positive sizes.
+            TypeError: a group that is neither a ProcessGroup, None nor an int; sizes that are not ints.
+            ValueError: non-positive sizes or number of ranks, num_topk outside [0, 32], group=None without an
+                initialized default process group.
         """
+        call = "EPBuffer.get_buffer_size_hint"
+        if isinstance(group, bool) or not isinstance(group, (int, dist.ProcessGroup, type(None))):
+            raise TypeError(f"{call}: group must be a ProcessGroup, None (the default group) or an int number of "
+                            f"ranks, got {type(group).__name__}")
+        if group is None and not dist.is_initialized():
+            raise ValueError(f"{call}: group=None needs an initialized default process group; pass the number of "
+                             "ranks instead")
         num_ranks = group if isinstance(group, int) else (group or dist.group.WORLD).size()
-        if num_max_tokens_per_rank <= 0 or hidden <= 0:
-            raise ValueError(f"EPBuffer.get_buffer_size_hint: num_max_tokens_per_rank ({num_max_tokens_per_rank}) "
-                             f"and hidden ({hidden}) must be > 0")
+        sizes = {}
+        for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden),
+                            ("num_topk", num_topk)):
+            try:
+                sizes[name] = operator.index(value)  # ints, numpy ints
+            except TypeError:
+                raise TypeError(f"{call}: {name} must be an int, got {type(value).__name__}") from None
+            if isinstance(value, bool):
+                raise TypeError(f"{call}: {name} must be an int, got bool")
+        num_max_tokens_per_rank, hidden, num_topk = sizes.values()
+        if num_ranks <= 0 or num_max_tokens_per_rank <= 0 or hidden <= 0:
+            raise ValueError(f"{call}: the number of ranks ({num_ranks}), num_max_tokens_per_rank "
+                             f"({num_max_tokens_per_rank}) and hidden ({hidden}) must be > 0")
+        if not 0 <= num_topk <= sizing.MAX_TOPK:
+            raise ValueError(f"{call}: num_topk must be in [0, {sizing.MAX_TOPK}] (0 sizes for {sizing.MAX_TOPK}), "
+                             f"got {num_topk}")
         return sizing.buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk=num_topk,
                                        use_fp8_dispatch=use_fp8_dispatch,
                                        allow_multiple_reduction=allow_multiple_reduction, elem_size=dtype.itemsize)

@@ -27,6 +27,7 @@ from ..routing import PRESETS
 from ..testing import RankFailure, WatchdogTimeout, WorkerPool
 from ..transport import available_transports
 from . import report, runner
+from .options import check_output_path, split_list
 from .cases import DTYPES, LAYOUTS, PEER_COPY, TORCH_NATIVE, Case, EpcommConfig, epcomm_provider, raw_provider
 from .report import Failure, Measurement
 from .timing import combine_ranks
@@ -34,6 +35,7 @@ from .timing import combine_ranks
 CPU_DEFAULTS = dict(ranks=2, tokens=256, iters=10, warmup=1)
 GPU_DEFAULTS = dict(iters=30, warmup=5)
 TASK_TIMEOUT_S = 600.0
+MAX_CPU_RANKS = 64  # gloo ranks are processes on this host
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,10 +98,6 @@ class Plan:
         return self.backend == "nccl"
 
 
-def _split(value: str) -> list:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 def resolve_ranks(requested: Optional[int], minimum: int = 1, why: str = "") -> tuple:
     """`(ranks, num_gpus)`: one rank per visible GPU by default (NCCL), else `CPU_DEFAULTS["ranks"]` gloo ranks.
 
@@ -112,6 +110,8 @@ def resolve_ranks(requested: Optional[int], minimum: int = 1, why: str = "") -> 
         raise ValueError(f"--ranks must be >= {minimum}{why}, got {ranks}")
     if num_gpus and ranks > num_gpus:
         raise ValueError(f"--ranks {ranks}: only {num_gpus} GPUs are visible (one rank per GPU)")
+    if not num_gpus and ranks > MAX_CPU_RANKS:
+        raise ValueError(f"--ranks {ranks}: at most {MAX_CPU_RANKS} CPU ranks (each is a process)")
     return ranks, num_gpus
 
 
@@ -124,7 +124,7 @@ def make_plan(opts: argparse.Namespace) -> Plan:
     ranks, num_gpus = resolve_ranks(opts.ranks)
     backend = "nccl" if num_gpus else "gloo"
     defaults = GPU_DEFAULTS if num_gpus else CPU_DEFAULTS
-    names = list(PRESETS) if opts.preset == "all" else _split(opts.preset)
+    names = list(PRESETS) if opts.preset == "all" else split_list(opts.preset, "--preset")
     for name in names:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)} or 'all'")
@@ -132,23 +132,24 @@ def make_plan(opts: argparse.Namespace) -> Plan:
             raise ValueError(f"preset {name} has {PRESETS[name].num_experts} experts, not a multiple of {ranks} ranks")
     tokens = None
     if opts.tokens is not None:
+        items = split_list(opts.tokens, "--tokens")
         try:
-            tokens = [int(t) for t in _split(opts.tokens)]
+            tokens = [int(t) for t in items]
         except ValueError:
             raise ValueError(f"--tokens must be integers separated by commas, got {opts.tokens!r}") from None
-        if not tokens or min(tokens) < 1:
-            raise ValueError(f"--tokens must be >= 1, got {opts.tokens!r}")
+        if not tokens or min(tokens) < 1 or len(set(tokens)) < len(tokens):
+            raise ValueError(f"--tokens must be distinct counts >= 1, got {opts.tokens!r}")
     iters = opts.iters if opts.iters is not None else defaults["iters"]
     warmup = opts.warmup if opts.warmup is not None else defaults["warmup"]
     if iters < 1 or warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
     available = available_transports(torch.device("cuda" if num_gpus else "cpu"))
-    transports = available if opts.transport == "auto" else _split(opts.transport)
+    transports = available if opts.transport == "auto" else split_list(opts.transport, "--transport")
     for t in transports:
         if t not in available:
             raise ValueError(f"--transport {t!r} is not available here; available: {', '.join(available)}")
     num_sms = []
-    for v in _split(opts.num_sms):
+    for v in split_list(opts.num_sms, "--num-sms"):
         if v == "all":
             num_sms.append("all")
             continue
@@ -158,10 +159,8 @@ def make_plan(opts: argparse.Namespace) -> Plan:
             raise ValueError(f"--num-sms takes integers >= 0 or 'all', got {v!r}") from None
         if num_sms[-1] < 0:
             raise ValueError(f"--num-sms takes integers >= 0 (0 = epcomm's default) or 'all', got {v!r}")
-    for name, path in (("--json", opts.json), ("--plot", opts.plot)):  # before the run, not after it
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder is not None and not os.path.isdir(folder):
-            raise ValueError(f"{name} {path!r}: the folder {folder!r} does not exist")
+    check_output_path("--json", opts.json)  # before the run, not after it
+    check_output_path("--plot", opts.plot, plot=True)
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     skew = None if opts.skew == "none" else opts.skew
     dtypes = DTYPES if opts.dtype == "both" else (opts.dtype,)
@@ -363,7 +362,10 @@ def _print_report(plan: Plan, env: dict, state: _Run, gpu_link: bool, aborted: O
     lines = [f"epcomm-bench {env['epcomm']}: {where}, torch {env['torch']}{commit}"]
     for name in sorted({c.preset for c in plan.cases}):
         p = PRESETS[name]
-        lines.append(f"  {name}: hidden {p.hidden}, {p.num_experts} experts, top-{p.num_topk}, {p.routing} routing")
+        skewed = {c.skew for c in plan.cases if c.preset == name} - {None}
+        routing = f"{p.routing} routing" + (f" with {', '.join(sorted(skewed))} (Zipf(1.2)) expert popularity"
+                                            if skewed else "")
+        lines.append(f"  {name}: hidden {p.hidden}, {p.num_experts} experts, top-{p.num_topk}, {routing}")
     lines.append(f"  seed {plan.seed}; {plan.iters} timed calls after {plan.warmup} warm-up; times are the slowest "
                  f"rank's per call" + ("; L2 flushed and a barrier before each call" if plan.cuda
                                        else "; a barrier before each call"))

@@ -52,6 +52,7 @@ from ..pp import PPBuffer
 from ..sizing import ALLOCATION_ALIGNMENT, align
 from ..testing import RankFailure, WatchdogTimeout, WorkerPool
 from .cli import resolve_ranks
+from .options import check_output_path, split_list
 from .runner import PEER_COPY_BYTES, device_info, first_mismatch, measure_peer_copy
 from .timing import Timer, combine_ranks, quantile
 
@@ -260,14 +261,15 @@ def _lb_op(rank: int, world: int, op: str, params: int, device, timer: Timer) ->
 def _plan(opts) -> dict:
     ranks, num_gpus = resolve_ranks(opts.ranks, 2, " (collectives need peers)")
     defaults = GPU_DEFAULTS if num_gpus else CPU_DEFAULTS
-    ops = [o.strip() for o in opts.ops.split(",") if o.strip()]
+    ops = split_list(opts.ops, "--ops")
     bad = [o for o in ops if o not in OPS]
-    if bad or not ops:
-        raise ValueError(f"--ops: unknown {bad or 'empty list'}; valid: {','.join(OPS)}")
+    if bad:
+        raise ValueError(f"--ops: unknown {bad}; valid: {','.join(OPS)}")
+    check_output_path("--json", opts.json)  # before the run, not after it
     size_mib = opts.size_mib if opts.size_mib is not None else defaults["size_mib"]
     iters = opts.iters if opts.iters is not None else defaults["iters"]
     warmup = opts.warmup if opts.warmup is not None else defaults["warmup"]
-    if size_mib <= 0 or iters < 1 or warmup < 0:
+    if not 0 < size_mib < float("inf") or iters < 1 or warmup < 0:
         raise ValueError(f"--size-mib must be > 0, --iters >= 1, --warmup >= 0; got {size_mib}, {iters}, {warmup}")
     size = int(size_mib * (1 << 20))
     lb_params = LB_DSV3_PARAMS if num_gpus and opts.size_mib is None else max(16, size // LB_SLOTS // 2 // 16 * 16)

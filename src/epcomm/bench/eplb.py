@@ -24,6 +24,7 @@ from ..buffer import EPBuffer
 from ..eplb import plan_redundant_experts
 from ..routing import PRESETS, topk_from_scores, zipf_scores
 from ..testing import RankFailure, WatchdogTimeout, WorkerPool
+from .options import check_output_path
 from .timing import Timer, combine_ranks, quantile
 
 TASK_TIMEOUT_S = 600.0
@@ -72,6 +73,7 @@ def make_config(opts: argparse.Namespace) -> dict:
     if tokens < 1 or iters < 1 or warmup < 0 or not opts.exponent >= 0:
         raise ValueError(f"--tokens and --iters must be >= 1, --warmup and --exponent >= 0; got {tokens}, {iters}, "
                          f"{warmup}, {opts.exponent}")
+    check_output_path("--json", opts.json)  # before the run, not after it
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     return dict(backend="nccl" if num_gpus else "gloo", ranks=ranks, preset=moe.name, tokens=tokens, slots=slots,
                 exponent=opts.exponent, do_expand=opts.layout == "expand", iters=iters, warmup=warmup, seed=seed)
