@@ -53,6 +53,10 @@ class EPHandle:
             (`emit_expert_ids=True`).
         token_metadata_at_forward, channel_linked_list, cached_recv_src_metadata_before_sort: None (the
             reference's hybrid-mode internals; epcomm has one logical domain).
+
+    Properties (epcomm additions): `recv_topk_idx` [M, K] (topk_idx's dtype) -- the local expert id of each
+    column of each received row, -1 where not local (what a non-expand dispatch returns as `recv_topk_idx`);
+    `num_topk` (K) and `num_local_experts` (L): int.
     """
 
     do_expand: bool
@@ -169,6 +173,7 @@ class EPHandle:
 
     @staticmethod
     def capture_version(topk_idx: Tensor) -> Optional[int]:
+        """`topk_idx`'s version counter, what the in-place guard compares; None for inference-mode tensors."""
         return None if topk_idx.is_inference() else _version_of(topk_idx)
 
     def __repr__(self) -> str:
