@@ -119,6 +119,7 @@ def scenarios():
                                  .expand(E // 2)),
         "num_experts_not_multiple": bad(num_experts=lambda a: 7),
         "num_experts_missing": bad(num_experts=lambda a: None),
+        "num_experts_as_stats": bad(num_experts=lambda a: None, cumulative_local_expert_recv_stats=lambda a: E),
         "num_experts_huge": bad(num_experts=lambda a: 2 ** 40),
         "alignment_zero": bad(expert_alignment=lambda a: 0),
         "alignment_huge": bad(expert_alignment=lambda a: 2 ** 40),

@@ -43,6 +43,10 @@ EXPECTED = {
     "stats_stride_zero": (ValueError, r"cumulative_local_expert_recv_stats has stride 0 \(an expanded view"),
     "num_experts_not_multiple": (ValueError, r"num_experts=7 must be a multiple of the group size 2"),
     "num_experts_missing": (ValueError, r"num_experts is required for a non-cached dispatch"),
+    # DeepEP-style dispatch(x, idx, w, E): E lands in the stats argument
+    "num_experts_as_stats": (ValueError, r"num_experts is required for a non-cached dispatch; "
+                                         r"cumulative_local_expert_recv_stats \(the fourth positional argument\) got "
+                                         r"the int 8: pass num_experts=8 by keyword"),
     "num_experts_huge": (ValueError, r"num_experts must be <= 65536 \(epcomm's layouts keep per-expert tables; "
                                      r"DeepEP allows 2048\), got 1099511627776"),
     "alignment_zero": (ValueError, r"expert_alignment must be >= 1, got 0"),

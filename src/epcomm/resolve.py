@@ -67,7 +67,11 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
                                                       f"had {topk_idx.shape[0]}")
     else:
         if num_experts is None:
-            c.fail(ValueError, "num_experts is required for a non-cached dispatch")
+            hint = ""
+            if isinstance(stats, int) and not isinstance(stats, bool):  # dispatch(x, idx, w, E): E went to the stats
+                hint = (f"; cumulative_local_expert_recv_stats (the fourth positional argument) got the int {stats}: "
+                        f"pass num_experts={stats} by keyword")
+            c.fail(ValueError, "num_experts is required for a non-cached dispatch" + hint)
         num_experts = c.num_experts(num_experts, buf.num_ranks)
         n = buf.num_max_tokens_per_rank if n is None else c.integer("num_max_tokens_per_rank", n)
         c.require(n > 0, f"num_max_tokens_per_rank must be > 0 (pass it to dispatch or EPBuffer), got {n}")
