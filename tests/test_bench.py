@@ -140,7 +140,7 @@ def test_bench_refuses_a_failing_baseline(pools, capsys):
 def test_bench_check_delegates_remaining_arguments(monkeypatch):
     seen = []
     fake = types.ModuleType("epcomm.check")
-    fake.main = lambda argv: seen.append(argv) or 3
+    fake.main = lambda argv, prog=None: seen.append(argv) or 3
     monkeypatch.setitem(sys.modules, "epcomm.check", fake)
     assert cli.main(["--check", "--ranks", "8", "--experts", "256", "--hidden", "7168"]) == 3
     assert seen == [["--ranks", "8", "--experts", "256", "--hidden", "7168"]]

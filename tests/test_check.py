@@ -153,3 +153,27 @@ def test_ranks_per_host_must_divide_ranks(capsys):
     assert exit_info.value.code == 2
     assert "--ranks-per-host 3 must divide --ranks 8" in capsys.readouterr().err
     assert main([*EXAMPLE, "--ranks-per-host", "4"]) in (0, 1)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_device_memory_must_be_a_positive_number(capsys, value):
+    with pytest.raises(SystemExit) as e:
+        main([*EXAMPLE, "--device-memory-gib", value])
+    assert e.value.code == 2
+    assert f"--device-memory-gib: must be a finite number of GiB > 0, got {value}" in capsys.readouterr().err
+
+
+def test_negative_num_bytes_says_so(capsys):
+    rc, out = run(capsys, *EXAMPLE, "--num-bytes", "-1")
+    assert rc == 1 and "num_bytes is a positive multiple of 2 MiB: -1 is not > 0" in out
+
+
+def test_memory_check_counts_the_worst_case_output(capsys):
+    """The buffer alone fit 80 GiB; with expand and a large alignment the outputs do not (was: PASS)."""
+    args = ["--ranks", "8", "--experts", "256", "--topk", "8", "--hidden", "7168", "--tokens", "4096",
+            "--layout", "expand", "--alignment", "300000", "--device-memory-gib", "80"]
+    rc, out = run(capsys, *args)
+    fails = status_lines(out, "FAIL")
+    assert rc == 1 and len(fails) == 1 and "a dispatch's worst-case recv_x" in fails[0], fails
+    rc, out = run(capsys, *args[:-4], "--device-memory-gib", "80")
+    assert rc == 0 and "fit one device's memory" in out

@@ -48,15 +48,22 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _gib(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text}")
+    return value
+
+
 def _size_kw(a) -> dict:
     """Keyword arguments of `sizing.buffer_size_hint` for the plan (what `EPBuffer(num_bytes=None)` passes)."""
     return dict(num_topk=a.topk, use_fp8_dispatch=a.fp8, allow_multiple_reduction=a.allow_multiple_reduction,
                 elem_size=DTYPES[a.dtype].itemsize)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m epcomm.check") -> argparse.ArgumentParser:
     """The command-line flags (see the module docstring for their conventions)."""
-    p = argparse.ArgumentParser(prog="python -m epcomm.check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=_positive, required=True, help="EP group size R")
     p.add_argument("--experts", type=int, required=True, help="num_experts E (all ranks)")
     p.add_argument("--topk", type=int, required=True, help="num_topk K")
@@ -72,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="device of the planned run (default: cuda with --transport nvlink, else cpu)")
     p.add_argument("--ranks-per-host", type=_positive, default=None, help="default: every rank on one host")
-    p.add_argument("--device-memory-gib", type=float, default=None,
+    p.add_argument("--device-memory-gib", type=_gib, default=None,
                    help="memory of one device in GiB: the buffer must fit in it (default: only a note when the "
                         "buffer exceeds an H200's 141 GiB)")
     return p
@@ -142,8 +149,9 @@ def check_constraints(r: Report, a) -> tuple:
         r.line("PASS", "num_bytes=None: sized by EPBuffer.get_buffer_size_hint (below), a multiple of 2 MiB")
     else:
         r.check(a.num_bytes > 0 and a.num_bytes % sizing.ALLOCATION_ALIGNMENT == 0,
-                f"num_bytes is a positive multiple of 2 MiB: {a.num_bytes:,} % {sizing.ALLOCATION_ALIGNMENT:,} = "
-                f"{a.num_bytes % sizing.ALLOCATION_ALIGNMENT:,}", "round it up or pass num_bytes=None")
+                f"num_bytes is a positive multiple of 2 MiB: {a.num_bytes:,}"
+                + (f" % {sizing.ALLOCATION_ALIGNMENT:,} = {a.num_bytes % sizing.ALLOCATION_ALIGNMENT:,}"
+                   if a.num_bytes > 0 else " is not > 0"), "round it up or pass num_bytes=None")
     dev = torch.device(a.device)
     names = transport_base.available_transports(dev)
     auto = [n for n, (devs, use) in transport_base._REGISTRY.items() if use and dev.type in devs]
@@ -164,9 +172,10 @@ def check_constraints(r: Report, a) -> tuple:
                    f"topk_idx has 1 to {sizing.MAX_TOPK} columns (--topk)")
     if ok_e and ok_k and K > E:
         r.line("NOTE", f"num_topk {K} > num_experts {E}: ids in a row are distinct, so >= {K - E} columns are -1")
-    rows_ok = True
+    rows_ok, a.worst_rows = True, R * N  # received rows of a dispatch at most (non-expand)
     if r.check(a.alignment >= 1, f"expert_alignment >= 1: {a.alignment}") and ok_div and ok_k:
         rows = layout.worst_case_expanded_rows(R, N, K, E // R, a.alignment)
+        a.worst_rows = rows if a.layout == "expand" else a.worst_rows
         rows_ok = r.check(rows < 2 ** 31, f"aligned rows < 2^31 (int32 row indices): at most {rows:,}",
                           "use a smaller expert_alignment or num_max_tokens_per_rank")
     r.line("PASS", f"tokens <= num_max_tokens_per_rank: {N} <= {N} (every call of this plan carries N tokens)")
@@ -198,13 +207,16 @@ def check_constraints(r: Report, a) -> tuple:
         _capacity(r, "EPBuffer.combine", a, a.nb, is_fp8=False, elem=dt.itemsize)
 
     r.head(f"transport {chosen!r} on {dev.type}")
-    if a.device_memory_gib is not None:
-        r.check(a.nb <= a.device_memory_gib * (1 << 30), f"the buffer fits one device's memory: {_b(a.nb)} <= "
-                f"{a.device_memory_gib:g} GiB", "lower num_max_tokens_per_rank (--tokens) or hidden, or use FP8")
-    elif a.nb > H200_MEMORY_GIB * (1 << 30):
-        r.line("NOTE", f"the buffer alone takes {_b(a.nb)} per rank, more than an H200 holds ({H200_MEMORY_GIB} "
-                       "GiB); --device-memory-gib checks it against your device")
     elem_d, elem_c = (1 if a.fp8 else dt.itemsize), dt.itemsize
+    recv_x = a.worst_rows * max(H, 0) * elem_d  # a dispatch's output at most (without CPU sync: always)
+    need = f"the buffer ({_b(a.nb)}) and a dispatch's worst-case recv_x ({a.worst_rows:,} rows: {_b(recv_x)})"
+    if a.device_memory_gib is not None:
+        r.check(a.nb + recv_x <= a.device_memory_gib * (1 << 30), f"{need} fit one device's memory: "
+                f"{_b(a.nb + recv_x)} <= {a.device_memory_gib:g} GiB",
+                "lower num_max_tokens_per_rank (--tokens), hidden or expert_alignment, or use FP8")
+    elif a.nb + recv_x > H200_MEMORY_GIB * (1 << 30):
+        r.line("NOTE", f"{need} take {_b(a.nb + recv_x)} per rank, more than an H200 holds ({H200_MEMORY_GIB} "
+                       "GiB); --device-memory-gib checks it against your device")
     if chosen == "nvlink":
         r.check(dev.type == "cuda", f"nvlink runs on CUDA devices: --device {dev.type}", "use --device cuda")
         r.line("UNCHECKED", "(needs hardware) CUDA GPUs on one host with peer access over NVLink")
@@ -360,16 +372,17 @@ def walkthrough(a) -> str:
     return "\n".join(f"{c:<63} # {m}" if c and m else c or (f"# {m}" if m else "") for c, m in code)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: Optional[list] = None, prog: str = "python -m epcomm.check") -> int:
     """Run the planning check.
 
     Args:
         argv: command-line arguments without the program name; None reads `sys.argv[1:]`.
+        prog: the program name its usage errors give (`epcomm-bench --check` passes its own).
 
     Returns:
         0 when no constraint FAILs, 1 otherwise (argparse exits with 2 on bad flags).
     """
-    parser = build_parser()
+    parser = build_parser(prog)
     a = parser.parse_args(argv)
     if a.ranks_per_host is not None and a.ranks > 0 and a.ranks % a.ranks_per_host:
         parser.error(f"--ranks-per-host {a.ranks_per_host} must divide --ranks {a.ranks} (every host holds as many "

@@ -398,7 +398,7 @@ def _run_check(rest: list) -> int:
               "(module epcomm.check not found); update epcomm, or run the test suite (pytest) instead",
               file=sys.stderr)
         return 2
-    return check_main(rest)
+    return check_main(rest, prog="epcomm-bench --check")
 
 
 def main(argv: Optional[list] = None, *, pool: Optional[WorkerPool] = None) -> int:
