@@ -403,7 +403,7 @@ def _move(buf: BucketBuffer, ctx: CommContext, call: str, op: str, buckets: list
         for t in (b.stage_from, b.copy_to):
             if cuda and t is not None:
                 t.record_stream(stream)
-    event = EventHandle(stream=stream) if cuda else EventHandle()
+    event = EventHandle(stream=stream) if cuda else EventHandle.completed()
     # Carved staging belongs to its session: the next session carves the same bytes again.
     session_number = buf._sessions_opened if any(b.carved for b in buckets) else None
 

@@ -392,8 +392,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
     @staticmethod
     def capture() -> EventHandle:
         """An event on the current stream (completed on CPU), e.g. for `previous_event`."""
-        return EventHandle(torch.device("cuda") if torch.cuda.is_available() and torch.cuda.is_initialized()
-                           else torch.device("cpu"))
+        return EventHandle()
 
     @eager_under_compile
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,

@@ -18,16 +18,26 @@ class EventHandle:
     """A point on a stream that another stream can wait for.
 
     Args:
-        device: the device whose current stream is captured; CPU gives a completed marker.
+        device: the device whose current stream is captured; CPU gives a completed marker. Default: the current
+            CUDA device once CUDA is initialized (reference §3.2: `EventHandle()` records on the current stream),
+            else CPU.
         stream: record on this CUDA stream instead of the current one.
     """
 
     def __init__(self, device: Optional[torch.device] = None, stream: Optional["torch.cuda.Stream"] = None):
         self.event: Optional[torch.cuda.Event] = None
+        if device is None and stream is None:
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         device = torch.device(device) if device is not None else None
         if stream is not None or (device is not None and device.type == "cuda"):
             self.event = torch.cuda.Event()
             self.event.record(stream if stream is not None else torch.cuda.current_stream(device))
+
+    @classmethod
+    def completed(cls) -> "EventHandle":
+        """A completed marker (what CPU calls return: their work is done when they return)."""
+        return cls(torch.device("cpu"))
 
     @eager_under_compile
     def current_stream_wait(self) -> None:

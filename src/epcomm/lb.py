@@ -282,7 +282,7 @@ class LoadBalancingMixin:
         except (Exception, KeyboardInterrupt) as e:
             self._after_agreement(name, call_id, e, err)
         if stream is None:
-            return EventOverlap(EventHandle())
+            return EventOverlap(EventHandle.completed())
         for t in call.redundant + call.original:
             t.record_stream(stream)
         return EventOverlap(EventHandle(stream=stream))

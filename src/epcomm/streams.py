@@ -247,8 +247,8 @@ def finish(device: torch.device, comm: Optional["torch.cuda.Stream"], epilogue: 
     """
     if device.type != "cuda":
         if defer:
-            return EventOverlap(EventHandle(), hook_after_wait=epilogue)
-        return epilogue(), EventOverlap(EventHandle() if async_op else None)
+            return EventOverlap(EventHandle.completed(), hook_after_wait=epilogue)
+        return epilogue(), EventOverlap(EventHandle.completed() if async_op else None)
     compute = current_stream(device.index)
     for t in inputs:
         if t is not None:
