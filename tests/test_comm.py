@@ -22,7 +22,7 @@ def test_barrier_on_every_buffer(run_ranks):
 
 
 PUBLIC = [
-    comm.barrier, comm.get_comm_stream, comm.CommContext.__init__,
+    comm.barrier, comm.get_comm_stream, comm.CommContext.__init__, comm.get_physical_domain_size,
     bucket.BucketBuffer.__init__, bucket.BucketBuffer.all_gather, bucket.BucketBuffer.reduce_scatter,
     bucket.BucketBuffer.all_reduce, bucket.BucketBuffer.get_theoretical_num_sms, bucket.BucketSession.allocate,
     pp.PPBuffer.__init__, pp.PPBuffer.send, pp.PPBuffer.recv,
@@ -93,3 +93,43 @@ def test_barriers_of_two_buffers_of_a_group_raise(run_ranks):
             cls, msg = out[name]
             assert cls == "ValueError" and re.search(rf"^{name}.barrier: rank {rank}: ranks are in barriers of "
                                                      rf"different {name}s on this group", msg), (name, msg)
+
+
+def _lifecycle_names(rank, world):
+    """Reference §1, §2, §5: the package's helpers and every buffer's lifecycle names."""
+    import contextlib
+    import io
+
+    import epcomm
+    out = dict(alignments=(epcomm.get_num_allocation_alignment(), epcomm.get_num_rdma_alignment(),
+                           epcomm.get_num_tma_alignment()),
+               nccl=epcomm.destroy_all_managed_nccl_comm(),
+               group=(epcomm.get_physical_domain_size(None), epcomm.get_logical_domain_size(None, True)))
+    gpu, storage = engram.EngramBuffer.get_storage_size_hint(None, [16], 64, 4, 2)
+    buffers = dict(bucket=bucket.BucketBuffer(None, 2 << 20), pp=pp.PPBuffer(None, 256, 2),
+                   engram=engram.EngramBuffer(None, gpu, storage),
+                   ep=epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=16))
+    for name, buf in buffers.items():
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            buf.print_memory_usage()
+        out[name] = dict(domains=(comm.get_physical_domain_size(buf), comm.get_logical_domain_size(buf)),
+                         context=None if name == "ep" else buf.main_context is buf.contexts[0],
+                         printed=printed.getvalue().strip())
+        buf.destroy()
+        out[name]["after"] = None if name == "ep" else buf.main_context
+    out["type_error"] = cc.outcome(comm.get_logical_domain_size, "x")
+    return out
+
+
+def test_package_helpers_and_lifecycle_names(run_ranks):
+    for rank, out in enumerate(run_ranks(2, _lifecycle_names)):
+        assert out["alignments"] == (2 << 20, 64, 32) and out["nccl"] is None
+        assert out["group"] == ((1, 2), (1, 2))
+        for name in ("bucket", "pp", "engram", "ep"):
+            got = out[name]
+            assert got["domains"] == ((1, 2), (1, 2)) and got["context"] in (True, None) and got["after"] is None, \
+                (name, got)
+            assert re.match(rf"\w+Buffer rank {rank}: .*GiB", got["printed"]), got["printed"]
+        assert out["type_error"][0] == "TypeError" and "must be an epcomm buffer or a ProcessGroup" in \
+            out["type_error"][1]

@@ -12,11 +12,15 @@ from .engram import EngramBuffer
 from .events import EventHandle, EventOverlap
 from .handle import EPHandle
 from .lowlatency import LowLatencyHandle
+from .comm import destroy_all_managed_nccl_comm, get_logical_domain_size, get_physical_domain_size
 from .pp import PPBuffer
+from .sizing import get_num_allocation_alignment, get_num_rdma_alignment, get_num_tma_alignment
 from .waits import PeerFailed, TransportTimeout
 
 topk_idx_t = torch.int64
 
 __all__ = ["BucketBuffer", "BucketSession", "BufferAllocator", "EPBuffer", "EPHandle", "EngramBuffer",
            "EventHandle", "EventOverlap", "LowLatencyHandle", "PPBuffer", "PeerFailed", "TokenDispatcher",
-           "TransportTimeout", "__version__", "comm", "eplb", "topk_idx_t"]
+           "TransportTimeout", "__version__", "comm", "destroy_all_managed_nccl_comm", "eplb",
+           "get_logical_domain_size", "get_num_allocation_alignment", "get_num_rdma_alignment",
+           "get_num_tma_alignment", "get_physical_domain_size", "topk_idx_t"]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BucketSession", "SessionOutOfStorage"]
 
-STAGING_ALIGNMENT = 64  # session allocation granularity: the reference's RDMA alignment (§1)
+STAGING_ALIGNMENT = sizing.RDMA_ALIGNMENT  # session allocation granularity: the reference's RDMA alignment (§1)
 
 
 class SessionOutOfStorage(ValueError, RuntimeError):

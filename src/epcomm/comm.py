@@ -31,7 +31,8 @@ from .waits import (PeerFailed, TransportTimeout, bounded_wait, break_group, fai
                     require_group_usable)
 from .validate import Checker
 
-__all__ = ["CommContext", "barrier", "get_comm_stream", "group_device"]
+__all__ = ["CommContext", "barrier", "destroy_all_managed_nccl_comm", "get_comm_stream", "get_logical_domain_size",
+           "get_physical_domain_size", "group_device"]
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
@@ -347,6 +348,56 @@ def get_comm_stream(buffer) -> Optional["torch.cuda.Stream"]:
     return getter()
 
 
+def get_physical_domain_size(group_or_buffer=None, *, num_cpu_timeout_secs: float = 300) -> tuple:
+    """`(num_rdma_ranks, num_nvlink_ranks)`: hosts, and ranks per host, of a buffer's group or of a group
+    (reference §2).
+
+    Args:
+        group_or_buffer: an epcomm buffer (its values; local), or a `ProcessGroup` (None: the default group).
+            For a group it is collective: every rank of the group calls it (one bounded exchange of host names).
+        num_cpu_timeout_secs: bound on that exchange (epcomm keyword). Default 300.
+
+    Returns:
+        `(num_rdma_ranks, num_nvlink_ranks)`: ints; `(1, R)` on one host.
+
+    Raises:
+        TypeError: neither a buffer nor a process group. TimeoutError: a rank of the group did not call it.
+    """
+    getter = getattr(group_or_buffer, "get_physical_domain_size", None)
+    if callable(getter):
+        return getter()
+    ctx = CommContext(group_or_buffer, owner="epcomm.comm.get_physical_domain_size",
+                      num_cpu_timeout_secs=num_cpu_timeout_secs)
+    ctx.destroyed = True  # a context for one exchange; nothing to release
+    return ctx.num_rdma_ranks, ctx.num_nvlink_ranks
+
+
+def get_logical_domain_size(group_or_buffer=None, allow_hybrid_mode: Optional[bool] = None) -> tuple:
+    """`(num_scaleout_ranks, num_scaleup_ranks)` (reference §2): always `(1, R)` in epcomm, which runs one logical
+    domain in the canonical order whatever `allow_hybrid_mode` (docs/decisions.md decision 4). Local.
+
+    Args:
+        group_or_buffer: an epcomm buffer, or a `ProcessGroup` (None: the default group).
+        allow_hybrid_mode: accepted for the reference's signature; no effect.
+
+    Raises:
+        TypeError: neither a buffer nor a process group.
+    """
+    getter = getattr(group_or_buffer, "get_logical_domain_size", None)
+    if callable(getter):
+        return getter(allow_hybrid_mode)
+    group = dist.group.WORLD if group_or_buffer is None else group_or_buffer
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError("epcomm.comm.get_logical_domain_size: group_or_buffer must be an epcomm buffer or a "
+                        f"ProcessGroup (None: the default group), got {type(group_or_buffer).__name__}")
+    return 1, group.size()
+
+
+def destroy_all_managed_nccl_comm() -> None:
+    """Nothing to do (reference §1): epcomm keeps no NCCL communicators of its own; it uses those of the process
+    groups it is given, which `torch.distributed.destroy_process_group` releases."""
+
+
 class ContextLifecycle:
     """Stream, barrier, context-manager and garbage-collection behaviour shared by the collective buffers (§5).
 
@@ -357,6 +408,39 @@ class ContextLifecycle:
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
         """The buffer's communication stream; None on CPU."""
         return self.context.comm_stream
+
+    @property
+    def main_context(self) -> Optional[CommContext]:
+        """The first communication context (reference §5), None after `destroy()`."""
+        return None if getattr(self, "_destroyed", True) or not self.contexts else self.contexts[0]
+
+    def get_physical_domain_size(self) -> tuple:
+        """`(num_rdma_ranks, num_nvlink_ranks)` of the first group (reference §2)."""
+        ctx = self.contexts[0] if self.contexts else None
+        if ctx is None:
+            raise ValueError(f"{type(self).__name__}.get_physical_domain_size: the buffer was destroyed")
+        return ctx.num_rdma_ranks, ctx.num_nvlink_ranks
+
+    def get_logical_domain_size(self, allow_hybrid_mode: Optional[bool] = None) -> tuple:
+        """Always `(1, R)` of the first group: one logical domain (docs/decisions.md decision 4)."""
+        return 1, (self.contexts[0].num_ranks if self.contexts else self.num_ranks)
+
+    def print_memory_usage(self) -> None:
+        """Print the buffer's allocated regions (GiB) (reference §5).
+
+        Raises:
+            ValueError: the buffer was destroyed.
+        """
+        if getattr(self, "_destroyed", True):
+            raise ValueError(f"{type(self).__name__}.print_memory_usage: the buffer was destroyed")
+        gib = 1 << 30
+        parts = ", ".join(f"{name} {nbytes / gib:.3f} GiB" for name, nbytes in self._memory_regions().items())
+        device = self.contexts[0].device if self.contexts else "?"
+        print(f"{type(self).__name__} rank {self.contexts[0].rank}: {parts} on {device}")
+
+    def _memory_regions(self) -> dict:
+        """name -> bytes of each region the buffer holds (each class names its own)."""
+        return {"storage": getattr(self, "num_bytes", 0)}
 
     @eager_under_compile
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:

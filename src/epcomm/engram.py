@@ -214,13 +214,11 @@ class EngramBuffer(ContextLifecycle):
             depth *= 2
         return qps, depth, False
 
-    def get_physical_domain_size(self) -> tuple:
-        """`(num_rdma_ranks, num_nvlink_ranks)`: hosts and ranks per host of the group (reference §2)."""
-        return self.context.num_rdma_ranks, self.context.num_nvlink_ranks
-
-    def get_logical_domain_size(self, allow_hybrid_mode: Optional[bool] = None) -> tuple:
-        """Always `(1, world)`: one logical domain (docs/decisions.md decision 4)."""
-        return 1, self.num_ranks
+    def _memory_regions(self) -> dict:
+        regions = {"gpu_storage": self.gpu_storage.nbytes}
+        if self.rdma_storage is not None:
+            regions["rdma_storage"] = self.rdma_storage.nbytes
+        return regions
 
     # -- configuration and table -----------------------------------------------------------------------
     @eager_under_compile

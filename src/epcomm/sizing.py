@@ -14,6 +14,23 @@ import os
 import torch
 
 ALLOCATION_ALIGNMENT = 2 * 1024 * 1024  # every registered region is a multiple of 2 MiB (reference §1)
+RDMA_ALIGNMENT = 64  # the reference's RDMA granularity: bucket-session allocations (reference §1, §14.3)
+TMA_ALIGNMENT = 32  # the reference's TMA granularity (reference §1); reduce-scatter buckets start on it (§14.2)
+
+
+def get_num_allocation_alignment() -> int:
+    """2 MiB: the granularity of every registered region (reference §1)."""
+    return ALLOCATION_ALIGNMENT
+
+
+def get_num_rdma_alignment() -> int:
+    """64 bytes: the reference's RDMA alignment, the bucket session's allocation granularity (reference §1)."""
+    return RDMA_ALIGNMENT
+
+
+def get_num_tma_alignment() -> int:
+    """32 bytes: the reference's TMA alignment (reference §1)."""
+    return TMA_ALIGNMENT
 MAX_TOPK = 32
 # DeepEP caps experts at 2048 (reference §1); epcomm's kernels have no such limit, but every layout keeps tables
 # per (row, local expert) or per expert, so an absurd count would exhaust memory or stall rather than raise.
