@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import warnings
+
 import torch
 
 from .compile_guard import eager_under_compile
@@ -57,6 +59,9 @@ class EventOverlap:
         event: `EventHandle` or None (None for synchronous calls; waiting on it then raises).
         extra_tensors: tensors kept alive until the event is dropped (legacy; None).
         hook_after_wait: called once by the first wait; its value is returned by that wait (deferred epilogue).
+
+    `with event:` waits when the block ends (`with event(release_handle=True):` then drops the event); for a deferred
+    call that is its first wait, whose results are dropped (reference §3.3), with a warning.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class EventOverlap:
         self.extra_tensors = extra_tensors
         self.hook_after_wait = hook_after_wait
         self._release_on_exit = False
+        self._released = False  # a wait with release_handle=True dropped the event
 
     def register_hook_after_wait(self, hook: Callable[[], Any]) -> None:
         """Register the function the next wait calls; at most one at a time.
@@ -106,6 +112,9 @@ class EventOverlap:
 
     def _wait(self, method: str, release_handle: bool) -> Any:
         if self.event is None:
+            if self._released:
+                raise ValueError(f"EventOverlap.{method}: the event was released by an earlier "
+                                 "current_stream_wait(release_handle=True); there is nothing left to wait for")
             raise ValueError(
                 f"EventOverlap.{method}: event is None (the call was synchronous); "
                 "pass async_with_compute_stream=True (async_finish=True for the low-latency calls) to get an event to "
@@ -115,7 +124,7 @@ class EventOverlap:
         hook, self.hook_after_wait = self.hook_after_wait, None
         result = hook() if hook is not None else None
         if release_handle:
-            self.event = None
+            self.event, self._released = None, True
         return result
 
     def __call__(self, release_handle: bool = False) -> "EventOverlap":
@@ -127,5 +136,9 @@ class EventOverlap:
 
     def __exit__(self, *exc) -> None:
         if self.event is not None:
+            if self.hook_after_wait is not None:  # as DeepEP: the exit's wait is the first one, its value is lost
+                warnings.warn("EventOverlap: a `with` block's exit ran this deferred call's epilogue and dropped its "
+                              "results (a later wait() returns None, reference §3.3); call ev.wait() to get them",
+                              stacklevel=2)
             self.current_stream_wait(release_handle=self._release_on_exit)
         self._release_on_exit = False
