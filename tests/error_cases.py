@@ -570,14 +570,31 @@ def barrier_vs_dispatch(rank: int, world: int):
 
 
 def grad_warning(rank: int, world: int):
+    """The warning of each way an input may require grad: x, FP8 scales, a combine's bias (each on a fresh buffer,
+    since a buffer warns once per call kind); and a bias pair with a None."""
     import warnings
-    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+    out = {}
     x, idx, w = _inputs(rank)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        buf.dispatch(x.float().requires_grad_(), idx, w, num_experts=E)
-    buf.destroy()
-    return [str(c.message) for c in caught]
+    data, sf = per_token_cast_to_fp8(x.double())
+    for name in ("x", "scales", "bias"):
+        buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=N, hidden=H)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if name == "x":
+                buf.dispatch(x.float().requires_grad_(), idx, w, num_experts=E)
+            elif name == "scales":
+                buf.dispatch((data, sf.requires_grad_()), idx, w, num_experts=E)
+            else:
+                recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+                buf.combine(recv_x, handle, bias=torch.zeros_like(x).requires_grad_())
+        out[name] = [str(c.message) for c in caught]
+        if name == "bias":  # (b, None) and (None, b) are b alone (a missing bias adds 0)
+            b = torch.randn(x.shape, dtype=x.dtype)
+            want = buf.combine(recv_x, handle, bias=b)[0]
+            out["pairs"] = [torch.equal(buf.combine(recv_x, handle, bias=pair)[0], want) for pair in ((b, None),
+                                                                                                    (None, b))]
+        buf.destroy()
+    return out
 
 
 def two_offenders(rank: int, world: int):

@@ -447,8 +447,11 @@ def test_barrier_while_peer_dispatches(run_ranks):
 
 
 def test_inputs_requiring_grad_warn(run_ranks):
-    for caught in run_ranks(2, error_cases.grad_warning):
-        assert any("not recorded by autograd; use epcomm.TokenDispatcher" in m for m in caught), caught
+    """(FP8 scales and a bias requiring grad gave no warning; a pair with a None was refused)"""
+    for out in run_ranks(2, error_cases.grad_warning):
+        for name in ("x", "scales", "bias"):
+            assert any("not recorded by autograd; use epcomm.TokenDispatcher" in m for m in out[name]), (name, out)
+        assert out["pairs"] == [True, True], out
 
 
 def test_numpy_ints_are_ints(run_ranks):

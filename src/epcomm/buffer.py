@@ -765,7 +765,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             handle: the `EPHandle` of the dispatch whose rows these are.
             topk_weights: [M, K] (non-expand) or [S] (expand) fp32 (fp64 for fp64 x) or None -- carried back
                 to the owner of each selection; not allowed in expand layout without multiple reduction.
-            bias: None, a tensor, or a pair `(bias_0, bias_1)`; each [T, H] in x's dtype -- added first. With
+            bias: None, a tensor, or a pair `(bias_0, bias_1)` (either may be None: it adds 0); each [T, H] in
+                x's dtype -- added first. With
                 `defer_epilogue=True` it is read at the event's first wait, not by the call (reference §3.5).
             num_sms, num_qps: as dispatch (num_sms 0 = the handle's).
             previous_event, async_with_compute_stream, allocate_on_comm_stream, defer_epilogue: as dispatch.

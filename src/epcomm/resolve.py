@@ -36,7 +36,7 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
     x = tuple(map(sizing.dense_strides, x)) if isinstance(x, tuple) else sizing.dense_strides(x)
     topk_idx, topk_weights = sizing.dense_strides(topk_idx), sizing.dense_strides(topk_weights)
     xs = check_x(c, x, allow_fp8=True)
-    warn_if_grad(buf, "dispatch", xs.data, topk_weights)
+    warn_if_grad(buf, "dispatch", xs.data, xs.sf, topk_weights)
     if handle is not None:
         if not isinstance(handle, EPHandle):
             c.fail(TypeError, f"handle must be an EPHandle from dispatch, got {type(handle).__name__}")
@@ -142,7 +142,6 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         c.fail(ValueError, str(e))
     x, topk_weights = sizing.dense_strides(x), sizing.dense_strides(topk_weights)
     x = check_x(c, x, allow_fp8=False).data
-    warn_if_grad(buf, "combine", x, topk_weights)
     rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
     layout_name = "expand" if handle.do_expand else "non-expand"
     rows_of = "handle.num_expanded_tokens" if handle.do_expand else "the rows of handle.recv_src_metadata"
@@ -161,13 +160,15 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         biases = (bias,)
     elif isinstance(bias, (tuple, list)):
         c.require(len(bias) == 2, f"bias as a tuple must be (bias_0, bias_1), got {len(bias)} elements")
-        biases = tuple(bias)
+        biases = tuple(b for b in bias if b is not None)  # a missing bias adds 0 (reference §11.2)
+        names = [f"bias[{i}]" for i, b in enumerate(bias) if b is not None]
     else:
         c.fail(TypeError, f"bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
     biases = tuple(map(sizing.dense_strides, biases))
     for i, b in enumerate(biases):
-        c.tensor(f"bias[{i}]" if len(biases) == 2 else "bias", b, ndim=2, dtypes=(x.dtype,),
+        c.tensor(names[i] if isinstance(bias, (tuple, list)) else "bias", b, ndim=2, dtypes=(x.dtype,),
                  shape=(topk_idx.shape[0], x.shape[1]))
+    warn_if_grad(buf, "combine", x, topk_weights, *biases)
     check_capacity(c, buf, num_tokens=topk_idx.shape[0], hidden=x.shape[1], num_topk=handle.num_topk,
                    is_fp8=False, elem_size=x.dtype.itemsize, n=handle.num_max_tokens_per_rank,
                    which="combine")
