@@ -856,9 +856,14 @@ def failure_after_last_collective(rank: int, world: int, timeout_s: float):
     xa, xb = a.storage.view(torch.float32)[:16 * world], b.storage.view(torch.float32)[:16 * world]
     xa.fill_(rank + 1), xb.fill_(rank + 1)
     if rank == 1:
-        def out_of_memory(*args, **kwargs):
-            raise torch.OutOfMemoryError("CPU out of memory (injected)")
-        bucket_placement.EventHandle = out_of_memory  # made after the call's collectives
+        class OutOfMemory:  # the call's event, made after its collectives: EventHandle(...) or .completed()
+            def __init__(self, *args, **kwargs):
+                raise torch.OutOfMemoryError("CPU out of memory (injected)")
+
+            @classmethod
+            def completed(cls):
+                return cls()
+        bucket_placement.EventHandle = OutOfMemory
     outcomes = []
     for call in (lambda: a.reduce_scatter(xa).wait(), lambda: b.all_reduce(xb).wait()):
         start = time.monotonic()

@@ -361,7 +361,8 @@ def test_missing_peer_at_construction_times_out_naming_it():
 
 
 def test_constructor_checks(run_ranks):
-    with pytest.raises(ValueError, match=r"get_buffer_size_hint: num_max_tokens_per_rank \(0\)"):
+    with pytest.raises(ValueError, match=r"get_buffer_size_hint: the number of ranks \(2\), num_max_tokens_per_rank "
+                                         r"\(0\)"):
         epcomm.EPBuffer.get_buffer_size_hint(2, 0, 128)
     errs = run_ranks(2, _construct_bad, return_exceptions=True)
     for e in errs:
