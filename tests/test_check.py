@@ -177,3 +177,49 @@ def test_memory_check_counts_the_worst_case_output(capsys):
     assert rc == 1 and len(fails) == 1 and "a dispatch's worst-case recv_x" in fails[0], fails
     rc, out = run(capsys, *args[:-4], "--device-memory-gib", "80")
     assert rc == 0 and "fit one device's memory" in out
+
+
+def _run_walkthrough(rank, world, layout, fp8):
+    """Run the printed walkthrough as written (stub router and experts, warnings as errors) and compare its y with
+    the dense MoE layer computed on one rank."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    E, K, H, T = 8, 2, 64, 16
+    args = ["--ranks", str(world), "--experts", str(E), "--topk", str(K), "--hidden", str(H), "--tokens", str(T),
+            "--dtype", "fp32", "--layout", layout] + (["--fp8"] if fp8 else [])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(args) == 0
+    code = printed.getvalue().split("Walkthrough: the calls of one MoE layer")[1]
+    torch.manual_seed(0)  # every rank builds the same layers
+    router = torch.nn.Linear(H, E)
+    every = [torch.nn.Linear(H, H) for _ in range(E)]
+    shared = torch.nn.Linear(H, H)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1 + rank))
+    local = E // world
+    scope = dict(group=None, router=router, experts=every[rank * local:(rank + 1) * local], shared_experts=shared,
+                 x=x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the walkthrough warned on every combine)
+        exec(compile(code, "walkthrough", "exec"), scope)
+    with torch.no_grad():
+        w, idx = router(x).float().softmax(-1).topk(K, dim=-1)
+        xe = x
+        if fp8:
+            from epcomm.fp8 import per_token_cast_back, per_token_cast_to_fp8
+            xe = per_token_cast_back(*per_token_cast_to_fp8(x))
+        dense = shared(x) + sum(w[:, k, None] * torch.stack([every[e](xe[t]) for t, e in enumerate(idx[:, k].tolist())])
+                                for k in range(K))
+    dist.barrier()
+    return torch.allclose(scope["y"], dense, atol=1e-4, rtol=1e-4), (scope["y"] - dense).abs().max().item()
+
+
+@pytest.mark.parametrize("layout, fp8", [("non-expand", False), ("expand", False), ("expand", True)])
+def test_printed_walkthrough_runs_and_computes_the_layer(run_ranks, layout, fp8):
+    for ok, err in run_ranks(2, _run_walkthrough, layout, fp8):
+        assert ok, err

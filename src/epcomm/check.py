@@ -329,9 +329,9 @@ def walkthrough(a) -> str:
         (f"    use_fp8_dispatch={a.fp8}, allow_multiple_reduction={amr}, transport={a.transport!r},", ""),
         (f"    dtype=torch.{str(DTYPES[d])[6:]})", f"-> transport {a.chosen!r} on {a.device}"), ("", ""),
         ("", f"Router: x [T <= {N}, {H}] {d} -> scores [T, {E}] -> top-{K}"),
-        ("with torch.no_grad():", "EPBuffer calls are not recorded by autograd: in training, "
-                                  "epcomm.TokenDispatcher(buffer, num_experts)"),
-        (f"    topk_weights, topk_idx = router(x).float().softmax(-1).topk({K}, dim=-1)",
+        ("torch.set_grad_enabled(False)", "inference: EPBuffer calls are not recorded by autograd (training: "
+                                          "epcomm.TokenDispatcher, below)"),
+        (f"topk_weights, topk_idx = router(x).float().softmax(-1).topk({K}, dim=-1)",
          f"[T, {K}] fp32, [T, {K}] int64"),
         *([("x_fp8 = per_token_cast_to_fp8(x)", f"(data [T, {H}] e4m3, scales [T, {fp8.num_sf_packs(H)}] fp32)")]
           if a.fp8 else []),
@@ -361,7 +361,8 @@ def walkthrough(a) -> str:
                  ("", "grouped GEMMs: sizes from handle.num_recv_tokens_per_expert_list / psum")]
     code += [
         ("", ""), ("y, _, _ = buffer.combine(expert_out, handle, bias=shared_out)", f"[T, {H}] {d}, fp32 sum, bias first"),
-        ("", ""), ("", "Training: dispatch backward = combine(grad, handle, topk_weights=grad_w); combine backward ="),
+        ("", ""), ("torch.set_grad_enabled(True)", ""),
+        ("", "Training: dispatch backward = combine(grad, handle, topk_weights=grad_w); combine backward ="),
         ("", "cached dispatch(grad_y, handle=handle). epcomm.TokenDispatcher wires both into autograd"
              + ("" if amr else " (needs allow_multiple_reduction=True)")),
         (f"dispatcher = epcomm.TokenDispatcher(buffer, {E}, expert_alignment={a.alignment}, do_expand={expand})", ""),
