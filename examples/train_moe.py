@@ -270,8 +270,12 @@ def parse_args(argv: Optional[list] = None) -> tuple:
     p.add_argument("--log-every", type=int, default=d.log_every, help="print the loss every N steps (default 1)")
     p.add_argument("--out-losses", default=None, help="write the per-step losses to this file, one per line")
     a = p.parse_args(argv)
-    if a.layers < 1:
-        p.error(f"--layers must be >= 1, got {a.layers}")
+    for name in ("steps", "layers", "log_every", "seq"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.batch < 1 or a.batch % a.ranks:
+        p.error(f"--batch must be a positive multiple of --ranks {a.ranks} (each rank takes an equal share), "
+                f"got {a.batch}")
     cfg = dataclasses.replace(d, steps=a.steps, seed=a.seed, batch=a.batch, seq=a.seq, layers=a.layers,
                               log_every=a.log_every)
     return cfg, a.ranks, a.out_losses
