@@ -936,6 +936,11 @@ def routing_edited_before_deferred_wait(rank: int, world: int):
                 event.wait()
             except ValueError as e:
                 err = str(e)
+                try:  # a second wait says the first one failed (it returned None)
+                    event.wait()
+                    err += " | second wait returned"
+                except ValueError as again:
+                    err += " | " + str(again)
             x, idx, w = _inputs(rank)
             recv_x, _, recv_w, h, _ = buf.dispatch(x, idx, w, num_experts=E, do_expand=expand)
             cw = None if expand and not amr else recv_w

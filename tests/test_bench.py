@@ -333,3 +333,25 @@ def test_bench_collectives_prints_its_verdict(capsys, bad):
     else:
         assert status == 1 and "correctness" not in out, out
         assert "FAILED all_reduce: rank 1: all_reduce out: 1 of 64 differ" in header.splitlines(), out
+
+
+def test_check_output_path_creates_and_deletes_nothing_but_its_probe(tmp_path):
+    """(a dangling link was deleted and its target created; a pipe blocked the check)"""
+    import os
+
+    from epcomm.bench.options import check_output_path
+    link = tmp_path / "link.json"
+    os.symlink(tmp_path / "target.json", link)
+    with pytest.raises(ValueError, match="is a link to a missing file"):
+        check_output_path("--json", str(link))
+    assert os.path.islink(link) and not (tmp_path / "target.json").exists()
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        check_output_path("--json", str(fifo))
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    check_output_path("--json", str(kept))
+    assert kept.read_text() == "old"
+    check_output_path("--json", str(tmp_path / "new.json"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json", "link.json", "pipe.json"]

@@ -167,7 +167,8 @@ EXPECTED = {
     "plan": ("TypeError", r"allocation_plan_or_num_bytes must be an int byte count or an epcomm.BufferAllocator, got "
                           r"list"),
     "plan_materialized": ("ValueError", r"the BufferAllocator is already materialized \(a plan serves one buffer\)"),
-    "plan_empty": ("ValueError", r"the BufferAllocator plans no tensor"),
+    "plan_empty": ("ValueError", r"the BufferAllocator plans no bytes"),
+    "plan_of_empty_tensors": ("ValueError", r"the BufferAllocator plans no bytes"),
     "plan_with_view": ("ValueError", r"allocation_plan_or_num_bytes \(2097152 bytes\): BufferAllocator.materialize: "
                                      r"planned tensor #0 .* cannot be swapped in place"),
     "plans_differ": ("ValueError", r"group ranks disagree on the allocation plan \(its layout's digest; 0: a byte "
@@ -218,6 +219,8 @@ def bucket_error_cases(rank, world):
     used_plan.allocate(4, torch.float32)
     used_plan.materialize(torch.zeros(used_plan.num_bytes, dtype=torch.uint8))
     held = viewed_plan.allocate(4, torch.float32)[:2]  # noqa: F841 (a view that blocks the in-place swap)
+    empty_plan = BufferAllocator()
+    empty_plan.allocate((0, 8), torch.float32)
 
     def plan_of(r):  # a layout that differs by rank: a bf16 tensor on rank 1 where rank 0 has fp32
         p = BufferAllocator()
@@ -257,6 +260,7 @@ def bucket_error_cases(rank, world):
         "plan": out(BucketBuffer, None, [1, 2]),
         "plan_materialized": out(BucketBuffer, None, used_plan),
         "plan_empty": out(BucketBuffer, None, BufferAllocator()),
+        "plan_of_empty_tensors": out(BucketBuffer, None, empty_plan),
         "plan_with_view": out(BucketBuffer, None, viewed_plan),
         "plans_differ": out(BucketBuffer, None, plan_of(rank)),
         "too_many_groups": out(BucketBuffer, [dist.group.WORLD] * 9, 2 << 20),

@@ -118,7 +118,14 @@ def _lifecycle_names(rank, world):
                          printed=printed.getvalue().strip())
         buf.destroy()
         out[name]["after"] = None if name == "ep" else buf.main_context
+        if name != "ep":
+            out[name]["destroyed"] = cc.outcome(buf.get_logical_domain_size)
     out["type_error"] = cc.outcome(comm.get_logical_domain_size, "x")
+    out["physical_type_error"] = cc.outcome(comm.get_physical_domain_size, "x")
+    # a bad timeout on one rank: every rank raises (the group stays usable: a buffer is built after it)
+    out["bad_timeout"] = cc.outcome(comm.get_physical_domain_size, None,
+                                    num_cpu_timeout_secs=float("nan") if rank == 1 else 30)
+    epcomm.PPBuffer(None, 256, 2).destroy()
     return out
 
 
@@ -131,5 +138,10 @@ def test_package_helpers_and_lifecycle_names(run_ranks):
             assert got["domains"] == ((1, 2), (1, 2)) and got["context"] in (True, None) and got["after"] is None, \
                 (name, got)
             assert re.match(rf"\w+Buffer rank {rank}: .*GiB", got["printed"]), got["printed"]
-        assert out["type_error"][0] == "TypeError" and "must be an epcomm buffer or a ProcessGroup" in \
-            out["type_error"][1]
+        for key in ("type_error", "physical_type_error"):
+            assert out[key][0] == "TypeError" and "must be an epcomm buffer or a ProcessGroup" in out[key][1], out
+        for name in ("bucket", "pp", "engram"):
+            assert out[name]["destroyed"][0] == "ValueError" and "was destroyed" in out[name]["destroyed"][1], out
+        cls, msg = out["bad_timeout"]
+        assert cls == "ValueError" and (("num_cpu_timeout_secs must be > 0 seconds, got nan" in msg) if rank == 1 else
+                                        "group rank 1 rejected the construction" in msg), out["bad_timeout"]

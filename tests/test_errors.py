@@ -608,4 +608,5 @@ def test_routing_edited_before_a_deferred_wait_raises_there(run_ranks):
                                  r"call and the first wait\(\) of its deferred epilogue \(version \d+ -> \d+\)", err), \
             (case, err)
         assert err.startswith(f"EPBuffer.{case[0]}"), (case, err)
+        assert " | EventOverlap.wait: the first wait of this event raised ValueError: " in err, (case, err)
         assert same and out0[case] == (None, True), (case, same, out0[case])

@@ -61,5 +61,6 @@ def test_a_with_block_on_a_deferred_event_warns_and_released_events_say_so(run_r
     """(was: `with ev:` dropped the results without a word; a wait after a release said "synchronous")"""
     for out in run_ranks(2, _deferred_event_uses):
         assert out["with_block"] and out["first"] and out["second"] is None and out["released"], out
-        assert out["after_release"].startswith("EventOverlap.wait: the event was released by an earlier "
-                                               "current_stream_wait(release_handle=True)"), out
+        assert out["after_release"].startswith("EventOverlap.wait: the event was released by an earlier wait with "
+                                               "release_handle=True"), out
+

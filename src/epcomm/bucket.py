@@ -126,9 +126,9 @@ class BucketBuffer(ContextLifecycle):
             if plan.materialized:
                 err = ValueError(f"{name}: rank {rank}: allocation_plan_or_num_bytes: the BufferAllocator is already "
                                  "materialized (a plan serves one buffer); make a new plan")
-            elif not plan.allocations:
+            elif not plan.num_bytes:
                 err = ValueError(f"{name}: rank {rank}: allocation_plan_or_num_bytes: the BufferAllocator plans no "
-                                 "tensor (num_bytes 0); allocate tensors in it or pass a byte count")
+                                 "bytes (num_bytes 0); allocate non-empty tensors in it or pass a byte count")
         elif isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
             err = TypeError(f"{name}: rank {rank}: allocation_plan_or_num_bytes must be an int byte count or an "
                             f"epcomm.BufferAllocator, got {type(num_bytes).__name__}")

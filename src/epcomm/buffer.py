@@ -313,9 +313,16 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                 initialized default process group.
         """
         call = "EPBuffer.get_buffer_size_hint"
+        if not isinstance(group, (dist.ProcessGroup, type(None), bool)):
+            try:
+                group = operator.index(group)  # an int number of ranks (numpy ints too)
+            except TypeError:
+                pass
         if isinstance(group, bool) or not isinstance(group, (int, dist.ProcessGroup, type(None))):
             raise TypeError(f"{call}: group must be a ProcessGroup, None (the default group) or an int number of "
                             f"ranks, got {type(group).__name__}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{call}: dtype must be a torch.dtype, got {type(dtype).__name__}")
         if group is None and not dist.is_initialized():
             raise ValueError(f"{call}: group=None needs an initialized default process group; pass the number of "
                              "ranks instead")

@@ -29,7 +29,7 @@ from .agreement import STATUS_OK, STATUS_TYPE, framed_exchange, gather_messages,
 from .compile_guard import eager_under_compile
 from .waits import (PeerFailed, TransportTimeout, bounded_wait, break_group, fail_mid_call, group_broken,
                     require_group_usable)
-from .validate import Checker
+from .validate import Checker, construction_timeout
 
 __all__ = ["CommContext", "barrier", "destroy_all_managed_nccl_comm", "get_comm_stream", "get_logical_domain_size",
            "get_physical_domain_size", "group_device"]
@@ -361,13 +361,24 @@ def get_physical_domain_size(group_or_buffer=None, *, num_cpu_timeout_secs: floa
         `(num_rdma_ranks, num_nvlink_ranks)`: ints; `(1, R)` on one host.
 
     Raises:
-        TypeError: neither a buffer nor a process group. TimeoutError: a rank of the group did not call it.
+        TypeError: neither a buffer nor a process group; a timeout that is not a number. ValueError: a timeout
+            that is not > 0 (on every rank of the group). TimeoutError: a rank of the group did not call it.
     """
+    call = "epcomm.comm.get_physical_domain_size"
     getter = getattr(group_or_buffer, "get_physical_domain_size", None)
     if callable(getter):
         return getter()
-    ctx = CommContext(group_or_buffer, owner="epcomm.comm.get_physical_domain_size",
-                      num_cpu_timeout_secs=num_cpu_timeout_secs)
+    if group_or_buffer is not None and not isinstance(group_or_buffer, dist.ProcessGroup):
+        raise TypeError(f"{call}: group_or_buffer must be an epcomm buffer or a ProcessGroup (None: the default "
+                        f"group), got {type(group_or_buffer).__name__}")
+    group = dist.group.WORLD if group_or_buffer is None else group_or_buffer
+    err = None
+    try:  # a bad timeout still joins the exchange (with the default bound), so that every rank raises
+        Checker(call, group.rank(), torch.device("cpu")).seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
+    except (TypeError, ValueError) as e:
+        err = e
+    ctx = CommContext(group, owner=call, num_cpu_timeout_secs=construction_timeout(num_cpu_timeout_secs, err),
+                      error=err)
     ctx.destroyed = True  # a context for one exchange; nothing to release
     return ctx.num_rdma_ranks, ctx.num_nvlink_ranks
 
@@ -415,15 +426,26 @@ class ContextLifecycle:
         return None if getattr(self, "_destroyed", True) or not self.contexts else self.contexts[0]
 
     def get_physical_domain_size(self) -> tuple:
-        """`(num_rdma_ranks, num_nvlink_ranks)` of the first group (reference §2)."""
-        ctx = self.contexts[0] if self.contexts else None
-        if ctx is None:
-            raise ValueError(f"{type(self).__name__}.get_physical_domain_size: the buffer was destroyed")
+        """`(num_rdma_ranks, num_nvlink_ranks)` of the first group (reference §2).
+
+        Raises:
+            ValueError: the buffer was destroyed.
+        """
+        ctx = self._live_context("get_physical_domain_size")
         return ctx.num_rdma_ranks, ctx.num_nvlink_ranks
 
     def get_logical_domain_size(self, allow_hybrid_mode: Optional[bool] = None) -> tuple:
-        """Always `(1, R)` of the first group: one logical domain (docs/decisions.md decision 4)."""
-        return 1, (self.contexts[0].num_ranks if self.contexts else self.num_ranks)
+        """Always `(1, R)` of the first group: one logical domain (docs/decisions.md decision 4).
+
+        Raises:
+            ValueError: the buffer was destroyed.
+        """
+        return 1, self._live_context("get_logical_domain_size").num_ranks
+
+    def _live_context(self, name: str) -> CommContext:
+        if getattr(self, "_destroyed", True) or not self.contexts:
+            raise ValueError(f"{type(self).__name__}.{name}: the buffer was destroyed")
+        return self.contexts[0]
 
     def print_memory_usage(self) -> None:
         """Print the buffer's allocated regions (GiB) (reference §5).

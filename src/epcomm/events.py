@@ -75,6 +75,7 @@ class EventOverlap:
         self.hook_after_wait = hook_after_wait
         self._release_on_exit = False
         self._released = False  # a wait with release_handle=True dropped the event
+        self._failed: Optional[BaseException] = None  # what the deferred epilogue raised at the first wait
 
     def register_hook_after_wait(self, hook: Callable[[], Any]) -> None:
         """Register the function the next wait calls; at most one at a time.
@@ -111,10 +112,14 @@ class EventOverlap:
         return self._wait("wait", False)
 
     def _wait(self, method: str, release_handle: bool) -> Any:
+        if self._failed is not None:  # its results are lost: say so again rather than return None
+            raise ValueError(f"EventOverlap.{method}: the first wait of this event raised "
+                             f"{type(self._failed).__name__}: {self._failed}") from self._failed
         if self.event is None:
             if self._released:
-                raise ValueError(f"EventOverlap.{method}: the event was released by an earlier "
-                                 "current_stream_wait(release_handle=True); there is nothing left to wait for")
+                raise ValueError(f"EventOverlap.{method}: the event was released by an earlier wait with "
+                                 "release_handle=True (current_stream_wait or a `with event(release_handle=True)` "
+                                 "block); there is nothing left to wait for")
             raise ValueError(
                 f"EventOverlap.{method}: event is None (the call was synchronous); "
                 "pass async_with_compute_stream=True (async_finish=True for the low-latency calls) to get an event to "
@@ -122,7 +127,11 @@ class EventOverlap:
             )
         self.event.current_stream_wait()
         hook, self.hook_after_wait = self.hook_after_wait, None
-        result = hook() if hook is not None else None
+        try:
+            result = hook() if hook is not None else None
+        except BaseException as e:
+            self._failed = e
+            raise
         if release_handle:
             self.event, self._released = None, True
         return result
@@ -138,7 +147,7 @@ class EventOverlap:
         if self.event is not None:
             if self.hook_after_wait is not None:  # as DeepEP: the exit's wait is the first one, its value is lost
                 warnings.warn("EventOverlap: a `with` block's exit ran this deferred call's epilogue and dropped its "
-                              "results (a later wait() returns None, reference §3.3); call ev.wait() to get them",
-                              stacklevel=2)
+                              "results (reference §3.3: a later wait() gets None, or raises if the block released "
+                              "the event); call ev.wait() to get them", stacklevel=2)
             self.current_stream_wait(release_handle=self._release_on_exit)
         self._release_on_exit = False

@@ -159,6 +159,8 @@ def make_plan(opts: argparse.Namespace) -> Plan:
             raise ValueError(f"--num-sms takes integers >= 0 or 'all', got {v!r}") from None
         if num_sms[-1] < 0:
             raise ValueError(f"--num-sms takes integers >= 0 (0 = epcomm's default) or 'all', got {v!r}")
+        if num_sms.count(num_sms[-1]) > 1:
+            raise ValueError(f"--num-sms lists {num_sms[-1]} more than once in {opts.num_sms!r}; list each value once")
     check_output_path("--json", opts.json)  # before the run, not after it
     check_output_path("--plot", opts.plot, plot=True)
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")

@@ -50,11 +50,17 @@ def check_output_path(option: str, path: Optional[str], plot: bool = False) -> N
         if suffix not in formats:
             raise ValueError(f"{option} {path!r}: matplotlib writes {', '.join(sorted(formats))}, not {suffix!r}; "
                              "name a file with one of those endings")
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a"):
+    if os.path.exists(path):
+        if not os.path.isfile(path):  # a pipe or a device would block or swallow the results
+            raise ValueError(f"{option} {path!r} is not a regular file")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{option} {path!r} cannot be written (no permission)")
+        return
+    if os.path.islink(path):  # a link to a file that does not exist yet: writing would create its target
+        raise ValueError(f"{option} {path!r} is a link to a missing file; name the target itself")
+    try:  # a new file: create it, then remove it, so that nothing is left behind
+        with open(path, "x"):
             pass
     except OSError as e:
         raise ValueError(f"{option} {path!r} cannot be written ({e.strerror or e})") from None
-    if not existed:
-        os.remove(path)
+    os.remove(path)
