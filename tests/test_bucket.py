@@ -156,6 +156,8 @@ EXPECTED = {
     # A dst that is not a staging view gets its result at wait(): another bucket's result must not hold its bytes.
     "session_dst_in_staging": ("ValueError", r"srcs\[0\] and dsts\[1\] overlap in the storage \(bytes \[64, 576\) "
                                              r"and \[68, 132\)\)"),
+    "session_dsts_share_memory": ("ValueError", r"dsts\[0\] and dsts\[1\] share memory; each bucket's result is "
+                                                r"copied into its own dst at wait\(\)"),
     "session_dst_overlaps_src": ("ValueError", r"dsts overlaps srcs but is not its in-place result \(the all_reduce "
                                                r"result of srcs is srcs itself\)"),
     "session_wait_after_next_session": ("ValueError", r"the first wait\(\) of this call came after a later session "
@@ -282,6 +284,8 @@ def bucket_error_cases(rank, world):
         r["session_staging_over_bucket"] = out(s.all_reduce, [torch.ones(16), st[0:64].view(torch.float32)])
         r["session_dst_in_staging"] = out(s.all_reduce, [torch.ones(128), torch.ones(16)],
                                           dsts=[None, st[68:132].view(torch.float32)])
+        shared = torch.zeros(16)  # two outside buckets' results copied into one tensor at wait()
+        r["session_dsts_share_memory"] = out(s.all_reduce, [torch.ones(16), torch.ones(16)], dsts=[shared, shared])
         shifted = s.allocate((16 * world + 8,))
         r["session_dst_overlaps_src"] = out(s.all_reduce, shifted[:16 * world], dsts=shifted[8:])
         r["allocate_dtype"] = out(s.allocate, (3,), "float")

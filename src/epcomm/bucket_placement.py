@@ -83,27 +83,43 @@ def _open_call(buf: BucketBuffer, session: Optional[BucketSession], call: str, g
 
 def _check_disjoint(c, buf: BucketBuffer, buckets: list, names: list) -> None:
     """The storage bytes each bucket's collective reads or writes, and the `dsts` its result is copied into at
-    `wait()`, must be its own: the collectives of one call run concurrently (the same bucket twice, or overlapping
-    buckets, would race), and a copy into bytes of another bucket's result would overwrite it."""
-    spans = []  # (start, end, bucket index, name): every storage range a bucket touches
+    `wait()` (in the storage or outside it), must be its own: the collectives of one call run concurrently (the same
+    bucket twice, or overlapping buckets, would race), and a copy into bytes of another bucket's result would
+    overwrite it."""
+    spans, outside = [], []  # (start, end, bucket index, name): storage offsets; addresses of dsts outside it
     for i, b in enumerate(buckets):
         for name, t in ((names[i], b.inp), (names[i], b.out), (names[i].replace("srcs", "dsts"), b.copy_to)):
             off = None if t is None else buf.offset_of(t)
             if off is not None:
                 spans.append((off, off + t.nbytes, i, name))
-    spans.sort()
+            elif t is not None and t is b.copy_to:
+                outside.append((t.data_ptr(), t.data_ptr() + t.nbytes, i, name))
+    clash = _first_overlap(spans)
+    if clash is not None:
+        (a0, e0, i0, n0), (a1, e1, i1, n1) = clash
+        carved = [names[i] for i in (i0, i1) if buckets[i].carved]
+        staged = (f"; {carved[0]} is staged in an area the session carved from the start of the storage, "
+                  "which must hold no bucket of the call") if carved else ""
+        c.fail(ValueError, f"{n0} and {n1} overlap in the storage (bytes [{a0}, {e0}) and [{a1}, {e1})); the "
+                           "buckets of one call run at once, so each needs bytes of its own: pass a bucket once, "
+                           f"or make the calls one after the other{staged}")
+    clash = _first_overlap(outside)
+    if clash is not None:
+        (_, _, _, n0), (_, _, _, n1) = clash
+        c.fail(ValueError, f"{n0} and {n1} share memory; each bucket's result is copied into its own dst at wait(), "
+                           "so one would overwrite the other: pass a tensor of its own to each")
+
+
+def _first_overlap(spans: list) -> Optional[tuple]:
+    """The first two `(start, end, bucket, name)` spans of different buckets whose byte ranges overlap, or None."""
+    spans = sorted(spans)
     for k, (a0, e0, i0, n0) in enumerate(spans):
         for a1, e1, i1, n1 in spans[k + 1:]:
             if a1 >= e0:
                 break
-            if i1 == i0:
-                continue
-            carved = [names[i] for i in (i0, i1) if buckets[i].carved]
-            staged = (f"; {carved[0]} is staged in an area the session carved from the start of the storage, "
-                      "which must hold no bucket of the call") if carved else ""
-            c.fail(ValueError, f"{n0} and {n1} overlap in the storage (bytes [{a0}, {e0}) and [{a1}, {e1})); the "
-                               "buckets of one call run at once, so each needs bytes of its own: pass a bucket once, "
-                               f"or make the calls one after the other{staged}")
+            if i1 != i0:
+                return (a0, e0, i0, n0), (a1, e1, i1, n1)
+    return None
 
 
 def gather_call(buf: BucketBuffer, srcs, dsts, group, num_sms, session: Optional[BucketSession]) -> BucketEvent:
