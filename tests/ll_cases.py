@@ -371,6 +371,12 @@ def low_latency_more_errors(rank: int, world: int):
     moved = idx.clone()
     moved[2, 1] = -1 if int(idx[2, 1]) >= 0 else int(idx[2, 0] + 1) % 4  # another routing, by value
     expect(lambda: buf.low_latency_combine(recv_x, moved, w, handle))
+    with torch.inference_mode():  # no version counter: an edit is caught by value (it used to shift other tokens)
+        idx_i, w_i, x_i = idx.clone(), w.clone(), x.clone()
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x_i, idx_i, 4, 4, use_fp8=False)
+        if one:
+            idx_i[1, 0] = -1 if int(idx_i[1, 0]) >= 0 else int(idx_i[1, 1] + 1) % 4
+        expect(lambda: buf.low_latency_combine(recv_x, idx_i, w_i, handle))
     other.destroy()
     buf.destroy()
     expect(lambda: buf.low_latency_combine(recv_x, idx, w, handle))

@@ -145,6 +145,19 @@ def test_low_latency_size_hint_holds_every_returned_pair():
         assert hint >= ranks * n * min(32, experts // ranks) * hidden * 2, (n, hidden, ranks, experts, hint)
 
 
+def test_low_latency_size_hint_bounds_every_call_it_sizes():
+    """The hint is an upper bound of what a call checks, for both row formats and every top-k (FP8 records at a
+    tiny hidden outgrew it, and the capacity error pointed back at the hint)."""
+    from epcomm import EPBuffer, sizing
+    for n, hidden, ranks, experts in [(4096, 16, 8, 48), (4096, 8, 16, 64), (128, 7168, 2, 256), (64, 100, 4, 8)]:
+        hint = EPBuffer.get_low_latency_rdma_size_hint(n, hidden, ranks, experts)
+        for num_topk in (1, 8, 32):
+            for fp8 in (False, True):
+                need = sizing.required_bytes(ranks, n, hidden, num_topk=num_topk, use_fp8_dispatch=fp8,
+                                             allow_multiple_reduction=True, elem_size=2, which="dispatch")
+                assert need <= hint, (n, hidden, ranks, experts, num_topk, fp8, need, hint)
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_low_latency_nvlink_matches_portable_path(pools):
@@ -171,7 +184,7 @@ def test_low_latency_shape_disagreement_raises_on_every_rank_on_gpu(pools):
 
 def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
     for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_more_errors)):
-        assert len(msgs) == 14 and "no error" not in msgs, msgs
+        assert len(msgs) == 15 and "no error" not in msgs, msgs
         dispatch, combine = "EPBuffer.low_latency_dispatch", "EPBuffer.low_latency_combine"
         if rank == 1:
             assert dispatch in msgs[0] and "x must be 2-D" in msgs[0], msgs[0]
@@ -191,7 +204,11 @@ def test_low_latency_malformed_arguments_raise_on_every_rank(run_ranks):
         assert "ranks disagree on use_ue8m0 (rank 0: False, rank 1: True)" in msgs[11], msgs[11]
         assert re.search(r"topk_idx must be the routing of the low_latency_dispatch that made the handle: "
                          r"topk_idx\[2, 1\] is -?\d+, the dispatch's was -?\d+", msgs[12]), msgs[12]
-        assert "the buffer was destroyed" in msgs[13], msgs[13]
+        if rank == 1:
+            assert re.search(r"topk_idx\[1, 0\] is -?\d+, the dispatch's was -?\d+", msgs[13]), msgs[13]
+        else:
+            assert "group rank 1 rejected the call" in msgs[13], msgs[13]
+        assert "the buffer was destroyed" in msgs[14], msgs[14]
 
 
 def test_low_latency_call_is_not_the_regular_call(run_ranks):

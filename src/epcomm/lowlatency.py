@@ -105,7 +105,7 @@ class LowLatencyMixin:
         """Bytes of `num_bytes` that hold low-latency calls of this shape on every transport (a positive multiple of
         2 MiB; an upper bound, as DeepEP's hint); allocates nothing.
 
-        The larger of the expand-layout dispatch of BF16 rows with top-k up to 32 and the combine's return of every
+        The larger of the expand-layout dispatch of BF16 or FP8 rows with top-k up to 32 and the combine's return of every
         (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that write
         into a receive area hold them all at once). A call checks less: the portable path refuses a dispatch whose
         rows at this call's top-k and format exceed `num_bytes` (the same check as `dispatch`, on every transport,
@@ -126,8 +126,10 @@ class LowLatencyMixin:
         c.positive_int("hidden", hidden)
         c.num_experts(num_experts, c.positive_int("num_ranks", num_ranks), ranks=f"num_ranks={num_ranks}")
         per_pair = num_ranks * n * min(sizing.MAX_TOPK, max(1, num_experts // num_ranks)) * sizing.align(hidden * 2, 64)
-        return sizing.align(max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0), per_pair),
-                            sizing.ALLOCATION_ALIGNMENT)
+        # Both row formats: FP8 records carry scales and metadata, so at a tiny hidden they outgrow the BF16 ones.
+        records = max(sizing.buffer_size_hint(num_ranks, n, hidden, num_topk=0, use_fp8_dispatch=fp8)
+                      for fp8 in (False, True))
+        return sizing.align(max(records, per_pair), sizing.ALLOCATION_ALIGNMENT)
 
     def _low_latency_header(self, call: str, signature: dict, err: Optional[BaseException],
                             cost: Optional[Tensor] = None) -> int:
@@ -429,9 +431,11 @@ class LowLatencyMixin:
         # Its own header first (CPU): the expand dispatch below exchanges a regular dispatch's header, which cannot
         # tell this call from a dispatch nor name use_fp8 / use_ue8m0.
         ll_call = self._low_latency_header(name, signature, None, dispatch_wait_recv_cost_stats)
+        if version is None:  # an inference tensor has no version to guard: keep the routing the rows were laid by
+            topk_idx = topk_idx.clone()
         try:
             if use_fp8:
-                data, scales = per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0 or round_scale)
+                data, scales = per_token_cast_to_fp8(x.detach(), use_ue8m0=use_ue8m0 or round_scale)
                 if round_scale and not use_ue8m0:
                     scales = unpack_ue8m0(scales, num_sf_packs(x.shape[1]))
                 payload = (data, scales)
@@ -489,7 +493,8 @@ class LowLatencyMixin:
 
         Args:
             x: [L, R*N, H] bf16 -- expert outputs in the dispatch's expert-major layout.
-            topk_idx: [T, K] -- the routing of the dispatch (the same tensor or equal values).
+            topk_idx: [T, K] -- the routing of the dispatch: its tensor, unmodified since, or one of equal values
+                (an inference-mode routing is copied by the portable path's dispatch, so an edit raises here).
             topk_weights: [T, K] fp32 -- the weights applied here.
             handle: the `LowLatencyHandle` of the dispatch (every rank combines the same dispatch).
             use_logfmt: not implemented; must be False.
@@ -555,7 +560,7 @@ class LowLatencyMixin:
             if out is not None:
                 c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
                 c.require(out.shape[0] <= 1 or out.stride(0) >= out.shape[1] * out.stride(1),
-                          f"out's rows must not overlap (stride(0) >= {out.shape[1]} x stride(1)), got strides "
+                          f"out must be row-major, its rows apart (stride(0) >= {out.shape[1]} x stride(1)), got strides "
                           f"{tuple(out.stride())}; pass a row-major [T, H] tensor or a view of one")
             c.require(handle.calls.received(handle.call_index), "the low_latency_dispatch that made the handle has "
                       "not been received; call its receive hook before combining")
