@@ -581,3 +581,17 @@ def low_latency_missing_peer(rank: int, world: int, timeout_s: float, kind: str)
     except ValueError as e:
         return msg, str(e)
     return msg, None
+
+
+def low_latency_formats_count_apart(rank: int, world: int):
+    """The two-calls-in-flight rule counts the calls of one row format (as nvlink's areas do): an FP8 dispatch
+    after two BF16 ones whose hooks were not called goes ahead, a third BF16 one raises."""
+    buf, idx, w, x = _small_call(rank)
+    hooks = [buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, return_recv_hook=True)[4] for _ in range(2)]
+    fp8_hook = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=True, return_recv_hook=True)[4]
+    msgs = []
+    _expecter(msgs)(lambda: buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, return_recv_hook=True))
+    for hook in hooks + [fp8_hook]:
+        hook()
+    buf.destroy()
+    return msgs

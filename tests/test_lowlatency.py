@@ -265,3 +265,9 @@ def test_low_latency_handle_indexed_like_v1_tuple_says_what_it_is():
     for use in (lambda: handle[1], lambda: tuple(handle)):
         with pytest.raises(TypeError, match=r"LowLatencyHandle is not DeepEP V1's tuple handle .*hidden"):
             use()
+
+
+def test_low_latency_formats_count_apart_on_cpu(run_ranks):
+    """(the portable path counted FP8 and BF16 calls together and refused what nvlink accepts)"""
+    for msgs in run_ranks(2, ll_cases.low_latency_formats_count_apart):
+        assert len(msgs) == 1 and "has not been called" in msgs[0], msgs

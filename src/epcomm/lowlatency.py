@@ -171,12 +171,12 @@ class LowLatencyMixin:
                                f"Construct the buffer with num_bytes=EPBuffer.get_low_latency_rdma_size_hint({n}, "
                                f"{hidden}, {self.num_ranks}, {num_experts})")
 
-    def _low_latency_calls(self, layout: Layout) -> CallBook:
-        """The `CallBook` of a call shape on the portable path (nvlink keeps one in each area: shape and row
-        format)."""
+    def _low_latency_calls(self, layout: Layout, row_format: tuple) -> CallBook:
+        """The `CallBook` of a call shape and row format (`(use_fp8, use_ue8m0)`) on the portable path, as nvlink
+        keeps one in each area: the two-calls-in-flight rule counts the calls of one format, on every transport."""
         if getattr(self, "_ll_calls", None) is None:
             self._ll_calls = {}
-        return self._ll_calls.setdefault(layout, CallBook())
+        return self._ll_calls.setdefault((layout, row_format), CallBook())
 
     def _low_latency_nvlink(self) -> Optional[LowLatencyNVLink]:
         """The nvlink fast path of this buffer (made at first use), or None on other transports."""
@@ -263,10 +263,10 @@ class LowLatencyMixin:
             for (layout, _), area in fast.areas.items():
                 if of_shape(layout):
                     area.reset()
-        for layout, book in (getattr(self, "_ll_calls", None) or {}).items():
-            if of_shape(layout):
+        for key, book in (getattr(self, "_ll_calls", None) or {}).items():
+            if of_shape(key[0]):
                 book.retired = True
-                self._ll_calls[layout] = CallBook()
+                self._ll_calls[key] = CallBook()
         self._barrier(name, op, with_cpu_sync=True, signature=shape)  # no peer writes into an area not yet cleared
 
     @eager_under_compile
@@ -408,8 +408,9 @@ class LowLatencyMixin:
                 fast.check_status(name)
             else:  # nvlink checks this when it launches; here every rank raises together on CPU
                 self._check_low_latency_capacity(c, n, x.shape[1], topk_idx.shape[1], num_experts, use_fp8)
-                calls = self._low_latency_calls(Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1],
-                                                       num_experts // self.num_ranks))
+                calls = self._low_latency_calls(
+                    Layout(self.num_ranks, n, x.shape[1], topk_idx.shape[1], num_experts // self.num_ranks),
+                    (bool(use_fp8), bool(use_ue8m0)))
                 call_index = calls.next_call(0, self.rank)
                 signature = agreement.low_latency_signature(
                     hidden=x.shape[1], num_topk=topk_idx.shape[1], num_experts=num_experts, use_fp8=use_fp8,
