@@ -595,3 +595,19 @@ def low_latency_formats_count_apart(rank: int, world: int):
         hook()
     buf.destroy()
     return msgs
+
+
+def low_latency_void_handles(rank: int, world: int):
+    """A handle that clean_low_latency_buffer voided, and a receive hook called after destroy(), raise (the zero-copy
+    buffer was handed out, and the portable path's hook returned None)."""
+    buf, idx, w, x = _small_call(rank)
+    msgs = []
+    expect = _expecter(msgs)
+    _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, return_recv_hook=True)
+    hook()
+    buf.clean_low_latency_buffer(4, 128, 4)
+    expect(lambda: buf.get_next_low_latency_combine_buffer(handle))
+    _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 4, use_fp8=False, return_recv_hook=True)
+    buf.destroy()
+    expect(hook)
+    return msgs

@@ -271,3 +271,10 @@ def test_low_latency_formats_count_apart_on_cpu(run_ranks):
     """(the portable path counted FP8 and BF16 calls together and refused what nvlink accepts)"""
     for msgs in run_ranks(2, ll_cases.low_latency_formats_count_apart):
         assert len(msgs) == 1 and "has not been called" in msgs[0], msgs
+
+
+def test_low_latency_void_handles_and_hooks_raise_on_cpu(run_ranks):
+    for rank, msgs in enumerate(run_ranks(2, ll_cases.low_latency_void_handles)):
+        assert len(msgs) == 2 and msgs[0].startswith(f"EPBuffer.get_next_low_latency_combine_buffer: rank {rank}: "
+                                                     "clean_low_latency_buffer reset this call shape"), msgs
+        assert msgs[1].endswith(f"rank {rank}: the buffer was destroyed before the hook was called"), msgs

@@ -497,6 +497,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         self.transport.destroy()
         if getattr(self, "_ll_nvlink", None) is not None:
             self._ll_nvlink.closed = True  # pending receive hooks must not launch into freed memory
+        for book in (getattr(self, "_ll_calls", None) or {}).values():  # the portable path's hooks and handles
+            book.retired = "the buffer was destroyed before the hook was called"
         self._ll_nvlink, self._ll_regions = None, []  # the low-latency areas (lowlatency.py)
         self._destroyed = True
 

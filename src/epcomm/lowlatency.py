@@ -286,8 +286,8 @@ class LowLatencyMixin:
             [L, R * N, H] bf16 on the buffer's device (contents unspecified until written).
 
         Raises:
-            TypeError: `handle` is not a `LowLatencyHandle`. ValueError: a handle of another buffer; the buffer was
-            destroyed.
+            TypeError: `handle` is not a `LowLatencyHandle`. ValueError: a handle of another buffer, or of a call
+            `clean_low_latency_buffer` reset; the buffer was destroyed.
 
         Source: DeepEP V1 `Buffer.get_next_low_latency_combine_buffer` (deep_ep/buffer.py).
         """
@@ -298,6 +298,8 @@ class LowLatencyMixin:
             c.fail(TypeError, f"handle must be the LowLatencyHandle of low_latency_dispatch, got "
                               f"{type(handle).__name__}")
         c.require(handle.buffer_uid == self.uid, "handle comes from another EPBuffer")
+        if handle.calls is not None:
+            handle.calls.check_not_retired(name, self.rank)  # a combine of it would raise so: say it here too
         return self._zero_copy_buffer(handle, create=True)
 
     def _zero_copy_buffer(self, handle: LowLatencyHandle, create: bool) -> Optional[Tensor]:

@@ -149,6 +149,8 @@ class CallBook:
     def check_not_retired(self, call: str, rank: int) -> None:
         """Raises: ValueError -- `clean_low_latency_buffer` reset this shape after the call that made the hook or
         handle was issued."""
+        if isinstance(self.retired, str):  # the buffer was destroyed
+            raise ValueError(f"{call}: rank {rank}: {self.retired}")
         if self.retired:
             raise ValueError(f"{call}: rank {rank}: clean_low_latency_buffer reset this call shape after the "
                              "low_latency_dispatch / low_latency_combine this hook or handle belongs to; its rows "
