@@ -61,6 +61,7 @@ def _theoretical_num_sms(op: str, nvl: int, rdma: int, nvl_gbs: float, rdma_gbs:
     g = min(nvl_gbs / nvl, rdma_gbs * rdma / (2 * (rdma - 1)))
     return al(max(6, max(3 * g / 180, 3 * g / 45)))
 
+
 def _plan_digest(plan: Optional[BufferAllocator]) -> int:
     """A plan's layout (each tensor's offset, shape and dtype, in order) as a 62-bit digest; 0 for no plan."""
     if plan is None:
@@ -94,15 +95,16 @@ class BucketBuffer(ContextLifecycle):
     Raises:
         TypeError: a group that is not a `ProcessGroup` of this rank; `allocation_plan_or_num_bytes` neither an
             int nor a `BufferAllocator`.
-        ValueError: bad sizes, an empty or already materialized plan, ranks whose plans differ, more than 8 groups, a group listed twice, ranks listing groups in other orders or
-            other numbers of groups (on the ranks of the group where it shows, and on the ranks they share a later
-            group with, in the order of the groups' ranks; where overlapping groups also disagree on the number of
-            groups, a rank may raise it only after `num_cpu_timeout_secs`).
+        ValueError: bad sizes, an empty or already materialized plan, ranks whose plans differ, more than 8
+            groups, a group listed twice, ranks listing groups in other orders or other numbers of groups (on the
+            ranks of the group where it shows, and on the ranks they share a later group with, in the order of the
+            groups' ranks; where overlapping groups also disagree on the number of groups, a rank may raise it only
+            after `num_cpu_timeout_secs`).
         TimeoutError: a peer did not construct within `num_cpu_timeout_secs`.
     """
 
-    def __init__(self, group_or_groups, allocation_plan_or_num_bytes: Union[int, BufferAllocator], sl_idx: Optional[int] = None,
-                 num_gpu_timeout_secs: float = 100, explicitly_destroy: bool = False, *,
+    def __init__(self, group_or_groups, allocation_plan_or_num_bytes: Union[int, BufferAllocator],
+                 sl_idx: Optional[int] = None, num_gpu_timeout_secs: float = 100, explicitly_destroy: bool = False, *,
                  num_cpu_timeout_secs: float = 300):
         self.explicitly_destroy = explicitly_destroy
         self._destroyed = False

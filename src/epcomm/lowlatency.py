@@ -105,11 +105,11 @@ class LowLatencyMixin:
         """Bytes of `num_bytes` that hold low-latency calls of this shape on every transport (a positive multiple of
         2 MiB; an upper bound, as DeepEP's hint); allocates nothing.
 
-        The larger of the expand-layout dispatch of BF16 or FP8 rows with top-k up to 32 and the combine's return of every
-        (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that write
-        into a receive area hold them all at once). A call checks less: the portable path refuses a dispatch whose
-        rows at this call's top-k and format exceed `num_bytes` (the same check as `dispatch`, on every transport,
-        so that code that fits on CPU fits on GPU), so a smaller buffer may serve a given call. The nvlink
+        The larger of the expand-layout dispatch of BF16 or FP8 rows with top-k up to 32 and the combine's return
+        of every (token, expert) row: `num_ranks * N * min(32, num_experts / num_ranks)` BF16 rows (transports that
+        write into a receive area hold them all at once). A call checks less: the portable path refuses a dispatch
+        whose rows at this call's top-k and format exceed `num_bytes` (the same check as `dispatch`, on every
+        transport, so that code that fits on CPU fits on GPU), so a smaller buffer may serve a given call. The nvlink
         transport's low-latency kernels use their own symmetric region (`lowlatency_nvlink.Layout`, a few tens of
         MB at decode sizes), allocated collectively by the first low-latency call of a shape and row format
         (`use_fp8`, `use_ue8m0`): a buffer that uses both formats holds two.
@@ -563,8 +563,8 @@ class LowLatencyMixin:
             if out is not None:
                 c.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,), shape=(topk_idx.shape[0], handle.hidden))
                 c.require(out.shape[0] <= 1 or out.stride(0) >= out.shape[1] * out.stride(1),
-                          f"out must be row-major, its rows apart (stride(0) >= {out.shape[1]} x stride(1)), got strides "
-                          f"{tuple(out.stride())}; pass a row-major [T, H] tensor or a view of one")
+                          f"out must be row-major, its rows apart (stride(0) >= {out.shape[1]} x stride(1)), got "
+                          f"strides {tuple(out.stride())}; pass a row-major [T, H] tensor or a view of one")
             c.require(handle.calls.received(handle.call_index), "the low_latency_dispatch that made the handle has "
                       "not been received; call its receive hook before combining")
             if zero_copy:
