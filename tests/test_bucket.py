@@ -154,8 +154,10 @@ EXPECTED = {
     "session_staging_over_bucket": ("ValueError", r"srcs\[0\] is staged in an area the session carved from the "
                                                   r"start of the storage"),
     # A dst that is not a staging view gets its result at wait(): another bucket's result must not hold its bytes.
-    "session_dst_in_staging": ("ValueError", r"srcs\[0\] and dsts\[1\] overlap in the storage \(bytes \[64, 576\) "
+    "session_dst_in_staging": ("ValueError", r"srcs\[0\]'s staging and dsts\[1\] overlap in the storage \(bytes \[64, 576\) "
                                              r"and \[68, 132\)\)"),
+    "session_dst_staging_named": ("ValueError", r"dsts\[0\] \(the staging of srcs\[0\]\) and srcs\[1\] overlap in "
+                                                r"the storage"),
     "session_dsts_share_memory": ("ValueError", r"dsts\[0\] and dsts\[1\] share memory; each bucket's result is "
                                                 r"copied into its own dst at wait\(\)"),
     "session_dst_overlaps_src": ("ValueError", r"dsts overlaps srcs but is not its in-place result \(the all_reduce "
@@ -284,6 +286,9 @@ def bucket_error_cases(rank, world):
         r["session_staging_over_bucket"] = out(s.all_reduce, [torch.ones(16), st[0:64].view(torch.float32)])
         r["session_dst_in_staging"] = out(s.all_reduce, [torch.ones(128), torch.ones(16)],
                                           dsts=[None, st[68:132].view(torch.float32)])
+        # an outside src staged in its in-storage dst, which another bucket's src overlaps: the message names the dst
+        r["session_dst_staging_named"] = out(s.all_reduce, [torch.ones(16), st[1024:1088].view(torch.float32)],
+                                             dsts=[st[1024:1088].view(torch.float32), None])
         shared = torch.zeros(16)  # two outside buckets' results copied into one tensor at wait()
         r["session_dsts_share_memory"] = out(s.all_reduce, [torch.ones(16), torch.ones(16)], dsts=[shared, shared])
         shifted = s.allocate((16 * world + 8,))

@@ -88,7 +88,11 @@ def _check_disjoint(c, buf: BucketBuffer, buckets: list, names: list) -> None:
     overwrite it."""
     spans, outside = [], []  # (start, end, bucket index, name): storage offsets; addresses of dsts outside it
     for i, b in enumerate(buckets):
-        for name, t in ((names[i], b.inp), (names[i], b.out), (names[i].replace("srcs", "dsts"), b.copy_to)):
+        dst_name = names[i].replace("srcs", "dsts")
+        # A staged src's collective runs in its staging: a carved area, or its dst's bytes (an in-storage dst).
+        inp_name = names[i] if b.stage_to is None else (f"{names[i]}'s staging" if b.carved
+                                                         else f"{dst_name} (the staging of {names[i]})")
+        for name, t in ((inp_name, b.inp), (inp_name, b.out), (dst_name, b.copy_to)):
             off = None if t is None else buf.offset_of(t)
             if off is not None:
                 spans.append((off, off + t.nbytes, i, name))
