@@ -154,8 +154,8 @@ EXPECTED = {
     "session_staging_over_bucket": ("ValueError", r"srcs\[0\] is staged in an area the session carved from the "
                                                   r"start of the storage"),
     # A dst that is not a staging view gets its result at wait(): another bucket's result must not hold its bytes.
-    "session_dst_in_staging": ("ValueError", r"srcs\[0\]'s staging and dsts\[1\] overlap in the storage \(bytes \[64, 576\) "
-                                             r"and \[68, 132\)\)"),
+    "session_dst_in_staging": ("ValueError", r"srcs\[0\]'s staging and dsts\[1\] overlap in the storage "
+                                             r"\(bytes \[64, 576\) and \[68, 132\)\)"),
     "session_dst_staging_named": ("ValueError", r"dsts\[0\] \(the staging of srcs\[0\]\) and srcs\[1\] overlap in "
                                                 r"the storage"),
     "session_dsts_share_memory": ("ValueError", r"dsts\[0\] and dsts\[1\] share memory; each bucket's result is "
