@@ -132,3 +132,17 @@ def test_materialize_on_cuda():
     assert w.is_cuda and w.data_ptr() == storage.data_ptr()
     w.fill_(2.0)
     assert torch.equal(storage[:24].view(torch.float16).cpu(), torch.full((12,), 2.0, dtype=torch.float16))
+
+
+def test_release_turns_a_materialized_plan_back_into_placeholders():
+    plan = BufferAllocator()
+    a, b = plan.allocate((3, 4), torch.float32), plan.allocate(5, torch.bfloat16)
+    plan.materialize(torch.zeros(plan.num_bytes, dtype=torch.uint8))
+    plan.release()
+    assert not plan.materialized and a.device.type == b.device.type == "meta" and a.shape == (3, 4)
+    storage = torch.zeros(plan.num_bytes, dtype=torch.uint8)
+    plan.materialize(storage)  # the same objects, usable again
+    assert a.data_ptr() == storage.data_ptr() and b.dtype == torch.bfloat16
+    plan2 = BufferAllocator()
+    with pytest.raises(ValueError, match="the plan is not materialized"):
+        plan2.release()

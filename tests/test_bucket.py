@@ -345,11 +345,17 @@ def bucket_with_a_plan(rank, world):
     gathered = plan.allocate((world, 1000), torch.float32)
     scales = plan.allocate((3, 5), torch.bfloat16)
     assert gathered.device.type == "meta"
+    try:  # rank 1's bad timeout fails the construction on every rank; every plan stays as passed, to pass again
+        BucketBuffer(None, plan, num_cpu_timeout_secs=0 if rank == 1 else 30)
+        raise AssertionError("the construction must fail")
+    except ValueError:
+        pass
+    retried = not plan.materialized and gathered.device.type == "meta"
     pair = dist.new_group(list(range(world)))
     buf = BucketBuffer([dist.group.WORLD, pair], plan, explicitly_destroy=True, num_cpu_timeout_secs=30)
     out = dict(contexts=len(buf.contexts), num_bytes=buf.storage.numel() == plan.num_bytes == buf.num_bytes,
                first=gathered.data_ptr() == buf.storage.data_ptr(), devices={gathered.device.type, scales.device.type},
-               plan=buf.allocation_plan is plan and plan.materialized,
+               plan=buf.allocation_plan is plan and plan.materialized and retried,
                second=scales.data_ptr() - buf.storage.data_ptr())
     gen = torch.Generator().manual_seed(11 + rank)
     mine = torch.randn(1000, generator=gen)

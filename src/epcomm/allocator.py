@@ -125,6 +125,25 @@ class BufferAllocator:
         self._swap_into(storage, call, "do not take views of placeholders before materialize")
         self.materialized = True
 
+    def release(self) -> None:
+        """Turn every tensor of a materialized plan back into its meta placeholder (same Python objects) and mark
+        the plan planned again: a buffer whose construction failed after it materialized the plan calls it, so that
+        every rank's plan is as the caller passed it. Local.
+
+        Raises:
+            ValueError: the plan is not materialized, or a tensor cannot be swapped (views were taken of it).
+        """
+        call = "BufferAllocator.release"
+        if not self.materialized:
+            raise ValueError(f"{call}: the plan is not materialized")
+        for i, p in enumerate(self.allocations):
+            try:
+                torch.utils.swap_tensors(p.tensor, torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="meta"))
+            except RuntimeError as exc:
+                raise ValueError(f"{call}: planned tensor #{i} cannot be swapped back: another tensor shares it") \
+                    from exc
+        self.materialized = False
+
     def rebind(self, storage: Tensor) -> None:
         """Move every tensor of a materialized plan, in place, onto `storage` (same layout, same Python objects).
         Local; `EPBuffer` calls it, before returning, when its LB region moves into symmetric memory. Values are

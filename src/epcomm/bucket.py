@@ -89,8 +89,8 @@ class BucketBuffer(ContextLifecycle):
     Fields:
         num_bytes: int; groups: list of groups; contexts: one `CommContext` per group; storage: [num_bytes]
         uint8 on the buffer's device (zeroed at construction); allocation_plan: the `BufferAllocator` passed, its
-        tensors views of `storage` (a construction that fails after this rank's checks leaves it materialized:
-        make a new plan), or None; nccl_comm_handles: None per group (epcomm uses each group's own communicator).
+        tensors views of `storage` (a construction that fails leaves the plan as it was passed, so that the
+        same plans can be passed again), or None; nccl_comm_handles: None per group (epcomm uses each group's own communicator).
 
     Raises:
         TypeError: a group that is not a `ProcessGroup` of this rank; `allocation_plan_or_num_bytes` neither an
@@ -141,12 +141,13 @@ class BucketBuffer(ContextLifecycle):
             Checker(name, rank, torch.device("cpu")).timeouts(num_cpu_timeout_secs, num_gpu_timeout_secs)
         except (TypeError, ValueError) as e:
             err = err or e
-        storage = None
+        storage, materialized_here = None, False
         if err is None:  # before the exchange, so that a failure here makes every rank raise
             try:
                 storage = torch.zeros(num_bytes, dtype=torch.uint8, device=group_device(groups[0]))
                 if plan is not None:
                     plan.materialize(storage)  # the plan's tensors become views of the storage (same objects)
+                    materialized_here = True
             except (RuntimeError, ValueError) as e:  # out of memory; a placeholder that cannot be swapped
                 err = type(e)(f"{name}: rank {rank}: allocation_plan_or_num_bytes ({num_bytes} bytes): {e}")
         num_cpu_timeout_secs = construction_timeout(num_cpu_timeout_secs, err)
@@ -154,6 +155,22 @@ class BucketBuffer(ContextLifecycle):
         self.groups = groups
         self.sl_idx, self.num_gpu_timeout_secs, self.num_cpu_timeout_secs = sl_idx, num_gpu_timeout_secs, \
             num_cpu_timeout_secs
+        try:
+            self._register(groups, name, num_cpu_timeout_secs, plan, err)
+        except BaseException:
+            if materialized_here:  # back to planned, as the plan is on every rank that failed earlier
+                plan.release()
+            raise
+        self.device = self.contexts[0].device
+        self.storage, self.allocation_plan = storage, plan
+        self.nccl_comm_handles = [None] * len(groups)
+        self._session: Optional[BucketSession] = None
+        self._sessions_opened = 0  # sessions entered so far (a call's carved staging is valid until the next one)
+        self._warned: set = set()
+
+    def _register(self, groups: list, name: str, num_cpu_timeout_secs: float, plan: Optional[BufferAllocator],
+                  err: Optional[BaseException]) -> None:
+        """Build `self.contexts`, one `CommContext` per group; raise this rank's `err` or what the exchanges raised."""
         # Each group's construction exchange, in one order on every rank (its ranks, then its name), whatever the
         # order of the list: ranks that list the groups in other orders then meet in every exchange and raise there
         # (the index agrees), and groups that overlap cannot wait on each other in a cycle.
@@ -187,12 +204,6 @@ class BucketBuffer(ContextLifecycle):
         if err is not None:
             self._destroyed = True
             raise err
-        self.device = self.contexts[0].device
-        self.storage, self.allocation_plan = storage, plan
-        self.nccl_comm_handles = [None] * len(groups)
-        self._session: Optional[BucketSession] = None
-        self._sessions_opened = 0  # sessions entered so far (a call's carved staging is valid until the next one)
-        self._warned: set = set()
 
     # -- helpers -------------------------------------------------------------------------------------
     def get_context_idx(self, group: Optional[dist.ProcessGroup] = None) -> int:
