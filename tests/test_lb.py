@@ -221,3 +221,27 @@ def test_reduce_on_gpu(pools, hidden):
 @pytest.mark.parametrize("do_expand", [True, False])
 def test_physical_ids_on_gpu(pools, do_expand):
     pools.get(2, "nccl").run(lb_cases.check_physical_equivalence, do_expand=do_expand, device="cuda")
+
+
+def _lb_plan_after_failed_construction(rank, world):
+    """Rank 1 passes a bad num_topk: the construction fails on every rank, each rank's LB plan is as passed (not
+    materialized on the ranks whose own checks passed), and the same plans build the buffer on a retry."""
+    import epcomm
+    plan = epcomm.BufferAllocator()
+    weights = plan.allocate((2, 64), torch.float32)
+    try:
+        epcomm.EPBuffer(None, num_bytes=2 << 20, num_topk=99 if rank == 1 else 2, lb_allocation_plan_or_num_bytes=plan,
+                        num_cpu_timeout_secs=30)
+        raise AssertionError("the construction must fail")
+    except ValueError:
+        pass
+    out = [plan.materialized, weights.device.type]
+    buf = epcomm.EPBuffer(None, num_bytes=2 << 20, num_topk=2, lb_allocation_plan_or_num_bytes=plan,
+                          num_cpu_timeout_secs=30)
+    out += [plan.materialized, weights.data_ptr() == buf.lb_storage.data_ptr()]
+    buf.destroy()
+    return out
+
+
+def test_lb_plan_is_released_when_the_construction_fails(run_ranks):
+    assert run_ranks(2, _lb_plan_after_failed_construction) == [[False, "meta", True, True]] * 2

@@ -10,6 +10,7 @@ file is over the ~500-line guide only because dispatch and combine document ever
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import secrets
 import socket
@@ -174,30 +175,32 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         # can reach every other over NVLink, then pick the transport (every rank decides from the same rows).
         timeout = construction_timeout(num_cpu_timeout_secs, err)
         self.transport = CollectiveTransport(self.group, self.device, timeout, uid=0)
-        self.uid, rows = self._rendezvous(err, _TRANSPORT_CODES.get(transport, -1))
-        self.transport.uid = self.uid
-        hosts = [row[1] for row in rows]
-        self.num_nvlink_ranks = sum(1 for h in hosts if h == hosts[self.rank])
-        self.num_rdma_ranks = self.num_ranks // self.num_nvlink_ranks if self.num_ranks % self.num_nvlink_ranks == 0 \
-            else self.num_ranks
-        unavailable = {}
-        if len(set(hosts)) > 1:
-            unavailable["nvlink"] = "its ranks are on several hosts"
-        elif not all(row[3] for row in rows):
-            bad = [s for s, row in enumerate(rows) if not row[3]]
-            unavailable["nvlink"] = f"group ranks {bad} have no peer access to every other GPU or no symmetric memory"
-        try:
-            transport_cls = resolve_transport(transport, self.device, unavailable)
-        except ValueError as e:  # every rank decides from the same rows, so every rank raises here
-            raise ValueError(str(e).replace("EPBuffer: ", f"EPBuffer: rank {self.rank}: ", 1)) from None
-        if transport_cls is not CollectiveTransport:
-            # The blocked layout needs R x N records of the widest kind in the receive area.
-            blocked_bytes = self.num_ranks * num_max_tokens_per_rank * sizing.record_bytes(
-                hidden * dtype.itemsize, 0, num_topk or sizing.MAX_TOPK, True)
-            self.transport = transport_cls(self.group, self.device, num_cpu_timeout_secs, self.uid,
-                                           num_bytes=num_bytes, gpu_timeout_s=num_gpu_timeout_secs,
-                                           min_rows_bytes=blocked_bytes)
-        self._lb_attach_transport()  # collective: on nvlink the LB region moves into symmetric memory (lb.py)
+        with self._lb_plan_released_on_failure():  # a failed construction leaves the plan as it was passed
+            self.uid, rows = self._rendezvous(err, _TRANSPORT_CODES.get(transport, -1))
+            self.transport.uid = self.uid
+            hosts = [row[1] for row in rows]
+            self.num_nvlink_ranks = sum(1 for h in hosts if h == hosts[self.rank])
+            self.num_rdma_ranks = self.num_ranks // self.num_nvlink_ranks \
+                if self.num_ranks % self.num_nvlink_ranks == 0 else self.num_ranks
+            unavailable = {}
+            if len(set(hosts)) > 1:
+                unavailable["nvlink"] = "its ranks are on several hosts"
+            elif not all(row[3] for row in rows):
+                bad = [s for s, row in enumerate(rows) if not row[3]]
+                unavailable["nvlink"] = (f"group ranks {bad} have no peer access to every other GPU or no symmetric "
+                                         "memory")
+            try:
+                transport_cls = resolve_transport(transport, self.device, unavailable)
+            except ValueError as e:  # every rank decides from the same rows, so every rank raises here
+                raise ValueError(str(e).replace("EPBuffer: ", f"EPBuffer: rank {self.rank}: ", 1)) from None
+            if transport_cls is not CollectiveTransport:
+                # The blocked layout needs R x N records of the widest kind in the receive area.
+                blocked_bytes = self.num_ranks * num_max_tokens_per_rank * sizing.record_bytes(
+                    hidden * dtype.itemsize, 0, num_topk or sizing.MAX_TOPK, True)
+                self.transport = transport_cls(self.group, self.device, num_cpu_timeout_secs, self.uid,
+                                               num_bytes=num_bytes, gpu_timeout_s=num_gpu_timeout_secs,
+                                               min_rows_bytes=blocked_bytes)
+            self._lb_attach_transport()  # collective: on nvlink the LB region moves into symmetric memory (lb.py)
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
         self._comm_stream = new_comm_stream(self.device)
@@ -213,6 +216,18 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                   f"num_bytes={num_bytes}, num_max_tokens_per_rank={num_max_tokens_per_rank}, dtype={dtype}")
 
     # -- construction helpers ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _lb_plan_released_on_failure(self):
+        """Release the LB plan this rank materialized (`BufferAllocator.release`) if the collective part of the
+        construction raises, so that every rank's plan is as passed and the same plans can be passed again."""
+        try:
+            yield
+        except BaseException:
+            plan = getattr(self, "lb_allocation_plan", None)
+            if plan is not None and plan.materialized:
+                plan.release()
+            raise
+
     def _rendezvous(self, err: Optional[BaseException], transport_code: int) -> tuple:
         """One bounded exchange: rank 0's draw from the OS's entropy names the buffer (not Python's `random`,
         which training scripts seed alike on every rank: two groups' buffers would share an id); each rank
