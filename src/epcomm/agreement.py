@@ -143,21 +143,15 @@ def rejected(call: str, rank: int, failed: list, messages: list, what: str = "th
     """The message of a rank without a fault of its own: every group rank in `failed` rejected `what`, with the
     messages of the first four (the rest by rank; each raised its own). On a subgroup (`group`) each failed rank
     is also named by its global rank, the process a user looks for."""
-    from .waits import global_ranks  # (waits is not imported at module level: it needs no agreement)
+    from .waits import global_ranks, rank_name, ranks_name  # (not at module level: waits needs no agreement)
 
     every = global_ranks(group)
-
-    def named(s: int) -> str:
-        return f"group rank {s}" + (f" (global rank {every[s]})" if every else "")
-
     first = failed[0]
-    also = "".join(f"; {named(s)} rejected it too: {messages[s]}" for s in failed[1:1 + _MORE_MESSAGES])
+    also = "".join(f"; group {rank_name(s, every)} rejected it too: {messages[s]}"
+                   for s in failed[1:1 + _MORE_MESSAGES])
     if len(failed) > 1 + _MORE_MESSAGES:
-        rest = failed[1 + _MORE_MESSAGES:]
-        also += (f"; and group ranks {rest}" + (f" (global ranks {[every[s] for s in rest]})" if every else "")
-                 + " (their messages are in their own errors)")
-    me = f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
-    return f"{call}: {me}: {named(first)} rejected {what}: {messages[first]}{also}"
+        also += f"; and {ranks_name(failed[1 + _MORE_MESSAGES:], every)} (their messages are in their own errors)"
+    return f"{call}: {rank_name(rank, every)}: group {rank_name(first, every)} rejected {what}: {messages[first]}{also}"
 
 
 def every_rank(exc: BaseException) -> BaseException:

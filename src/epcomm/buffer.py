@@ -30,6 +30,7 @@ from .events import EventHandle
 from .handle import EPHandle
 from .lb import LoadBalancingMixin
 from .lowlatency import LowLatencyMixin
+from .lowlatency_nvlink import CallBook
 from .transport import TransportTimeout, resolve_transport
 from .waits import PeerFailed
 from .transport import symm
@@ -513,7 +514,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         if getattr(self, "_ll_nvlink", None) is not None:
             self._ll_nvlink.closed = True  # pending receive hooks must not launch into freed memory
         for book in (getattr(self, "_ll_calls", None) or {}).values():  # the portable path's hooks and handles
-            book.retired = "the buffer was destroyed before the hook was called"
+            book.retired = CallBook.DESTROYED
         self._ll_nvlink, self._ll_regions = None, []  # the low-latency areas (lowlatency.py)
         self._destroyed = True
 

@@ -7,9 +7,8 @@ the rest of the contract (first wait returns the deferred results, second wait r
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 import warnings
+from typing import Any, Callable, Optional
 
 import torch
 

@@ -265,7 +265,7 @@ class LowLatencyMixin:
                     area.reset()
         for key, book in (getattr(self, "_ll_calls", None) or {}).items():
             if of_shape(key[0]):
-                book.retired = True
+                book.retired = CallBook.CLEANED
                 self._ll_calls[key] = CallBook()
         self._barrier(name, op, with_cpu_sync=True, signature=shape)  # no peer writes into an area not yet cleared
 

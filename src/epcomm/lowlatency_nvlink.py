@@ -112,12 +112,16 @@ class CallBook:
     must have been received before call e is issued: two calls of a shape and kind may be in flight, as in DeepEP
     V1. Every transport keeps this rule, so code that runs on CPU runs on nvlink. `clean_low_latency_buffer`
     retires the book of a shape it resets (the shape starts again with a new one): the handles and hooks of its calls
-    then raise instead of reading rows that are gone."""
+    then raise instead of reading rows that are gone; so does `EPBuffer.destroy`."""
+
+    CLEANED = ("clean_low_latency_buffer reset this call shape after the low_latency_dispatch / low_latency_combine "
+               "this hook or handle belongs to; its rows are gone: make the call again")
+    DESTROYED = "the buffer was destroyed before the hook was called"
 
     def __init__(self):
         self.issued = [0, 0]
         self.pending: list = [set(), set()]
-        self.retired = False
+        self.retired: Optional[str] = None  # why the book's hooks and handles raise now (CLEANED, DESTROYED)
 
     def next_call(self, kind: int, rank: int) -> int:
         """The index of the next call of `kind` (booked by `book` once it is launched).
@@ -148,13 +152,9 @@ class CallBook:
 
     def check_not_retired(self, call: str, rank: int) -> None:
         """Raises: ValueError -- `clean_low_latency_buffer` reset this shape after the call that made the hook or
-        handle was issued."""
-        if isinstance(self.retired, str):  # the buffer was destroyed
+        handle was issued, or the buffer was destroyed (`retired` says which)."""
+        if self.retired is not None:
             raise ValueError(f"{call}: rank {rank}: {self.retired}")
-        if self.retired:
-            raise ValueError(f"{call}: rank {rank}: clean_low_latency_buffer reset this call shape after the "
-                             "low_latency_dispatch / low_latency_combine this hook or handle belongs to; its rows "
-                             "are gone: make the call again")
 
     def received(self, e: int) -> bool:
         """Whether dispatch call `e` has been received (its hook called, or it had none)."""
@@ -187,7 +187,7 @@ class Area:
         self.local.zero_()
         self.state.zero_()
         self.send_items = [None, None]
-        self.calls.retired = True
+        self.calls.retired = CallBook.CLEANED
         self.calls = CallBook()
 
 

@@ -128,7 +128,7 @@ def peer_failed_message(what: str, call_id, rank: int, failure: tuple, owner: st
     several per bucket or Engram call); the failed rank's record carries its own."""
     failed, failed_number, failed_call, error = failure
     every = global_ranks(group)
-    who, me = f"group {_rank_name(failed, every)}", _rank_name(rank, every)
+    who, me = f"group {rank_name(failed, every)}", rank_name(rank, every)
     return (f"{what}: {me} waited for {unit} #{call_id} but {who} stopped with an error during its {failed_call} "
             f"({failed_number}): {error.rstrip().rstrip('.')}. The call cannot complete: the {owner} and its process "
             "group are unusable now (an unmatched collective is pending): end the job; while that rank is alive the "
@@ -243,8 +243,8 @@ def _raise_if_peer_gave_up(what: str, call_id: int, rank: int, uid: int, owner: 
         return
     every = global_ranks(group)
     raise TransportTimeout(
-        f"{what}: {_rank_name(rank, every)} waited {waited:.1f} s for {unit} #{call_id} but group "
-        f"{_rank_name(int(gone), every)} gave up waiting in {unit} #{gone_call} of this {owner} (its own timeout) "
+        f"{what}: {rank_name(rank, every)} waited {waited:.1f} s for {unit} #{call_id} but group "
+        f"{rank_name(int(gone), every)} gave up waiting in {unit} #{gone_call} of this {owner} (its own timeout) "
         f"before this rank came. Every rank of the group must make the same {owner} calls in the same order. The "
         f"{owner} and its process group are unusable now (an unmatched collective is pending): end the job; exit "
         "with os._exit(1) or let the launcher kill it")
@@ -257,9 +257,14 @@ def _raise_if_peer_failed(what: str, call_id: int, rank: int, uid: int, owner: s
         raise PeerFailed(peer_failed_message(what, call_id, rank, failure, owner, group, unit))
 
 
-def _rank_name(rank: int, every: Optional[list]) -> str:
+def rank_name(rank: int, every: Optional[list]) -> str:
     """"rank r", with its global rank on a subgroup (`every`: `global_ranks`)."""
     return f"rank {rank}" + (f" (global rank {every[rank]})" if every else "")
+
+
+def ranks_name(ranks: list, every: Optional[list]) -> str:
+    """"group ranks [..]", with their global ranks on a subgroup (`every`: `global_ranks`)."""
+    return f"group ranks {ranks}" + (f" (global ranks {[every[r] for r in ranks]})" if every else "")
 
 
 def global_ranks(group) -> Optional[list]:
@@ -278,9 +283,6 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
     store = default_store()
     every = global_ranks(group)
 
-    def named(ranks: list) -> str:
-        return f"group ranks {ranks}" + (f" (global ranks {[every[r] for r in ranks]})" if every else "")
-
     missing: Optional[list] = None
     gave_up: list = []
     if store is not None:
@@ -297,16 +299,16 @@ def _raise_timeout(what: str, call_id: int, rank: int, num_ranks: int, uid: int,
         if uid:
             store.compare_set(_gave_up_by_key(uid), "", f"{rank}\n{call_id}")  # the first rank to give up
     if missing:
-        who = f"{named(missing)} did not arrive"
+        who = f"{ranks_name(missing, every)} did not arrive"
     elif gave_up:
-        who = (f"{named(gave_up)} gave up waiting for this call (their own timeout) before this rank came or "
-               "before it finished")
+        who = (f"{ranks_name(gave_up, every)} gave up waiting for this call (their own timeout) before this rank "
+               "came or before it finished")
     elif missing is None:
         who = "a peer (could not tell which) did not arrive"
     else:
         who = ("every group rank arrived and the collective still did not finish (a peer that died after it "
                "arrived, or calls or sizes that do not match between the ranks)")
-    me = _rank_name(rank, every)
+    me = rank_name(rank, every)
     raise TransportTimeout(
         f"{what}: {me} waited {timeout_s:g} s (num_cpu_timeout_secs) for {unit} #{call_id} but {who}. Every "
         f"rank of the group must make the same {owner} calls in the same order. The {owner} and its process group "
