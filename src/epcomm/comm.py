@@ -391,6 +391,9 @@ def get_logical_domain_size(group_or_buffer=None, allow_hybrid_mode: Optional[bo
         group_or_buffer: an epcomm buffer, or a `ProcessGroup` (None: the default group).
         allow_hybrid_mode: accepted for the reference's signature; no effect.
 
+    Returns:
+        `(1, R)`: ints, R the group's size.
+
     Raises:
         TypeError: neither a buffer nor a process group.
     """

@@ -19,7 +19,7 @@ TMA_ALIGNMENT = 32  # the reference's TMA granularity (reference §1); reduce-sc
 
 
 def get_num_allocation_alignment() -> int:
-    """2 MiB: the granularity of every registered region (reference §1)."""
+    """2 MiB (2,097,152 bytes): the granularity of every registered region (reference §1)."""
     return ALLOCATION_ALIGNMENT
 
 
