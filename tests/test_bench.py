@@ -43,13 +43,7 @@ def _table(stdout: str) -> list:
 def test_bench_subprocess_table_json_plot(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     args = [sys.executable, "-m", "epcomm.bench", *SMALL, "--json", str(out_json), "--seed", "7"]
-    has_mpl = True
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        has_mpl = False
-    if has_mpl:
-        args += ["--plot", str(out_png)]
+    args += ["--plot", str(out_png)]  # matplotlib is a test dependency: the plot is always drawn here
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(args, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -106,8 +100,7 @@ def test_bench_subprocess_table_json_plot(tmp_path):
     # Bytes: every provider of a case is credited with the same (rank-dedup) bytes.
     recv = {r["provider"]: r["value"] for r in recs if r["metric"] == "recv_bytes" and r["dtype"] == "bf16"}
     assert len(set(recv.values())) == 1 and next(iter(recv.values())) > 0
-    if has_mpl:
-        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("fault", ["dispatch", "cached", "combine"])
@@ -177,6 +170,15 @@ def test_bench_rejects_bad_options(capsys, tmp_path, argv, message):
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # the checks leave nothing behind
+
+
+def test_bench_plot_without_matplotlib_says_so_before_running(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as where matplotlib is missing
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--plot", str(tmp_path / "p.png")])
+    assert exc.value.code == 2
+    assert "--plot needs matplotlib (pip install matplotlib)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bench_suites_check_their_options_before_running(capsys, tmp_path):
