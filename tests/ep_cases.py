@@ -1204,6 +1204,47 @@ def size_one_last_dim_strides(rank: int, world: int, *, fp8: bool, do_expand: bo
     return y.shape[0]
 
 
+def packed_views(rank: int, world: int, *, fp8: bool, do_expand: bool) -> int:
+    """Every row payload a view into a packed flat buffer, starting 2 or 4 bytes into its storage (contiguous, but a
+    word view of its rows fails): x (or the FP8 data and scales), weights, the cached dispatch's inputs, the expert
+    outputs, the combine's weights and a bias. Every call completes and equals the reference, and the buffer stays
+    usable, where the word view used to fail after the header exchange (the buffer and the group were broken).
+    Returns the rows this rank received."""
+    gen = torch.Generator().manual_seed(70 + rank)
+    num_tokens, num_experts, hidden, num_topk = 6 + rank, 4 * world, 256, 2
+
+    def packed(v: torch.Tensor) -> torch.Tensor:  # the same values, contiguous, one element into a flat buffer
+        flat = torch.empty(1 + v.numel(), dtype=v.dtype)
+        out = flat[1:].view(v.shape).copy_(v)
+        assert out.is_contiguous() and out.storage_offset() * out.element_size() % 8, out.storage_offset()
+        return out
+
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=hidden, num_topk=num_topk, use_fp8_dispatch=fp8,
+                          num_cpu_timeout_secs=30)
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    w, idx = torch.rand(num_tokens, num_experts, generator=gen).topk(num_topk, dim=1)
+    payload = per_token_cast_to_fp8(x) if fp8 else x
+    odd = tuple(map(packed, payload)) if fp8 else packed(payload)
+    recv_x, _, recv_w, handle, _ = buf.dispatch(odd, idx, packed(w), num_experts=num_experts, do_expand=do_expand)
+    r_x, _, r_w, r_handle = ref.dispatch(payload, idx, w, num_experts, num_max_tokens_per_rank=8,
+                                         do_expand=do_expand)
+    cached = buf.dispatch(odd, handle=handle, topk_weights=packed(w))
+    for got_x, what in ((recv_x, "recv_x"), (cached[0], "cached recv_x")):
+        for part, want_part, name in zip(got_x if fp8 else (got_x,), r_x if fp8 else (r_x,), ("data", "scales")):
+            assert_equal(part, want_part, f"{what} {name}")
+    assert_equal(recv_w, r_w, "recv_topk_weights")
+    y = torch.randn(recv_w.shape[0], hidden, generator=gen).bfloat16()
+    bias = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    weights = None if do_expand else recv_w
+    got = buf.combine(packed(y), handle, topk_weights=None if weights is None else packed(weights), bias=packed(bias))
+    want = ref.combine(y, r_handle, topk_weights=weights, bias=bias)
+    assert_equal(got[0], want[0], "combined_x")
+    if weights is not None:
+        assert_equal(got[1], want[1], "combined_topk_weights")
+    buf.destroy()
+    return y.shape[0]
+
+
 def warning_at_caller(rank: int, world: int, load_dynamo: bool) -> tuple:
     """The file of the grad warning a dispatch gives (inputs that require grad): the caller's, also once Dynamo is
     loaded and its wrapper stands between (compile_guard). Returns (warning files, this file)."""

@@ -151,6 +151,15 @@ def test_size_one_last_dim_with_another_stride(run_ranks, fp8, do_expand):
     assert rows[0] > 0 and rows[1] > 0, rows
 
 
+@pytest.mark.parametrize("fp8,do_expand", [(False, False), (False, True), (True, False)])
+def test_views_into_packed_buffers(run_ranks, fp8, do_expand):
+    """Row payloads that are contiguous views starting off a word boundary of their storage (`flat[1:].view(T, H)`)
+    are accepted as the reference accepts them; a word view of them used to fail after the header exchange and break
+    the buffer and the process group."""
+    rows = run_ranks(2, ep_cases.packed_views, fp8=fp8, do_expand=do_expand)
+    assert rows[0] > 0 and rows[1] > 0, rows
+
+
 @pytest.mark.parametrize("num_bias", [1, 2])
 @pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
 def test_deferred_combine_reads_bias_at_wait(run_ranks, do_expand, num_bias):

@@ -33,8 +33,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         if flag is not None and not isinstance(flag, (bool, int)):  # ints 0/1 pass, as bools do in torch code
             c.fail(TypeError, f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
     do_expand, do_zero_padding, emit_expert_ids = bool(do_expand), bool(do_zero_padding), bool(emit_expert_ids)
-    x = tuple(map(sizing.dense_strides, x)) if isinstance(x, tuple) else sizing.dense_strides(x)
-    topk_idx, topk_weights = sizing.dense_strides(topk_idx), sizing.dense_strides(topk_weights)
+    x = tuple(map(_payload, x)) if isinstance(x, tuple) else _payload(x)
+    topk_idx, topk_weights = sizing.dense_strides(topk_idx), _payload(topk_weights)
     xs = check_x(c, x, allow_fp8=True)
     warn_if_grad(buf, "dispatch", xs.data, xs.sf, topk_weights)
     if handle is not None:
@@ -140,7 +140,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         topk_idx = handle.topk_idx
     except ValueError as e:
         c.fail(ValueError, str(e))
-    x, topk_weights = sizing.dense_strides(x), sizing.dense_strides(topk_weights)
+    x, topk_weights = _payload(x), _payload(topk_weights)
     x = check_x(c, x, allow_fp8=False).data
     rows = handle.num_expanded_tokens if handle.do_expand else handle.recv_src_metadata.shape[0]
     layout_name = "expand" if handle.do_expand else "non-expand"
@@ -164,7 +164,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         names = [f"bias[{i}]" for i, b in enumerate(bias) if b is not None]
     else:
         c.fail(TypeError, f"bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
-    biases = tuple(map(sizing.dense_strides, biases))
+    biases = tuple(map(_payload, biases))
     for i, b in enumerate(biases):
         c.tensor(names[i] if isinstance(bias, (tuple, list)) else "bias", b, ndim=2, dtypes=(x.dtype,),
                  shape=(topk_idx.shape[0], x.shape[1]))
@@ -209,3 +209,8 @@ def warn_if_grad(buf, call: str, *tensors) -> None:
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         buf._warn_once(f"grad-{call}", f"EPBuffer.{call}: inputs require grad but EPBuffer calls are not recorded "
                                        "by autograd; use epcomm.TokenDispatcher for training")
+
+
+def _payload(t):
+    """A row payload (x, its scales, weights, a bias) with the strides and the start the word moves need."""
+    return sizing.word_aligned(sizing.dense_strides(t))

@@ -91,6 +91,20 @@ def dense_strides(t):
     return t
 
 
+# Byte alignment of a row payload's start: the transports move rows as words of up to 8 bytes (moves.as_words).
+PAYLOAD_ALIGN = 16
+
+
+def word_aligned(t):
+    """`t`, or a contiguous copy of it when its first element does not start on a `PAYLOAD_ALIGN`-byte boundary of
+    its storage (a view into a packed flat buffer, `flat[1:].view(T, H)`): a word view of such rows fails, and it
+    failed after the header exchange, which broke the buffer and the process group. Anything else as it is."""
+    if (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel()
+            and t.storage_offset() * t.element_size() % PAYLOAD_ALIGN):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of 2 >= n (0 for 0), as `triton.next_power_of_2`. Host code calls this one: Triton's is a
     constexpr function since Triton 3.5, and a call from Python costs ~3-5 us of host time (an H200 host)."""
