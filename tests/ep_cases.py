@@ -1245,6 +1245,35 @@ def packed_views(rank: int, world: int, *, fp8: bool, do_expand: bool) -> int:
     return y.shape[0]
 
 
+def inference_routing_edited(rank: int, world: int, *, do_expand: bool) -> int:
+    """Under `torch.inference_mode()` the routing has no version counter for the in-place guard: dispatch keeps a
+    copy, so a `topk_idx` edited after the dispatch (columns swapped, an id changed) leaves combine (rows and weights)
+    and cached dispatch on the dispatch's routing, equal to the reference's. Returns the rows this rank received."""
+    gen = torch.Generator().manual_seed(80 + rank)
+    num_tokens, num_experts, hidden, num_topk = 7, 4 * world, 16, 3
+    with torch.inference_mode():
+        buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=8, hidden=hidden, num_topk=num_topk,
+                              num_cpu_timeout_secs=30)
+        x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+        w, idx = torch.rand(num_tokens, num_experts, generator=gen).topk(num_topk, dim=1)
+        original = idx.clone()
+        recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts, do_expand=do_expand)
+        idx[:, 0], idx[:, 1] = original[:, 1], original[:, 0]  # edited in place: not caught, not followed
+        idx[0, 2] = -1
+        r_x, _, r_w, r_handle = ref.dispatch(x, original, w, num_experts, num_max_tokens_per_rank=8,
+                                             do_expand=do_expand)
+        assert_equal(buf.dispatch(x, handle=handle, topk_weights=w)[0], r_x, "cached recv_x")
+        y = torch.randn(recv_x.shape[0], hidden, generator=gen).bfloat16()
+        weights = None if do_expand else recv_w
+        got = buf.combine(y, handle, topk_weights=weights)
+        want = ref.combine(y, r_handle, topk_weights=weights)
+        assert_equal(got[0], want[0], "combined_x")
+        if weights is not None:
+            assert_equal(got[1], want[1], "combined_topk_weights")
+        buf.destroy()
+        return y.shape[0]
+
+
 def warning_at_caller(rank: int, world: int, load_dynamo: bool) -> tuple:
     """The file of the grad warning a dispatch gives (inputs that require grad): the caller's, also once Dynamo is
     loaded and its wrapper stands between (compile_guard). Returns (warning files, this file)."""

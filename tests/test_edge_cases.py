@@ -160,6 +160,14 @@ def test_views_into_packed_buffers(run_ranks, fp8, do_expand):
     assert rows[0] > 0 and rows[1] > 0, rows
 
 
+@pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
+def test_inference_mode_routing_edited_after_dispatch(run_ranks, do_expand):
+    """docs/decisions.md: inference tensors have no version counter, so dispatch keeps a copy of such a routing;
+    an edit after the dispatch used to give silently wrong combined weights."""
+    rows = run_ranks(2, ep_cases.inference_routing_edited, do_expand=do_expand)
+    assert rows[0] > 0 and rows[1] > 0, rows
+
+
 @pytest.mark.parametrize("num_bias", [1, 2])
 @pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
 def test_deferred_combine_reads_bias_at_wait(run_ranks, do_expand, num_bias):

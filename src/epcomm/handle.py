@@ -34,7 +34,8 @@ class EPHandle:
             passes them must pass the same values.
         num_sms: int -- SM count of the dispatch; combine's default.
         topk_idx: [T, K] -- the caller's tensor, by reference; reading it raises `ValueError` if the tensor was
-            modified in place since the dispatch (skipped for inference-mode tensors).
+            modified in place since the dispatch (for an inference-mode tensor, which has no version counter,
+            a copy the dispatch made).
         num_recv_tokens: int -- received tokens (exact with CPU sync, else `R * N`).
         num_expanded_tokens: int -- expanded rows `S` (exact with CPU sync, worst case otherwise; 0 non-expand).
         num_recv_tokens_per_expert_list: list[int] -- aligned per-expert counts; empty without CPU sync.

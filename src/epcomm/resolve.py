@@ -78,6 +78,8 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         expert_alignment = c.positive_int("expert_alignment", 1 if expert_alignment is None else expert_alignment)
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         topk_idx = check_topk_idx(c, topk_idx, xs.num_tokens)
+        if topk_idx.is_inference():  # no version counter to guard (EPHandle): keep the routing the rows are laid by
+            topk_idx = topk_idx.clone()
         if buf.device.type == "cpu" or (do_cpu_sync and not defer_value_checks):
             check_topk_values(c, topk_idx, num_experts)
     c.require(not do_zero_padding or do_expand, "do_zero_padding=True requires do_expand=True")
