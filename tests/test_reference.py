@@ -38,8 +38,9 @@ def _call(rank: int, world: int, case: str):
 @pytest.mark.parametrize("case,own,peer", [
     ("huge-experts", r"num_experts=1099511627776 must be in \[1, 65536\]", None),
     ("experts-not-multiple", "num_experts=7 must be in", None),
-    ("id-out-of-range", r"topk_idx holds ids outside \[-1, num_experts=8\)", r"group ranks \[1\] passed invalid"),
-    ("expert-twice", "a topk_idx row names an expert twice", r"group ranks \[1\] passed invalid"),
+    ("id-out-of-range", r"topk_idx holds ids outside \[-1, num_experts=8\) \(token 0, position 0: 8\)",
+     r"group ranks \[1\] passed invalid"),
+    ("expert-twice", r"a topk_idx row names an expert twice \(token 2: \[3, 3\]\)", r"group ranks \[1\] passed invalid"),
     ("ranks-disagree", r"ranks disagree on num_experts \(rank 0: 8, rank 1: 16\)", None),
     ("num-experts-none", r"num_experts must be an int, got None", r"group ranks \[1\] passed invalid"),
     ("topk-idx-1d", r"topk_idx must be a \[T, K\] int64/int32 tensor", r"group ranks \[1\] passed invalid"),
@@ -70,3 +71,29 @@ def _aligned_counts(rank: int, world: int):
 def test_reference_handle_gives_aligned_counts(run_ranks):
     for ours, oracle in run_ranks(2, _aligned_counts, timeout=60):
         assert ours == oracle and all(n % 4 == 0 for n in oracle) and sum(oracle) > 0, (ours, oracle)
+
+
+def _nan_weights_round_trip(rank: int, world: int):
+    """One routed weight, a signalling NaN (quiet bit clear): epcomm and the reference return its bits unchanged
+    (the reference's one-element float write quieted it)."""
+    x = torch.randn(1, 4)
+    idx = torch.tensor([[-1, 0]])
+    w = torch.rand(1, 2)
+    w.view(torch.int32)[0, 1] = -4194305  # 0xffbfffff
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=1, hidden=4, num_topk=2, dtype=torch.float32,
+                          explicitly_destroy=True)
+    try:
+        recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=2 * world, do_expand=True)
+        r_x, _, r_w, r_handle = ref.dispatch(x, idx, w, 2 * world, do_expand=True)
+        got = buf.combine(recv_x, handle, topk_weights=recv_w)[1]
+        want = ref.combine(r_x, r_handle, topk_weights=r_w)[1]
+        routed = (idx >= 0).to(torch.int32)
+        return [t.view(torch.int32) for t in (got, want)] + [w.view(torch.int32) * routed]
+    finally:
+        buf.destroy()
+
+
+def test_weights_return_with_their_bits(run_ranks):
+    for got, want, sent in run_ranks(1, _nan_weights_round_trip, timeout=60):
+        assert torch.equal(want, sent), (want, sent)
+        assert torch.equal(got, sent), (got, sent)

@@ -101,11 +101,16 @@ def _check_call(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
         return "topk_weights must be a float tensor shaped like topk_idx", call
     if call["scale_packs"] == -2 or (sf is not None and sf.shape[0] != data.shape[0]):
         return "an FP8 x's scales must be a [T, P] tensor", call
-    if idx.numel() and not -1 <= int(idx.min()) <= int(idx.max()) < num_experts:
-        return f"topk_idx holds ids outside [-1, num_experts={num_experts})", call
+    outside = ((idx < -1) | (idx >= num_experts)).nonzero()
+    if outside.shape[0]:
+        t, j = outside[0].tolist()
+        return (f"topk_idx holds ids outside [-1, num_experts={num_experts}) (token {t}, position {j}: "
+                f"{int(idx[t, j])})"), call
     same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
-    if bool((same & ~torch.eye(idx.shape[1], dtype=torch.bool, device=idx.device)).any()):
-        return "a topk_idx row names an expert twice", call
+    twice = (same & ~torch.eye(idx.shape[1], dtype=torch.bool, device=idx.device)).any(2).any(1).nonzero()
+    if twice.shape[0]:
+        t = int(twice[0])
+        return f"a topk_idx row names an expert twice (token {t}: {idx[t].tolist()})", call
     return "", call
 
 
@@ -292,7 +297,9 @@ def combine(
         if topk_weights is not None:
             back_w = torch.zeros(local_idx.shape, dtype=topk_weights.dtype, device=x.device)
             has = handle.row_ptr >= 0
-            back_w[has] = topk_weights[handle.row_ptr[has]]
+            bits = torch.int64 if topk_weights.dtype == torch.float64 else torch.int32
+            # Weights travel as bits (a one-element float index_put goes through a scalar and quiets a signalling NaN)
+            back_w.view(bits)[has] = topk_weights.view(bits)[handle.row_ptr[has]]
     if back_w is not None and not per_pair:
         back_w = torch.where(local_idx >= 0, back_w, torch.zeros_like(back_w))
 
