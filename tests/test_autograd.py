@@ -273,6 +273,43 @@ def test_invalid_combination_raises(run_ranks):
         assert messages[0].endswith("create the EPBuffer with allow_multiple_reduction=True")
 
 
+def _wider_expert_outputs(rank, world_size):
+    """bf16 tokens, fp32 expert outputs (bf16 rows x fp32 weights, as TokenDispatcher.combine allows) on a buffer
+    sized for bf16, at a shape where the forward calls fit and the backward's fp32 cached dispatch does not: the
+    forward combine refuses, on every rank, naming the backward; without grad it runs; a buffer sized with
+    dtype=float32 trains."""
+    num_tokens, hidden, num_experts = 256, 1024, 2 * world_size
+    gen = torch.Generator().manual_seed(5 + rank)
+    idx = torch.rand(num_tokens, num_experts, generator=gen).topk(1, dim=1).indices
+    w = torch.rand(num_tokens, 1, generator=gen).requires_grad_()
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16().requires_grad_()
+    sized = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        with EPBuffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=1, dtype=dtype,
+                      num_cpu_timeout_secs=TIMEOUT_S) as buffer:
+            dispatcher = TokenDispatcher(buffer, num_experts)
+            recv_x, recv_w, handle = dispatcher.dispatch(x, idx, w)
+            expert_out = recv_x * recv_w[:, None]
+            assert expert_out.dtype == torch.float32
+            if dtype == torch.bfloat16:
+                with pytest.raises(ValueError, match=rf"TokenDispatcher.combine: rank {rank}: its backward \(a cached "
+                                                     r"dispatch of y's torch.float32 gradient\) needs \d+ bytes but the "
+                                                     r"buffer has num_bytes=\d+; .*dtype=torch.float32\)$"):
+                    dispatcher.combine(expert_out, handle)
+                with torch.no_grad():
+                    sized["no-grad"] = dispatcher.combine(expert_out, handle).shape
+            else:
+                y = dispatcher.combine(expert_out, handle)
+                y.float().pow(2).sum().backward()
+                sized["trained"] = bool(x.grad.abs().sum() > 0 and w.grad.abs().sum() > 0)
+    return sized
+
+
+def test_backward_that_would_not_fit_is_refused_in_the_forward(run_ranks):
+    for sized in run_ranks(2, _wider_expert_outputs, timeout=120):
+        assert sized == {"no-grad": (256, 1024), "trained": True}, sized
+
+
 def _compiled_moe_layer(rank: int, world: int, backend: str, do_expand: bool):
     """A MoE layer with the dispatcher inside `torch.compile`: the same outputs and gradients as eager, bitwise, on
     fresh routings, and Dynamo compiles only the caller's code around the calls (epcomm's entry points are

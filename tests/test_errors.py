@@ -61,7 +61,9 @@ EXPECTED = {
     "do_handle_copy": (ValueError, r"do_handle_copy must be False"),
     "num_qps_too_many": (ValueError, r"num_qps=10000 must be in \[0, num_allocated_qps=65\]"),
     "capacity_hidden": (ValueError, r"the call needs \d+ bytes .*hidden=65536.* but the buffer has num_bytes=\d+; "
-                                    r"at this shape it fits num_max_tokens_per_rank <= \d+\. Size the buffer"),
+                                    r"at this shape it fits num_max_tokens_per_rank <= \d+\. Size the buffer with "
+                                    r"EPBuffer.get_buffer_size_hint\(group, \d+, 65536, \d+, use_fp8_dispatch=False, "
+                                    r"dtype=torch\.bfloat16\)"),
     "combine_rows": (ValueError, r"x has \d+ rows but the handle's non-expand layout has \d+"),
     "combine_x_fp8_tuple": (TypeError, r"x must be a float tensor here"),
     "combine_bias_len3": (ValueError, r"bias as a tuple must be \(bias_0, bias_1\), got 3 elements"),

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import sizing
 from .buffer import EPBuffer
 from .compile_guard import eager_under_compile
 from .handle import EPHandle
@@ -245,7 +246,9 @@ class TokenDispatcher:
         Raises:
             TypeError: wrong types or dtypes, a bias that is not None, a tensor or a pair.
             ValueError: shapes that do not match the handle, a handle from another buffer, a modified `topk_idx`,
-                ranks that disagree on the call; a handle whose layout (`do_expand`, `num_experts`,
+                ranks that disagree on the call; an `expert_out` that requires grad in a dtype whose backward (a
+                cached dispatch of y's gradient) would not fit in the buffer (size it with `dtype=` that dtype);
+                a handle whose layout (`do_expand`, `num_experts`,
                 `expert_alignment`) is not this dispatcher's (where the rows of both layouts have one count, the
                 buffer could not tell them apart; on CPU every rank raises, on GPU the rank that passes it).
             TimeoutError: a peer did not arrive within the buffer's `num_cpu_timeout_secs`.
@@ -258,6 +261,8 @@ class TokenDispatcher:
                     self.buffer._reject_call("EPBuffer.combine", ValueError(
                         f"TokenDispatcher.combine: rank {self.buffer.rank}: the handle has {arg}={theirs} but this "
                         f"dispatcher has {arg}={mine}; pass the handle that this dispatcher's dispatch returned"))
+            if isinstance(expert_out, Tensor) and expert_out.requires_grad and torch.is_grad_enabled():
+                self._check_backward_fits(expert_out, handle)
         if bias is None or isinstance(bias, Tensor):
             bias_0, bias_1 = bias, None
         elif isinstance(bias, (tuple, list)) and len(bias) == 2:
@@ -266,3 +271,21 @@ class TokenDispatcher:
             # Let the buffer produce its message (and keep the peers in step with the header exchange).
             return self.buffer.combine(expert_out, handle, bias=bias)[0]
         return _CombineFunction.apply(expert_out, bias_0, bias_1, self.buffer, handle)
+
+    def _check_backward_fits(self, expert_out: Tensor, handle: EPHandle) -> None:
+        """The combine's backward is a cached dispatch of y's gradient in expert_out's dtype, which may be wider than
+        the dispatch's (fp32 = bf16 rows x fp32 weights) and need more of the buffer than the forward calls: refuse
+        it in the forward, through the combine's header, rather than at the first `backward()`."""
+        buf = self.buffer
+        if expert_out.dim() != 2 or not expert_out.is_floating_point():
+            return  # the buffer's combine names the problem
+        n, hidden, dtype = handle.num_max_tokens_per_rank, expert_out.shape[1], expert_out.dtype
+        need = sizing.required_bytes(buf.num_ranks, n, hidden, num_topk=handle.num_topk,
+                                     allow_multiple_reduction=buf.allow_multiple_reduction,
+                                     elem_size=expert_out.element_size(), which="dispatch")
+        if need > buf.num_bytes:
+            buf._reject_call("EPBuffer.combine", ValueError(
+                f"TokenDispatcher.combine: rank {buf.rank}: its backward (a cached dispatch of y's {dtype} gradient) "
+                f"needs {need} bytes but the buffer has num_bytes={buf.num_bytes}; size the buffer for the widest "
+                f"dtype the layer sends: EPBuffer(..., dtype={dtype}) or EPBuffer.get_buffer_size_hint(group, {n}, "
+                f"{hidden}, {handle.num_topk}, dtype={dtype})"))

@@ -253,13 +253,14 @@ def check_capacity(c: Checker, buffer, *, num_tokens: int, hidden: int, num_topk
         fitted.add(shape)
     if need > buffer.num_bytes:
         fits = sizing.max_tokens_that_fit(buffer.num_bytes, buffer.num_ranks, hidden, **kw)
+        dtype = {2: "torch.bfloat16", 4: "torch.float32", 8: "torch.float64"}.get(elem_size, f"{elem_size}-byte")
         c.fail(
             ValueError,
             f"the call needs {need} bytes (num_max_tokens_per_rank={n}, hidden={hidden}, num_topk={num_topk}, "
             f"{elem_size}-byte elements{', FP8' if is_fp8 else ''}) but the buffer has num_bytes={buffer.num_bytes}; "
             f"at this shape it fits num_max_tokens_per_rank <= {fits}. Size the buffer with "
             f"EPBuffer.get_buffer_size_hint(group, {n}, {hidden}, {num_topk}, use_fp8_dispatch={is_fp8}, "
-            f"dtype=<x's dtype>) or pass num_max_tokens_per_rank/hidden/dtype to EPBuffer",
+            f"dtype={dtype}) or pass num_max_tokens_per_rank/hidden/dtype to EPBuffer",
         )
 
 
