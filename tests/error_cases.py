@@ -536,7 +536,10 @@ def construct_one_bad(rank: int, world: int, kind: str):
                        "topk_type": dict(num_topk=8.0), "tokens_type": dict(num_max_tokens_per_rank=8.5),
                        "hidden_type": dict(hidden="64"), "bytes_type": dict(num_bytes=float(4 << 20)),
                        "half": dict(dtype=torch.float16), "fp8": dict(use_fp8_dispatch=True),
-                       "reduction": dict(allow_multiple_reduction=False)}.get(kind, {}))
+                       "reduction": dict(allow_multiple_reduction=False),
+                       "tokens_negative": dict(num_max_tokens_per_rank=-1),
+                       # DeepEP V1's Buffer(group, num_nvl_bytes, num_rdma_bytes), positionally
+                       "v1_bytes": dict(num_bytes=256 << 20, num_max_tokens_per_rank=1 << 30)}.get(kind, {}))
     if rank == 0 and kind == "transport":
         kwargs["transport"] = "auto"
     env, value = {"env": ("EPCOMM_FUSED_SYNC_FREE_ROWS", "4k"), "env_return": ("EPCOMM_NVLINK_RETURN", "fetch"),

@@ -62,6 +62,32 @@ def test_dispatch_twice_is_bitwise_identical(run_ranks):
     assert all(run_ranks(2, _dispatch_twice))
 
 
+def _deepep_v1_names(rank, world):
+    """DeepEP V1 normal-mode names get pointers to their V2.5 calls (docs/porting.md); other missing names the
+    usual AttributeError."""
+    with pytest.raises(AttributeError, match=r"^module 'epcomm' has no attribute 'Buffer': DeepEP V1's normal-mode "
+                                             r"Buffer is not offered; use epcomm.EPBuffer\(.*\(docs/porting.md\)$"):
+        epcomm.Buffer
+    with pytest.raises(AttributeError, match=r"^module 'epcomm' has no attribute 'Buffr'$"):
+        epcomm.Buffr
+    buf = epcomm.EPBuffer(None, num_max_tokens_per_rank=4, hidden=8, num_topk=2)
+    for name in ("get_dispatch_layout", "get_dispatch_config", "set_num_sms"):
+        with pytest.raises(AttributeError, match=rf"^'EPBuffer' object has no attribute '{name}': DeepEP V1's "
+                                                 r"normal-mode .*\(docs/porting.md\)$"):
+            getattr(buf, name)
+    assert not hasattr(buf, "no_such_thing") and getattr(buf, "_shapes_that_fit", None) is not None
+    *_, handle, _ = buf.dispatch(torch.randn(4, 8), torch.tensor([[0, 1]] * 4), num_experts=2 * world)
+    for unpack in (lambda h: h[1], lambda h: tuple(h), lambda h: [*h]):
+        with pytest.raises(TypeError, match=r"EPHandle is not DeepEP V1's tuple handle .*docs/porting.md"):
+            unpack(handle)
+    buf.destroy()
+    return True
+
+
+def test_deepep_v1_names_point_to_porting(run_ranks):
+    assert all(run_ranks(2, _deepep_v1_names))
+
+
 def test_import_does_not_load_dynamo():
     """`compile_guard`: importing epcomm does not import torch._dynamo (with inductor, sympy and Triton: ~1 s and
     ~140 MB per process); the entry points run eagerly under torch.compile all the same (test_autograd)."""

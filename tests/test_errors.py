@@ -385,7 +385,14 @@ def test_nvlink_on_cpu_names_the_rank(run_ranks):
 
 
 @pytest.mark.parametrize("kind,exc,pattern", [
-    ("num_bytes", ValueError, r"num_bytes must be a positive multiple of 2 MiB .* got 1000"),
+    ("num_bytes", ValueError, r"num_bytes must be a positive multiple of 2 MiB .* got 1000 \(EPBuffer.get_buffer_size_"
+                              r"hint gives one\); DeepEP V1's Buffer\(group, num_nvl_bytes, num_rdma_bytes\)"),
+    ("tokens_negative", ValueError, r"num_max_tokens_per_rank must be in \[0, 1073741823\] \(0: pass it to each "
+                                    r"dispatch; token keys src_rank \* N \+ src_token are int32\), got -1$"),
+    ("v1_bytes", ValueError, r"num_max_tokens_per_rank must be in \[0, 1073741823\] .* got 1073741824; DeepEP V1's "
+                             r"Buffer\(group, num_nvl_bytes, num_rdma_bytes\) does not map argument by argument: "
+                             r"EPBuffer\(group, num_max_tokens_per_rank=N, hidden=H, num_topk=K\) sizes itself "
+                             r"\(docs/porting.md\)"),
     ("timeout", ValueError, r"num_cpu_timeout_secs must be > 0 seconds, got -1"),
     ("timeout_type", TypeError, r"num_cpu_timeout_secs must be a number of seconds, got str"),
     ("dtype", TypeError, r"dtype must be a float dtype .* got torch.int8"),

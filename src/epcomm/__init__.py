@@ -19,6 +19,12 @@ from .waits import PeerFailed, TransportTimeout
 
 topk_idx_t = torch.int64
 
+
+def __getattr__(name: str):
+    from . import deepep_v1
+
+    raise deepep_v1.missing("module 'epcomm'", name, deepep_v1.MODULE)
+
 __all__ = ["BucketBuffer", "BucketSession", "BufferAllocator", "EPBuffer", "EPHandle", "EngramBuffer",
            "EventHandle", "EventOverlap", "LowLatencyHandle", "PPBuffer", "PeerFailed", "TokenDispatcher",
            "TransportTimeout", "__version__", "comm", "destroy_all_managed_nccl_comm", "eplb",

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, debug, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink, waits
+from . import agreement, debug, deepep_v1, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink, waits
 from .allocator import BufferAllocator
 from .comm import group_device, new_comm_stream
 from .compile_guard import eager_under_compile
@@ -42,6 +42,11 @@ DEFAULT_DTYPE = torch.bfloat16
 _TRANSPORT_CODES = {"auto": 0, "collective": 1, "nvlink": 2}
 # Construction arguments every rank must pass alike, checked in this order: the MoE shape and options the caller
 # passed, then the region size they imply (a caller who passed none sees the argument that differs, not num_bytes).
+# DeepEP V1's Buffer(group, num_nvl_bytes, num_rdma_bytes) binds its byte counts to num_bytes and
+# num_max_tokens_per_rank here: messages about those arguments say so.
+_V1_HINT = ("; DeepEP V1's Buffer(group, num_nvl_bytes, num_rdma_bytes) does not map argument by argument: "
+            "EPBuffer(group, num_max_tokens_per_rank=N, hidden=H, num_topk=K) sizes itself (docs/porting.md)")
+
 _AGREED_OPTIONS = ("num_max_tokens_per_rank", "hidden", "num_topk", "dtype", "use_fp8_dispatch",
                    "allow_multiple_reduction", "num_bytes")
 _FLAGS = ("use_fp8_dispatch", "allow_multiple_reduction")
@@ -139,6 +144,11 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
                                                      f"{sorted(_TRANSPORT_CODES)}")
             num_topk = c.integer("num_topk", num_topk)
             num_max_tokens_per_rank = c.integer("num_max_tokens_per_rank", num_max_tokens_per_rank)
+            most = (2 ** 31 - 1) // self.num_ranks  # token keys src_rank * N + src_token are int32
+            c.require(0 <= num_max_tokens_per_rank <= most,
+                      f"num_max_tokens_per_rank must be in [0, {most}] (0: pass it to each dispatch; token keys "
+                      f"src_rank * N + src_token are int32), got {num_max_tokens_per_rank}"
+                      + (_V1_HINT if num_max_tokens_per_rank > most else ""))
             hidden = c.integer("hidden", hidden)
             num_bytes = None if num_bytes is None else c.integer("num_bytes", num_bytes)
             num_allocated_qps = c.integer("num_allocated_qps", num_allocated_qps)
@@ -157,7 +167,7 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             c.require(isinstance(num_bytes, int) and num_bytes > 0
                       and num_bytes % sizing.ALLOCATION_ALIGNMENT == 0,
                       f"num_bytes must be a positive multiple of 2 MiB ({sizing.ALLOCATION_ALIGNMENT}), got "
-                      f"{num_bytes}")
+                      f"{num_bytes} (EPBuffer.get_buffer_size_hint gives one)" + _V1_HINT)
             # Sets num_lb_bytes, lb_allocation_plan and lb_storage; materializes a plan (local, lb.py).
             self._init_lb_region(lb_allocation_plan_or_num_bytes)
             try:
@@ -517,6 +527,10 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
             book.retired = CallBook.DESTROYED
         self._ll_nvlink, self._ll_regions = None, []  # the low-latency areas (lowlatency.py)
         self._destroyed = True
+
+    def __getattr__(self, name: str):
+        # Only for names not found: a DeepEP V1 method gets a pointer to its V2.5 call.
+        raise deepep_v1.missing("'EPBuffer' object", name, deepep_v1.BUFFER)
 
     def __enter__(self) -> "EPBuffer":
         return self

@@ -177,6 +177,16 @@ class EPHandle:
         """`topk_idx`'s version counter, what the in-place guard compares; None for inference-mode tensors."""
         return None if topk_idx.is_inference() else _version_of(topk_idx)
 
+    def __getitem__(self, index):
+        # DeepEP V1's handle is a tuple; code that unpacks or indexes it gets a pointer to the fields instead of
+        # Python's bare "not subscriptable" / "not iterable".
+        raise TypeError(f"EPHandle is not DeepEP V1's tuple handle (asked for item {index!r}): pass it to combine or "
+                        "a cached dispatch as it is, or read its fields (recv_src_metadata, "
+                        "num_recv_tokens_per_expert_list, ...; docs/porting.md)")
+
+    def __iter__(self):
+        return self[0]  # raises: unpacking gets the same pointer
+
     def __repr__(self) -> str:
         return (
             f"EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "
