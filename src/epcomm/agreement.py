@@ -227,6 +227,8 @@ def _raise_if_disagree(call: str, rank: int, recv_RC: list, field: str, low_late
         shown = [DTYPE_NAMES.get(v, "?") for v in values]
     elif name in _BOOL_FIELDS or name in ("use_fp8", "use_ue8m0"):
         shown = [bool(v) for v in values]
+    elif name == "buffer":  # the id every rank of a buffer agreed on at its construction
+        shown = [f"the EPBuffer of uid {v:#x}" for v in values]
     else:
         shown = values
     desc = ", ".join(f"rank {s}: {v}" for s, v in enumerate(shown))

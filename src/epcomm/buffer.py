@@ -65,8 +65,8 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         num_bytes: capacity in bytes, a positive multiple of 2 MiB; None to size it from the MoE shape below
             with `get_buffer_size_hint`. The nvlink transport allocates three areas of this size in symmetric
             memory (the sync-free receive area and two staging areas that CPU-synced calls use in turn).
-        num_max_tokens_per_rank: default capacity `N` of later calls (tokens per rank); with `num_bytes=None`
-            it must be > 0.
+        num_max_tokens_per_rank: default capacity `N` of later calls (tokens per rank), in
+            [0, (2**31 - 1) // group size] (0: pass it to each dispatch); with `num_bytes=None` it must be > 0.
         hidden: hidden size used for sizing (with `num_bytes=None`, must be > 0).
         num_topk: top-k used for sizing; 0 sizes for 32.
         use_fp8_dispatch: size dispatch records for FP8 data + scales.
@@ -88,6 +88,9 @@ class EPBuffer(LoadBalancingMixin, LowLatencyMixin):
         transport: "auto" (fastest that applies) or a name ("collective", "nvlink"). epcomm keyword.
         dtype: element type the buffer is sized for (default bf16, the reference's); a larger dtype needs
             more bytes. epcomm keyword.
+
+    Attributes (besides the arguments): `rank`, `num_ranks`, `device`; `uid`, an id every rank of the buffer
+    shares (messages about calls on two buffers of one group show it).
 
     Raises:
         TypeError: `lb_allocation_plan_or_num_bytes` is neither an int nor a `BufferAllocator`.
