@@ -166,7 +166,7 @@ def resolve_combine(buf, c: Checker, x, handle, topk_weights, bias, num_sms, num
         names = [f"bias[{i}]" for i, b in enumerate(bias) if b is not None]
     else:
         c.fail(TypeError, f"bias must be None, a tensor or a pair of tensors, got {type(bias).__name__}")
-    biases = tuple(map(_payload, biases))
+    biases = tuple(map(sizing.dense_strides, biases))  # read as they are (a deferred combine reads them at wait)
     for i, b in enumerate(biases):
         c.tensor(names[i] if isinstance(bias, (tuple, list)) else "bias", b, ndim=2, dtypes=(x.dtype,),
                  shape=(topk_idx.shape[0], x.shape[1]))
@@ -214,5 +214,5 @@ def warn_if_grad(buf, call: str, *tensors) -> None:
 
 
 def _payload(t):
-    """A row payload (x, its scales, weights, a bias) with the strides and the start the word moves need."""
+    """A row payload that travels (x, its scales, weights) with the strides and the start the word moves need."""
     return sizing.word_aligned(sizing.dense_strides(t))
