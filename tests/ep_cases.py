@@ -1205,11 +1205,11 @@ def size_one_last_dim_strides(rank: int, world: int, *, fp8: bool, do_expand: bo
 
 
 def packed_views(rank: int, world: int, *, fp8: bool, do_expand: bool) -> int:
-    """Every row payload a view into a packed flat buffer, starting 2 or 4 bytes into its storage (contiguous, but a
+    """Every row payload a view into a packed flat buffer, starting 1 to 4 bytes into its storage (contiguous, but a
     word view of its rows fails): x (or the FP8 data and scales), weights, the cached dispatch's inputs, the expert
-    outputs, the combine's weights, and a bias (read where it is: it does not travel). Every call completes and equals the reference, and the buffer stays
-    usable, where the word view used to fail after the header exchange (the buffer and the group were broken).
-    Returns the rows this rank received."""
+    outputs, the combine's weights, and a bias (read where it is: it does not travel). Every call completes and
+    equals the reference, and the buffer stays usable, where the word view used to fail after the header exchange
+    (the buffer and the group were broken). Returns the rows this rank received."""
     gen = torch.Generator().manual_seed(70 + rank)
     num_tokens, num_experts, hidden, num_topk = 6 + rank, 4 * world, 256, 2
 
