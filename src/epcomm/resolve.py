@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import layout, pipeline, sizing
+from . import layout, pipeline, sizing, streams
 from .handle import EPHandle
 from .validate import (Checker, check_capacity, check_topk_idx, check_topk_values, check_weights_dtype, check_x,
                        weights_dtype)
@@ -78,7 +78,10 @@ def resolve_dispatch(buf, c: Checker, x, topk_idx, topk_weights, stats, num_expe
         expert_alignment = c.positive_int("expert_alignment", 1 if expert_alignment is None else expert_alignment)
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         topk_idx = check_topk_idx(c, topk_idx, xs.num_tokens)
-        if topk_idx.is_inference():  # no version counter to guard (EPHandle): keep the routing the rows are laid by
+        # An inference tensor has no version counter to guard (EPHandle): keep the routing the rows are laid by.
+        # Not in a CUDA graph: its routing is a static input the caller overwrites before each replay (one copy
+        # node per dispatch would cost the decode step ~2 us).
+        if topk_idx.is_inference() and not streams.capturing(topk_idx.device):
             topk_idx = topk_idx.clone()
         if buf.device.type == "cpu" or (do_cpu_sync and not defer_value_checks):
             check_topk_values(c, topk_idx, num_experts)
