@@ -1053,13 +1053,15 @@ def layout_worst(world: int, n: int, num_topk: int, num_local: int, alignment: i
     return (world * n * min(num_topk, num_local) + (a - 1) * num_local + a - 1) // a * a
 
 
-def deferred_combine_bias(rank: int, world: int, *, do_expand: bool, num_bias: int = 2, seed: int = 0):
+def deferred_combine_bias(rank: int, world: int, *, do_expand: bool, num_bias: int = 2, seed: int = 0,
+                          packed: bool = False):
     """A deferred combine (`async_with_compute_stream=True, defer_epilogue=True`) reads its bias at the first wait,
     not at the call (reference §3.5: "tensors referenced by the epilogue (e.g. bias) are read at wait time, so a
     bias produced after the launch but before the wait is legal"), and the expert outputs `x` at the call
     (`pipeline.combine_launch`: the epilogue "may run after the caller has reused x"). The bias tensors are
     overwritten in place between the call and the wait, and so is `x`: the result is the reference's sum of the
-    call-time `x` with the wait-time bias, bitwise, while a non-deferred combine adds the bias it was given."""
+    call-time `x` with the wait-time bias, bitwise, while a non-deferred combine adds the bias it was given.
+    `packed`: each bias a view starting 2 bytes into a flat buffer (read where it is too)."""
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     num_tokens, hidden, num_experts, num_topk = 11, 40, 8, 3
     idx, w = random_routing(gen, num_tokens, num_experts, num_topk)
@@ -1071,6 +1073,8 @@ def deferred_combine_bias(rank: int, world: int, *, do_expand: bool, num_bias: i
     y = (recv_x.double() * (1 + torch.rand(recv_x.shape, generator=gen, dtype=torch.float64))).to(recv_x.dtype)
     y_at_call = y.clone()
     biases = [make_x(gen, num_tokens, hidden, "bf16") for _ in range(num_bias)]
+    if packed:
+        biases = [torch.cat([b.new_zeros(1), b.flatten()])[1:].view(b.shape) for b in biases]
     old = [b.clone() for b in biases]
     new = [make_x(gen, num_tokens, hidden, "bf16") for _ in range(num_bias)]
     bias = biases[0] if num_bias == 1 else tuple(biases)

@@ -65,8 +65,11 @@ def test_dispatch_twice_is_bitwise_identical(run_ranks):
 def _deepep_v1_names(rank, world):
     """DeepEP V1 normal-mode names get pointers to their V2.5 calls (docs/porting.md); other missing names the
     usual AttributeError."""
-    with pytest.raises(AttributeError, match=r"^module 'epcomm' has no attribute 'Buffer': DeepEP V1's normal-mode "
-                                             r"Buffer is not offered; use epcomm.EPBuffer\(.*\(docs/porting.md\)$"):
+    pointer = r"^module 'epcomm' has no attribute 'Buffer': DeepEP V1's normal-mode Buffer is not offered; use " \
+              r"epcomm.EPBuffer\(.*\(docs/porting.md\)$"
+    with pytest.raises(ImportError, match=pointer):  # as DeepEP code imports it (an AttributeError would be lost)
+        from epcomm import Buffer  # noqa: F401
+    with pytest.raises(ImportError, match=pointer):
         epcomm.Buffer
     with pytest.raises(AttributeError, match=r"^module 'epcomm' has no attribute 'Buffr'$"):
         epcomm.Buffr

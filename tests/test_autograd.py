@@ -292,10 +292,14 @@ def _wider_expert_outputs(rank, world_size):
             expert_out = recv_x * recv_w[:, None]
             assert expert_out.dtype == torch.float32
             if dtype == torch.bfloat16:
-                with pytest.raises(ValueError, match=rf"TokenDispatcher.combine: rank {rank}: its backward \(a cached "
-                                                     r"dispatch of y's torch.float32 gradient\) needs \d+ bytes but the "
-                                                     r"buffer has num_bytes=\d+; .*dtype=torch.float32\)$"):
+                refused = (rf"TokenDispatcher.combine: rank {rank}: its backward \(a cached dispatch of y's "
+                           r"torch.float32 gradient\) needs \d+ bytes but the buffer has num_bytes=\d+; .*"
+                           r"dtype=torch.float32\) \(forward only: run it under torch.no_grad\(\)\)$")
+                with pytest.raises(ValueError, match=refused):
                     dispatcher.combine(expert_out, handle)
+                bias = torch.zeros(num_tokens, hidden, requires_grad=True)  # its gradient needs the backward too
+                with pytest.raises(ValueError, match=refused):
+                    dispatcher.combine(expert_out.detach(), handle, bias=(None, bias))
                 with torch.no_grad():
                     sized["no-grad"] = dispatcher.combine(expert_out, handle).shape
             else:
@@ -308,6 +312,38 @@ def _wider_expert_outputs(rank, world_size):
 def test_backward_that_would_not_fit_is_refused_in_the_forward(run_ranks):
     for sized in run_ranks(2, _wider_expert_outputs, timeout=120):
         assert sized == {"no-grad": (256, 1024), "trained": True}, sized
+
+
+def _wider_tokens_on_two_hosts(rank, world_size):
+    """Ranks on two hosts (LOCAL_WORLD_SIZE=1: the combine's staging is per rank), fp32 tokens on a buffer sized
+    for bf16: the dispatch fits, its backward (an fp32 combine) would not: every rank raises after the forward
+    dispatch, naming the backward; the ranks stay in step; without grad the dispatch runs."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        gen = torch.Generator().manual_seed(9 + rank)
+        num_tokens, hidden, num_topk, num_experts = 16, 256, 8, 8 * world_size
+        w, idx = torch.rand(num_tokens, num_experts, generator=gen).topk(num_topk, dim=1)
+        x = torch.randn(num_tokens, hidden, generator=gen, requires_grad=True)
+        with EPBuffer(None, num_max_tokens_per_rank=488, hidden=hidden, num_topk=num_topk,
+                      num_cpu_timeout_secs=TIMEOUT_S) as buffer:
+            assert buffer.num_bytes == 2 << 20
+            dispatcher = TokenDispatcher(buffer, num_experts)
+            with pytest.raises(ValueError, match=rf"^TokenDispatcher.dispatch: rank {rank}: its backward \(a combine "
+                                                 r"of the torch.float32 gradient\) needs \d+ bytes but the buffer has "
+                                                 r"num_bytes=2097152; .*dtype=torch.float32\) \(forward only: run it "
+                                                 r"under torch.no_grad\(\)\)$"):
+                dispatcher.dispatch(x, idx, w)
+            with torch.no_grad():
+                return tuple(dispatcher.dispatch(x, idx, w)[0].shape)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+def test_dispatch_backward_that_would_not_fit_is_refused_in_the_forward(run_ranks):
+    shapes = run_ranks(2, _wider_tokens_on_two_hosts, timeout=120)
+    assert all(s[1] == 256 for s in shapes) and sum(s[0] for s in shapes) > 0, shapes
 
 
 def _compiled_moe_layer(rank: int, world: int, backend: str, do_expand: bool):

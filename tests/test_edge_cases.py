@@ -170,10 +170,13 @@ def test_inference_mode_routing_edited_after_dispatch(run_ranks, do_expand):
 
 @pytest.mark.parametrize("num_bias", [1, 2])
 @pytest.mark.parametrize("do_expand", [False, True], ids=["nonexpand", "expand"])
-def test_deferred_combine_reads_bias_at_wait(run_ranks, do_expand, num_bias):
+@pytest.mark.parametrize("packed", [False, True], ids=["own-storage", "packed-view"])
+def test_deferred_combine_reads_bias_at_wait(run_ranks, do_expand, num_bias, packed):
     """Reference §3.5: a deferred combine reads `bias` when its event is first waited on (a bias written after the
-    call, before the wait, is the one added), and its expert outputs at the call."""
-    assert run_ranks(2, ep_cases.deferred_combine_bias, do_expand=do_expand, num_bias=num_bias) == [True, True]
+    call, before the wait, is the one added), and its expert outputs at the call; a bias that starts off a word
+    boundary of its storage too (it is not copied at the call)."""
+    assert run_ranks(2, ep_cases.deferred_combine_bias, do_expand=do_expand, num_bias=num_bias,
+                     packed=packed) == [True, True]
 
 
 @pytest.mark.parametrize("load_dynamo", [False, True])

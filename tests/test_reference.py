@@ -93,6 +93,20 @@ def _nan_weights_round_trip(rank: int, world: int):
         buf.destroy()
 
 
+def _half_weights(rank: int, world: int):
+    """The oracle takes weights of any float dtype (epcomm's buffer takes fp32/fp64): bf16 weights return as sent."""
+    x = torch.randn(3, 4)
+    idx = torch.tensor([[0, -1], [1, 0], [-1, 1]])
+    w = torch.rand(3, 2).bfloat16()
+    r_x, _, r_w, r_handle = ref.dispatch(x, idx, w, 2 * world, do_expand=True)
+    got = ref.combine(r_x, r_handle, topk_weights=r_w)[1]
+    return torch.equal(got, w * (idx >= 0)), got.dtype
+
+
+def test_reference_returns_half_weights(run_ranks):
+    assert run_ranks(1, _half_weights, timeout=60) == [(True, torch.bfloat16)]
+
+
 def test_weights_return_with_their_bits(run_ranks):
     for got, want, sent in run_ranks(1, _nan_weights_round_trip, timeout=60):
         assert torch.equal(want, sent), (want, sent)

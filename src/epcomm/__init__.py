@@ -23,7 +23,10 @@ topk_idx_t = torch.int64
 def __getattr__(name: str):
     from . import deepep_v1
 
-    raise deepep_v1.missing("module 'epcomm'", name, deepep_v1.MODULE)
+    err = deepep_v1.missing("module 'epcomm'", name, deepep_v1.MODULE)
+    if name in deepep_v1.MODULE:  # `from epcomm import Buffer` replaces an AttributeError by a bare ImportError
+        raise ImportError(str(err), name=name)
+    raise err
 
 __all__ = ["BucketBuffer", "BucketSession", "BufferAllocator", "EPBuffer", "EPHandle", "EngramBuffer",
            "EventHandle", "EventOverlap", "LowLatencyHandle", "PPBuffer", "PeerFailed", "TokenDispatcher",

@@ -145,7 +145,8 @@ class EPHandle:
 
     @property
     def topk_idx(self) -> Tensor:
-        """[T, K] -- the dispatch's `topk_idx` (same object).
+        """[T, K] -- the dispatch's `topk_idx` (the same object; a copy for an inference-mode tensor outside a CUDA
+        graph capture).
 
         Raises:
             ValueError: the tensor was modified in place after the dispatch.

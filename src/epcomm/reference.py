@@ -297,7 +297,7 @@ def combine(
         if topk_weights is not None:
             back_w = torch.zeros(local_idx.shape, dtype=topk_weights.dtype, device=x.device)
             has = handle.row_ptr >= 0
-            bits = torch.int64 if topk_weights.dtype == torch.float64 else torch.int32
+            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[topk_weights.element_size()]
             # Weights travel as bits (a one-element float index_put goes through a scalar and quiets a signalling NaN)
             back_w.view(bits)[has] = topk_weights.view(bits)[handle.row_ptr[has]]
     if back_w is not None and not per_pair:
