@@ -241,7 +241,7 @@ def _invalid_combination(rank, world_size):
         assert torch.equal(y, 2 * x), (y, x)
         # Only rank 0 passes the wrong handle: rank 1, inside its combine, raises at once too (not at the timeout).
         start = time.monotonic()
-        with pytest.raises(ValueError, match=rf"TokenDispatcher.combine: rank 0: the handle has do_expand=False" if
+        with pytest.raises(ValueError, match=r"TokenDispatcher.combine: rank 0: the handle has do_expand=False" if
                            rank == 0 else r"EPBuffer.combine: rank 1: group rank 0 rejected the call.*the handle has "
                                           r"do_expand=False but this dispatcher has do_expand=True"):
             (expand if rank == 0 else TokenDispatcher(buffer, 4, do_expand=False)).combine(recv_x, non_expand)

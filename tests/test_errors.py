@@ -440,7 +440,7 @@ def test_constructor_shape_disagreement(run_ranks, kind, field, values):
 def test_constructor_environment_disagreement(run_ranks, kind, want):
     """EPCOMM_* variables that choose kernels and barrier counts on nvlink must be alike on every rank."""
     for name, msg, elapsed in run_ranks(2, error_cases.construct_one_bad, kind):
-        assert name == "ValueError" and want in msg and msg.startswith(f"EPBuffer: rank "), msg
+        assert name == "ValueError" and want in msg and msg.startswith("EPBuffer: rank "), msg
 
 
 def test_constructor_num_topk_default_is_32(run_ranks):
