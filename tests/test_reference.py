@@ -111,3 +111,22 @@ def test_weights_return_with_their_bits(run_ranks):
     for got, want, sent in run_ranks(1, _nan_weights_round_trip, timeout=60):
         assert torch.equal(want, sent), (want, sent)
         assert torch.equal(got, sent), (got, sent)
+
+
+def _bias_forms(rank: int, world: int):
+    """The oracle's bias: a tensor, or a pair whose items may be None (each adds 0), as EPBuffer.combine takes it;
+    another tuple length is refused."""
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 8, generator=gen)
+    idx = torch.tensor([[0, 1], [1, -1], [-1, 0], [1, 0]])
+    b = torch.randn(4, 8, generator=gen)
+    r_x, _, _, r_handle = ref.dispatch(x, idx, None, 2 * world)
+    alone = ref.combine(r_x, r_handle, bias=b)[0]
+    pairs = [ref.combine(r_x, r_handle, bias=pair)[0] for pair in ((b, None), (None, b), [b, None])]
+    with pytest.raises(ValueError, match=r"bias as a tuple must be \(bias_0, bias_1\), got 1 items"):
+        ref.combine(r_x, r_handle, bias=(b,))
+    return all(torch.equal(p, alone) for p in pairs) and not torch.equal(alone, ref.combine(r_x, r_handle)[0])
+
+
+def test_reference_bias_forms(run_ranks):
+    assert run_ranks(1, _bias_forms, timeout=60) == [True]

@@ -266,13 +266,19 @@ def combine(
         x: [M, H] or [S, H] float -- expert outputs in the handle's layout (exact sizes).
         handle: the `RefHandle` of the reference dispatch.
         topk_weights: [M, K] or [S] or None -- carried back to the owner of each selection.
-        bias: None, a tensor or a pair; each [T, H] in x's dtype.
+        bias: None, a tensor or a pair `(bias_0, bias_1)` (either may be None: it adds 0); each [T, H] in x's
+            dtype.
         group: the process group (default: world).
         allow_multiple_reduction: expand layout: sum each rank's rows before sending them back.
 
     Returns:
         `(combined_x [T, H], combined_topk_weights [T, K] or None)`.
+
+    Raises:
+        ValueError: `bias` is a tuple or list of other than two items (before any collective).
     """
+    if isinstance(bias, (tuple, list)) and len(bias) != 2:
+        raise ValueError(f"epcomm.reference.combine: bias as a tuple must be (bias_0, bias_1), got {len(bias)} items")
     group = group or dist.group.WORLD
     gloo_exit.arm(group)  # a clean exit right after these collectives
     num_ranks = group.size()
@@ -342,7 +348,7 @@ def combine(
             offset += len(tokens)
 
     acc = torch.zeros(num_tokens, x.shape[1], dtype=acc_dtype, device=x.device)
-    biases = () if bias is None else ((bias,) if isinstance(bias, Tensor) else tuple(bias))
+    biases = () if bias is None else ((bias,) if isinstance(bias, Tensor) else tuple(b for b in bias if b is not None))
     for b in biases:
         acc += b.to(acc_dtype)
     for p in range(num_topk):
