@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, debug, deepep_v1, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink, waits
+from . import (agreement, debug, deepep_v1, envs, exact_nvlink, pipeline, resolve, sizing, streams, syncfree_nvlink,
+               waits)
 from .allocator import BufferAllocator
 from .comm import group_device, new_comm_stream
 from .compile_guard import eager_under_compile
