@@ -1169,6 +1169,22 @@ def empty_rank_broadcast_strides(rank: int, world: int, *, do_expand: bool = Fal
     return recv_x.shape[0]
 
 
+def _dispatch_odd_inputs(buf, payload, odd, idx, odd_idx, w, odd_of, num_experts: int, n: int, do_expand: bool):
+    """Dispatch and cached dispatch of `odd` (the payload laid out oddly; the routing `odd_idx`, the weights
+    `odd_of(w)`) equal the reference's dispatch of `payload`. Returns `(recv_x, recv_w, handle, ref_handle)`."""
+    fp8 = isinstance(payload, tuple)
+    recv_x, _, recv_w, handle, _ = buf.dispatch(odd, odd_idx, odd_of(w), num_experts=num_experts,
+                                                do_expand=do_expand)
+    r_x, _, r_w, r_handle = ref.dispatch(payload, idx, w, num_experts, num_max_tokens_per_rank=n,
+                                         do_expand=do_expand)
+    cached = buf.dispatch(odd, handle=handle, topk_weights=odd_of(w))
+    for got_x, what in ((recv_x, "recv_x"), (cached[0], "cached recv_x")):
+        for part, want_part, name in zip(got_x if fp8 else (got_x,), r_x if fp8 else (r_x,), ("data", "scales")):
+            assert_equal(part, want_part, f"{what} {name}")
+    assert_equal(recv_w, r_w, "recv_topk_weights")
+    return recv_x, recv_w, handle, r_handle
+
+
 def size_one_last_dim_strides(rank: int, world: int, *, fp8: bool, do_expand: bool = False) -> int:
     """Inputs whose last dim has size 1 and a stride other than 1 (torch calls them contiguous; a byte view refuses
     them): top-1 `topk_idx` / weights and, without FP8, hidden-1 `x` laid out column-major ([T, 1] of strides (1, T));
@@ -1189,15 +1205,8 @@ def size_one_last_dim_strides(rank: int, world: int, *, fp8: bool, do_expand: bo
     payload = per_token_cast_to_fp8(x) if fp8 else x
     odd = (payload[0], col_major(payload[1])) if fp8 else col_major(payload)
     assert odd[1].stride(-1) != 1 if fp8 else odd.stride(-1) != 1
-    recv_x, _, recv_w, handle, _ = buf.dispatch(odd, col_major(idx), col_major(w), num_experts=num_experts,
-                                                do_expand=do_expand)
-    r_x, _, r_w, r_handle = ref.dispatch(payload, idx, w, num_experts, num_max_tokens_per_rank=5,
-                                         do_expand=do_expand)
-    cached = buf.dispatch(odd, handle=handle, topk_weights=col_major(w))
-    for got_x, what in ((recv_x, "recv_x"), (cached[0], "cached recv_x")):
-        for part, want_part, name in zip(got_x if fp8 else (got_x,), r_x if fp8 else (r_x,), ("data", "scales")):
-            assert_equal(part, want_part, f"{what} {name}")
-    assert_equal(recv_w, r_w, "recv_topk_weights")
+    recv_x, recv_w, handle, r_handle = _dispatch_odd_inputs(buf, payload, odd, idx, col_major(idx), w, col_major,
+                                                            num_experts, 5, do_expand)
     y = (recv_x[0].float() if fp8 else recv_x.float()).bfloat16()[:, :1].contiguous()
     y = y.expand(y.shape[0], hidden).contiguous() if hidden > 1 else y
     got = buf.combine(col_major(y) if hidden == 1 else y, handle,
@@ -1229,14 +1238,8 @@ def packed_views(rank: int, world: int, *, fp8: bool, do_expand: bool) -> int:
     w, idx = torch.rand(num_tokens, num_experts, generator=gen).topk(num_topk, dim=1)
     payload = per_token_cast_to_fp8(x) if fp8 else x
     odd = tuple(map(packed, payload)) if fp8 else packed(payload)
-    recv_x, _, recv_w, handle, _ = buf.dispatch(odd, idx, packed(w), num_experts=num_experts, do_expand=do_expand)
-    r_x, _, r_w, r_handle = ref.dispatch(payload, idx, w, num_experts, num_max_tokens_per_rank=8,
-                                         do_expand=do_expand)
-    cached = buf.dispatch(odd, handle=handle, topk_weights=packed(w))
-    for got_x, what in ((recv_x, "recv_x"), (cached[0], "cached recv_x")):
-        for part, want_part, name in zip(got_x if fp8 else (got_x,), r_x if fp8 else (r_x,), ("data", "scales")):
-            assert_equal(part, want_part, f"{what} {name}")
-    assert_equal(recv_w, r_w, "recv_topk_weights")
+    recv_x, recv_w, handle, r_handle = _dispatch_odd_inputs(buf, payload, odd, idx, idx, w, packed, num_experts, 8,
+                                                            do_expand)
     y = torch.randn(recv_w.shape[0], hidden, generator=gen).bfloat16()
     bias = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
     weights = None if do_expand else recv_w
