@@ -94,21 +94,23 @@ def _named(what: str):
         raise named from e
 
 
-def _check_dispatch_backward_fits(buffer: EPBuffer, handle: EPHandle, x: Tensor) -> None:
-    """The dispatch's backward is a combine of x's dtype with the weights' gradients, which needs more of the buffer
-    than the dispatch where ranks are on several hosts (a wider x than the buffer's dtype can then fit the dispatch
-    and not its backward): raise after the forward dispatch, from values every rank agreed on in its header, so
-    that every rank raises, rather than at the first `backward()`."""
-    n, hidden, num_topk = handle.num_max_tokens_per_rank, x.shape[1], handle.num_topk
+def _backward_overflow(buffer: EPBuffer, handle: EPHandle, grad: Tensor, which: str, call: str,
+                       backward: str) -> Optional[ValueError]:
+    """The error for a backward call (`which`: "dispatch" or "combine" on `handle`, moving rows of `grad`'s dtype)
+    that would not fit in the buffer, or None. A gradient wider than the forward's rows (fp32 = bf16 rows x fp32
+    weights), or a combine across hosts, can need more of the buffer than the forward calls did: the forward refuses
+    it rather than the first `backward()`."""
+    n, hidden, num_topk, dtype = handle.num_max_tokens_per_rank, grad.shape[1], handle.num_topk, grad.dtype
     need = sizing.required_bytes(buffer.num_ranks, n, hidden, num_topk=num_topk,
                                  allow_multiple_reduction=buffer.allow_multiple_reduction,
-                                 elem_size=x.element_size(), which="combine")
-    if need > buffer.num_bytes:
-        raise ValueError(
-            f"TokenDispatcher.dispatch: rank {buffer.rank}: its backward (a combine of the {x.dtype} gradient) needs "
-            f"{need} bytes but the buffer has num_bytes={buffer.num_bytes}; size the buffer for the widest dtype the "
-            f"layer sends: EPBuffer(..., dtype={x.dtype}) or EPBuffer.get_buffer_size_hint(group, {n}, {hidden}, "
-            f"{num_topk}, dtype={x.dtype}) (forward only: run it under torch.no_grad())")
+                                 elem_size=grad.element_size(), which=which)
+    if need <= buffer.num_bytes:
+        return None
+    return ValueError(
+        f"{call}: rank {buffer.rank}: its backward ({backward} {dtype} gradient) needs {need} bytes but the buffer "
+        f"has num_bytes={buffer.num_bytes}; size the buffer for the widest dtype the layer sends: EPBuffer(..., "
+        f"dtype={dtype}) or EPBuffer.get_buffer_size_hint(group, {n}, {hidden}, {num_topk}, dtype={dtype}) (forward "
+        "only: run it under torch.no_grad())")
 
 
 class _CombineFunction(torch.autograd.Function):
@@ -242,7 +244,10 @@ class TokenDispatcher:
         recv_x, recv_w, handle = _DispatchFunction.apply(
             x, topk_weights, self.buffer, topk_idx, self.num_experts, self.expert_alignment, self.do_expand)
         if recv_x.requires_grad or (recv_w is not None and recv_w.requires_grad):  # a backward will run
-            _check_dispatch_backward_fits(self.buffer, handle, x)
+            # From values every rank agreed on in the dispatch's header: every rank raises here.
+            err = _backward_overflow(self.buffer, handle, x, "combine", "TokenDispatcher.dispatch", "a combine of the")
+            if err is not None:
+                raise err
         return recv_x, recv_w, handle
 
     @eager_under_compile
@@ -282,10 +287,6 @@ class TokenDispatcher:
                     self.buffer._reject_call("EPBuffer.combine", ValueError(
                         f"TokenDispatcher.combine: rank {self.buffer.rank}: the handle has {arg}={theirs} but this "
                         f"dispatcher has {arg}={mine}; pass the handle that this dispatcher's dispatch returned"))
-            biases = bias if isinstance(bias, (tuple, list)) else (bias,)
-            if torch.is_grad_enabled() and isinstance(expert_out, Tensor) and any(
-                    isinstance(t, Tensor) and t.requires_grad for t in (expert_out, *biases)):
-                self._check_backward_fits(expert_out, handle)
         if bias is None or isinstance(bias, Tensor):
             bias_0, bias_1 = bias, None
         elif isinstance(bias, (tuple, list)) and len(bias) == 2:
@@ -293,23 +294,13 @@ class TokenDispatcher:
         else:
             # Let the buffer produce its message (and keep the peers in step with the header exchange).
             return self.buffer.combine(expert_out, handle, bias=bias)[0]
+        # A backward runs when any input needs a gradient: refused now, through the combine's header (every rank
+        # raises), if its cached dispatch would not fit.
+        if (torch.is_grad_enabled() and isinstance(handle, EPHandle) and isinstance(expert_out, Tensor)
+                and expert_out.dim() == 2 and expert_out.is_floating_point()
+                and any(isinstance(t, Tensor) and t.requires_grad for t in (expert_out, bias_0, bias_1))):
+            err = _backward_overflow(self.buffer, handle, expert_out, "dispatch", "TokenDispatcher.combine",
+                                     "a cached dispatch of y's")
+            if err is not None:
+                self.buffer._reject_call("EPBuffer.combine", err)
         return _CombineFunction.apply(expert_out, bias_0, bias_1, self.buffer, handle)
-
-    def _check_backward_fits(self, expert_out: Tensor, handle: EPHandle) -> None:
-        """The combine's backward (whichever of expert_out and the biases needs a gradient) is a cached dispatch of
-        y's gradient in expert_out's dtype, which may be wider than the dispatch's (fp32 = bf16 rows x fp32 weights)
-        and need more of the buffer than the forward calls: refuse it in the forward, through the combine's header,
-        rather than at the first `backward()`."""
-        buf = self.buffer
-        if expert_out.dim() != 2 or not expert_out.is_floating_point():
-            return  # the buffer's combine names the problem
-        n, hidden, dtype = handle.num_max_tokens_per_rank, expert_out.shape[1], expert_out.dtype
-        need = sizing.required_bytes(buf.num_ranks, n, hidden, num_topk=handle.num_topk,
-                                     allow_multiple_reduction=buf.allow_multiple_reduction,
-                                     elem_size=expert_out.element_size(), which="dispatch")
-        if need > buf.num_bytes:
-            buf._reject_call("EPBuffer.combine", ValueError(
-                f"TokenDispatcher.combine: rank {buf.rank}: its backward (a cached dispatch of y's {dtype} gradient) "
-                f"needs {need} bytes but the buffer has num_bytes={buf.num_bytes}; size the buffer for the widest "
-                f"dtype the layer sends: EPBuffer(..., dtype={dtype}) or EPBuffer.get_buffer_size_hint(group, {n}, "
-                f"{hidden}, {handle.num_topk}, dtype={dtype}) (forward only: run it under torch.no_grad())"))
